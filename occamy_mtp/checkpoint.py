@@ -1,0 +1,568 @@
+"""Checkpoint I/O: configs, lazy safetensors reading, key renaming, expert layouts.
+
+The on-disk layouts this module accepts are those of SPEC section 3:
+
+* base text weights under `model.language_model.*` (multimodal checkpoint) or
+  `model.*` (text-only), plus `lm_head.weight`; `model.visual.*` is never loaded;
+* the head under `mtp.*`, with routed experts either per expert
+  (`mtp.layers.0.mlp.experts.{e}.{gate,up,down}_proj.weight`, Qwen3.5 / Qwen3-Next)
+  or fused (`...experts.gate_up_proj` [E, 2I, D] gate rows first, `...experts.down_proj`
+  [E, D, I], Qwen3.6), which is also transformers' in-memory layout;
+* sharded safetensors with `model.safetensors.index.json`, or one `model.safetensors`.
+
+Nothing here writes into a checkpoint directory that it reads; every file it writes
+goes through a temporary name and a rename, so an interrupted write never leaves a
+half file under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HEAD_PREFIX = "mtp."
+MULTIMODAL_TEXT_PREFIX = "model.language_model."
+TEXT_PREFIX = "model."
+VISION_PREFIX = "model.visual."
+
+FUSED = "fused"
+PER_EXPERT = "per_expert"
+EXPERT_LAYOUTS = (FUSED, PER_EXPERT)
+
+_TEXT_CONFIG_CLASSES = {
+    "qwen3_5_moe_text": Qwen3_5MoeTextConfig,
+    "qwen3_next": Qwen3NextConfig,
+}
+# Top-level model_type of a multimodal checkpoint -> model_type of its text_config.
+_MULTIMODAL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
+_PER_EXPERT_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is not what it claims to be: names the file and tensor."""
+
+
+# ----------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; rename it over `final` only on success."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, final)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_json(path: Path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file, written atomically."""
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(contiguous, str(tmp), metadata=metadata or {"format": "pt"})
+
+
+def save_sharded(
+    directory: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int, name: str = "model"
+) -> dict[str, str]:
+    """Write `tensors` as `{name}-0000i-of-0000n.safetensors` plus `{name}.safetensors.index.json`.
+
+    Tensors are assigned to shards in key order. Returns the weight map.
+    """
+    directory = Path(directory)
+    shards: list[list[str]] = [[]]
+    shard_bytes = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(key)
+        shard_bytes += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for number, keys in enumerate(shards, start=1):
+        filename = f"{name}-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(directory / filename, {k: tensors[k] for k in keys})
+        for k in keys:
+            weight_map[k] = filename
+            total += tensors[k].numel() * tensors[k].element_size()
+    write_json(directory / f"{name}.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return weight_map
+
+
+# ----------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------
+
+
+class SafetensorsCheckpoint:
+    """Lazy, tensor-by-tensor access to a checkpoint directory (index or single file).
+
+    Shapes and dtypes come from the file headers, so inspecting a 70 GB checkpoint
+    reads no weights. `get` reads one tensor at a time.
+    """
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        if path.is_file():  # one bare .safetensors file, e.g. mtp-trained.safetensors
+            self.directory = path.parent
+            self.weight_map = {k: path.name for k in self._open(path).keys()}
+            self._handles: dict[str, object] = {}
+            return
+        self.directory = path
+        index_path = self.directory / INDEX_NAME
+        single_path = self.directory / SINGLE_NAME
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such checkpoint directory or file")
+        if index_path.is_file():
+            self.weight_map = self._read_index(index_path)
+        elif single_path.is_file():
+            self.weight_map = {k: SINGLE_NAME for k in self._open(single_path).keys()}
+        else:
+            raise CheckpointError(
+                f"{self.directory}: no {INDEX_NAME} and no {SINGLE_NAME}; not a safetensors checkpoint directory"
+            )
+        self._handles: dict[str, object] = {}
+
+    def _read_index(self, index_path: Path) -> dict[str, str]:
+        try:
+            index = json.loads(index_path.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name -> file name")
+        for filename in sorted(set(weight_map.values())):
+            shard = self.directory / filename
+            if not shard.is_file():
+                raise CheckpointError(f"{index_path}: names shard {filename!r}, which does not exist in {self.directory}")
+        # The index must not promise tensors that a shard lacks.
+        for filename in sorted(set(weight_map.values())):
+            present = set(self._open(self.directory / filename).keys())
+            promised = {k for k, f in weight_map.items() if f == filename}
+            missing = sorted(promised - present)
+            if missing:
+                raise CheckpointError(
+                    f"{index_path}: maps {missing[0]!r} (and {len(missing) - 1} more) to {filename}, which does not contain it"
+                )
+        return dict(weight_map)
+
+    @staticmethod
+    def _open(path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as err:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({err})") from None
+
+    def _handle(self, key: str):
+        filename = self.weight_map[key]
+        if filename not in self._handles:
+            self._handles[filename] = self._open(self.directory / filename)
+        return self._handles[filename]
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.weight_map
+
+    def file_of(self, key: str) -> Path:
+        return self.directory / self.weight_map[key]
+
+    def files(self) -> list[Path]:
+        return [self.directory / f for f in sorted(set(self.weight_map.values()))]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._handle(key).get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> str:
+        return self._handle(key).get_slice(key).get_dtype()
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+
+# ----------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What config.json says, resolved to the text model's config."""
+
+    path: Path
+    text_config: object  # Qwen3_5MoeTextConfig or Qwen3NextConfig
+    raw: dict
+    multimodal: bool
+    quantization_config: dict | None = None
+
+    @property
+    def has_mtp(self) -> bool:
+        return int(getattr(self.text_config, "mtp_num_hidden_layers", 0) or 0) > 0
+
+
+def text_config_from_dict(text: dict, source: str = "config"):
+    """Build the transformers text config class named by `text['model_type']`."""
+    model_type = text.get("model_type")
+    if model_type not in _TEXT_CONFIG_CLASSES:
+        raise CheckpointError(
+            f"{source}: text model_type {model_type!r} is not supported; expected one of {sorted(_TEXT_CONFIG_CLASSES)}"
+        )
+    fields = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
+    try:
+        return _TEXT_CONFIG_CLASSES[model_type](**fields)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{source}: invalid {model_type} text config ({err})") from None
+
+
+def read_config(path: Path) -> ModelConfig:
+    """Read a checkpoint directory's config.json (or a bare config.json path)."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: no such config file")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object")
+    multimodal = "text_config" in raw
+    if multimodal:
+        text = dict(raw["text_config"])
+        text.setdefault("model_type", _MULTIMODAL_TYPES.get(raw.get("model_type"), raw.get("model_type")))
+    else:
+        text = dict(raw)
+        if text.get("model_type") == "qwen3_5_moe":
+            text["model_type"] = "qwen3_5_moe_text"
+    text_config = text_config_from_dict(text, source=str(config_path))
+    quantization = raw.get("quantization_config") or text.get("quantization_config")
+    return ModelConfig(config_path, text_config, raw, multimodal, quantization)
+
+
+# ----------------------------------------------------------------------------------
+# Expert layouts
+# ----------------------------------------------------------------------------------
+
+
+def fused_to_per_expert(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Split a fused `...experts.gate_up_proj` [E, 2I, D] or `...experts.down_proj` [E, D, I]."""
+    match = _FUSED_KEY.match(name)
+    if match is None:
+        raise ValueError(f"{name} is not a fused expert tensor")
+    stem, proj = match["stem"], match["proj"]
+    out = {}
+    if proj == "gate_up_proj":
+        intermediate = tensor.shape[1] // 2
+        for e in range(tensor.shape[0]):
+            out[f"{stem}.{e}.gate_proj.weight"] = tensor[e, :intermediate]
+            out[f"{stem}.{e}.up_proj.weight"] = tensor[e, intermediate:]
+    else:
+        for e in range(tensor.shape[0]):
+            out[f"{stem}.{e}.down_proj.weight"] = tensor[e]
+    return out
+
+
+def to_checkpoint_layout(tensors: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Module-layout (fused) tensors -> the on-disk expert layout."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout must be one of {EXPERT_LAYOUTS}, got {layout!r}")
+    if layout == FUSED:
+        return dict(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if _FUSED_KEY.match(name):
+            out.update(fused_to_per_expert(name, tensor))
+        else:
+            out[name] = tensor
+    return out
+
+
+@dataclass
+class _Source:
+    """How one module tensor is read: directly, or stacked from per-expert tensors."""
+
+    keys: list[str]
+    kind: str  # "direct", "gate_up", "down"
+
+
+def _module_sources(module_shapes: Mapping[str, tuple], disk_keys: set[str], disk_prefix: str) -> tuple[dict[str, _Source], str | None]:
+    """Map each module tensor name to the checkpoint keys it is read from.
+
+    Returns (sources, layout) where layout is the expert layout found (None if the
+    module has no experts). Missing keys are reported by the caller.
+    """
+    sources: dict[str, _Source] = {}
+    layouts: set[str] = set()
+    for name, shape in module_shapes.items():
+        fused = _FUSED_KEY.match(name)
+        if fused and disk_prefix + name not in disk_keys:
+            stem, proj = fused["stem"], fused["proj"]
+            num_experts = shape[0]
+            if proj == "gate_up_proj":
+                keys = [f"{disk_prefix}{stem}.{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj")]
+                sources[name] = _Source(keys, "gate_up")
+            else:
+                keys = [f"{disk_prefix}{stem}.{e}.down_proj.weight" for e in range(num_experts)]
+                sources[name] = _Source(keys, "down")
+            if any(k in disk_keys for k in keys):
+                layouts.add(PER_EXPERT)
+        else:
+            sources[name] = _Source([disk_prefix + name], "direct")
+            if fused:
+                layouts.add(FUSED)
+    if len(layouts) > 1:
+        raise CheckpointError(f"checkpoint mixes fused and per-expert tensors under {disk_prefix!r}")
+    return sources, (layouts.pop() if layouts else None)
+
+
+def _expected_disk_shapes(name: str, shape: tuple, source: _Source) -> dict[str, tuple]:
+    if source.kind == "direct":
+        return {source.keys[0]: tuple(shape)}
+    if source.kind == "gate_up":
+        num_experts, two_i, hidden = shape
+        return {k: (two_i // 2, hidden) for k in source.keys}
+    num_experts, hidden, intermediate = shape
+    return {k: (hidden, intermediate) for k in source.keys}
+
+
+def _read_source(ckpt: SafetensorsCheckpoint, source: _Source, dtype: torch.dtype, device) -> torch.Tensor:
+    if source.kind == "direct":
+        return ckpt.get(source.keys[0]).to(device=device, dtype=dtype)
+    first = ckpt.shape(source.keys[0])
+    if source.kind == "gate_up":
+        num_experts = len(source.keys) // 2
+        out = torch.empty(num_experts, 2 * first[0], first[1], dtype=dtype, device=device)
+        for e in range(num_experts):
+            out[e, : first[0]] = ckpt.get(source.keys[2 * e]).to(device=device, dtype=dtype)
+            out[e, first[0] :] = ckpt.get(source.keys[2 * e + 1]).to(device=device, dtype=dtype)
+        return out
+    out = torch.empty(len(source.keys), *first, dtype=dtype, device=device)
+    for e, key in enumerate(source.keys):
+        out[e] = ckpt.get(key).to(device=device, dtype=dtype)
+    return out
+
+
+@dataclass
+class LoadReport:
+    """What a load found: every problem (not only the first), and the layout."""
+
+    layout: str | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        return self.missing + self.unexpected + self.mismatched
+
+
+def check_tensors(
+    ckpt: SafetensorsCheckpoint, module_shapes: Mapping[str, tuple], disk_prefix: str, disk_keys: set[str]
+) -> tuple[dict[str, _Source], LoadReport]:
+    """Match module tensors against checkpoint keys under `disk_prefix`; collect every problem."""
+    sources, layout = _module_sources(module_shapes, disk_keys, disk_prefix)
+    report = LoadReport(layout=layout)
+    expected: dict[str, tuple] = {}
+    for name, shape in module_shapes.items():
+        expected.update(_expected_disk_shapes(name, shape, sources[name]))
+    for key, shape in expected.items():
+        if key not in disk_keys:
+            report.missing.append(f"missing tensor {key} (expected shape {list(shape)}) in {ckpt.directory}")
+            continue
+        found = ckpt.shape(key)
+        if tuple(found) != tuple(shape):
+            report.mismatched.append(
+                f"tensor {key} in {ckpt.file_of(key)} has shape {list(found)}, expected {list(shape)}"
+            )
+    for key in sorted(disk_keys - set(expected)):
+        report.unexpected.append(f"unexpected tensor {key} (shape {list(ckpt.shape(key))}) in {ckpt.file_of(key)}")
+    return sources, report
+
+
+# ----------------------------------------------------------------------------------
+# The head's tensors
+# ----------------------------------------------------------------------------------
+
+
+def head_module_shapes(head: torch.nn.Module) -> dict[str, tuple]:
+    return {name: tuple(t.shape) for name, t in head.state_dict().items()}
+
+
+def head_disk_keys(ckpt: SafetensorsCheckpoint) -> set[str]:
+    return {k for k in ckpt.keys() if k.startswith(HEAD_PREFIX)}
+
+
+def load_head_state(
+    ckpt: SafetensorsCheckpoint, head: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Read every `mtp.*` tensor for `head` (either expert layout).
+
+    Returns (state dict in the module's names, expert layout on disk). Any missing,
+    unexpected or mis-shaped tensor is a CheckpointError listing all of them.
+    """
+    disk_keys = head_disk_keys(ckpt)
+    if not disk_keys:
+        raise CheckpointError(f"{ckpt.directory}: no {HEAD_PREFIX}* tensors; this checkpoint carries no MTP head")
+    sources, report = check_tensors(ckpt, head_module_shapes(head), HEAD_PREFIX, disk_keys)
+    if report.problems:
+        raise CheckpointError("MTP head checkpoint does not match the model config:\n  " + "\n  ".join(report.problems))
+    state = {name: _read_source(ckpt, source, dtype, "cpu") for name, source in sources.items()}
+    return state, report.layout or FUSED
+
+
+def head_checkpoint_tensors(state: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """A head state dict -> `mtp.*` tensors in the given expert layout."""
+    return {HEAD_PREFIX + k: v for k, v in to_checkpoint_layout(state, layout).items()}
+
+
+# ----------------------------------------------------------------------------------
+# The base model
+# ----------------------------------------------------------------------------------
+
+
+def base_model_class(text_config):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
+
+    return {"qwen3_5_moe_text": Qwen3_5MoeForCausalLM, "qwen3_next": Qwen3NextForCausalLM}[text_config.model_type]
+
+
+def base_text_prefix(ckpt: SafetensorsCheckpoint) -> str:
+    """`model.language_model.` for a multimodal checkpoint, else `model.`."""
+    if any(k.startswith(MULTIMODAL_TEXT_PREFIX) for k in ckpt.keys()):
+        return MULTIMODAL_TEXT_PREFIX
+    return TEXT_PREFIX
+
+
+def _base_disk_keys(ckpt: SafetensorsCheckpoint, prefix: str) -> set[str]:
+    return {
+        k
+        for k in ckpt.keys()
+        if (k.startswith(prefix) and not k.startswith(VISION_PREFIX)) or k == "lm_head.weight"
+    }
+
+
+def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa"):
+    """An uninitialised base (meta tensors) ready for `load_base_weights`."""
+    config = text_config
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        model = base_model_class(config)._from_config(config, dtype=dtype)
+    return model
+
+
+def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa"):
+    """Load the frozen base text model from a checkpoint directory.
+
+    Tensors are read one at a time straight into the module (no second copy of a
+    shard). Vision and `mtp.*` tensors are skipped. Missing, unexpected or mis-shaped
+    text tensors are an error listing all of them. Returns the model in eval mode with
+    every parameter frozen.
+    """
+    config = read_config(directory)
+    ckpt = SafetensorsCheckpoint(directory)
+    model = build_base_model(config.text_config, dtype, device, attn_implementation)
+    load_base_weights(model, ckpt, dtype=dtype, device=device)
+    return model
+
+
+def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device) -> LoadReport:
+    prefix = base_text_prefix(ckpt)
+    module_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied:
+        module_shapes.pop("lm_head.weight", None)
+    # Module names are `model.*` and `lm_head.weight`; disk names swap the `model.` prefix.
+    renamed = {}
+    for name, shape in module_shapes.items():
+        disk = name if name == "lm_head.weight" else prefix + name[len(TEXT_PREFIX):]
+        renamed[disk] = (name, shape)
+    disk_keys = _base_disk_keys(ckpt, prefix)
+    # _module_sources works on disk-relative names: use the disk names as "module" names with no prefix.
+    sources, report = check_tensors(ckpt, {d: s for d, (n, s) in renamed.items()}, "", disk_keys)
+    if report.problems:
+        raise CheckpointError("base checkpoint does not match its config:\n  " + "\n  ".join(report.problems[:20]))
+    state = {renamed[d][0]: _read_source(ckpt, source, dtype, device) for d, source in sources.items()}
+    model.load_state_dict(state, strict=not tied, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _rebuild_rotary(model, device)
+    model.requires_grad_(False)
+    model.eval()
+    return report
+
+
+def _rebuild_rotary(model, device) -> None:
+    """Rotary buffers are not in checkpoints (persistent=False): recompute them on `device`."""
+    rotary = model.model.rotary_emb
+    with torch.device(device):
+        model.model.rotary_emb = type(rotary)(model.config)
+
+
+def base_checkpoint_tensors(model, layout: str, multimodal: bool) -> dict[str, torch.Tensor]:
+    """A base model's state dict -> on-disk names and expert layout (for fixtures and tests)."""
+    prefix = MULTIMODAL_TEXT_PREFIX if multimodal else TEXT_PREFIX
+    out = {}
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    for name, tensor in to_checkpoint_layout(state, layout).items():
+        out[name if name == "lm_head.weight" else prefix + name[len(TEXT_PREFIX):]] = tensor
+    return out
+
+
+def load_head(
+    source: Path,
+    text_config,
+    shared=None,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    attn_implementation: str = "sdpa",
+):
+    """Build the MTP head for `text_config` and fill it from the `mtp.*` tensors at `source`.
+
+    `source` is a checkpoint directory or one safetensors file. Returns (head, layout).
+    """
+    from occamy_mtp.head import MTPHead
+
+    ckpt = SafetensorsCheckpoint(source)
+    with torch.device("meta"):
+        head = MTPHead(text_config, attn_implementation=attn_implementation)
+    state, layout = load_head_state(ckpt, head, dtype=dtype)
+    head.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+    with torch.device(device):
+        head.rotary_emb = type(head.rotary_emb)(head.config)
+    if shared is not None:
+        head.attach(shared)
+    return head, layout
