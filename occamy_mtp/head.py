@@ -93,7 +93,12 @@ class ChainKV:
         return 0 if self.keys is None else self.keys.shape[-2]
 
 
-def head_layer_config(text_config):
+def default_experts_implementation() -> str:
+    """transformers' grouped-GEMM experts where torch has the kernel, else its loop."""
+    return "grouped_mm" if hasattr(torch, "_grouped_mm") else "eager"
+
+
+def head_layer_config(text_config, attn_implementation: str = "sdpa", experts_implementation: str | None = None):
     """A copy of the base's text config for the head's single full-attention layer."""
     if text_config.model_type not in _FAMILIES:
         raise ValueError(
@@ -104,6 +109,8 @@ def head_layer_config(text_config):
     config.num_hidden_layers = 1
     if getattr(config, "mlp_only_layers", None):
         config.mlp_only_layers = []  # the head's layer is always the MoE layer
+    config._attn_implementation = attn_implementation
+    config._experts_implementation = experts_implementation or default_experts_implementation()
     return config
 
 
@@ -135,10 +142,15 @@ def chain_attention_mask(
 class MTPHead(nn.Module):
     """The one-layer MTP head of a Qwen3.5-MoE (or Qwen3-Next) model."""
 
-    def __init__(self, text_config, shared: SharedWeights | None = None, attn_implementation: str = "sdpa"):
+    def __init__(
+        self,
+        text_config,
+        shared: SharedWeights | None = None,
+        attn_implementation: str = "sdpa",
+        experts_implementation: str | None = None,
+    ):
         super().__init__()
-        config = head_layer_config(text_config)
-        config._attn_implementation = attn_implementation
+        config = head_layer_config(text_config, attn_implementation, experts_implementation)
         layer_class, norm_class, rotary_class = _FAMILIES[config.model_type]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config

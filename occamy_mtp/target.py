@@ -1,0 +1,56 @@
+"""The frozen base as the teacher: post-norm hidden states and greedy targets (SPEC section 4).
+
+For a window x_0..x_{T-1} the base yields H_t (after its final norm, transformers'
+`last_hidden_state`) and its greedy next-token choice greedy_t = argmax(W @ H_t), the
+base's prediction for position t+1. The head anchored at i sees H_i and x_{i+1} and is
+trained towards greedy_{i+1}, the base's choice for position i+2.
+
+The argmax is taken in chunks of positions so that fp32 logits for the whole
+(window x vocabulary) are never materialised: at real size one 128x512 batch of full
+logits is 30 GiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Positions per lm_head + argmax chunk: (4096 x 248,320) bf16 logits are ~2 GiB.
+DEFAULT_LOGITS_CHUNK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class BaseOutputs:
+    """What the head needs from one base forward over a (B, T) batch."""
+
+    hidden: torch.Tensor  # (B, T, D) post-final-norm hidden states, base dtype
+    greedy: torch.Tensor  # (B, T) long, argmax(W @ hidden): the base's choice for t+1
+
+
+@torch.no_grad()
+def chunked_greedy(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> torch.Tensor:
+    """argmax over the vocabulary of lm_head(hidden), `chunk_tokens` positions at a time."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        stop = start + chunk_tokens
+        out[start:stop] = lm_head(flat[start:stop].to(lm_head.weight.dtype)).argmax(dim=-1)
+    return out.view(hidden.shape[:-1])
+
+
+@torch.no_grad()
+def base_outputs(
+    base,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+) -> BaseOutputs:
+    """Plain transformers forward of the frozen base: the reference every fast path is checked against.
+
+    `attention_mask` (B, T) marks real tokens; rows are right-padded, so a padded
+    position never influences a real one (causal attention and left-to-right
+    recurrences only look back).
+    """
+    hidden = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return BaseOutputs(hidden=hidden, greedy=chunked_greedy(hidden, base.lm_head, logits_chunk_tokens))
