@@ -1,0 +1,307 @@
+"""Run configuration: a tree of typed, frozen dataclasses loaded from YAML.
+
+Precedence: the dataclass defaults (the only place defaults live), then the YAML file,
+then `section.key=value` command-line overrides, which go through the same loader.
+An unknown key anywhere is an error naming its dotted path; a value of the wrong type
+is an error naming the path, the expected type and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not fit the schema."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    base: str = "REPLACE_ME/occamy-base"
+    """Checkpoint directory of the frozen, fine-tuned base (config.json + safetensors)."""
+    donor_head: str = "REPLACE_ME/donor"
+    """Where the donor `mtp.*` tensors are: a checkpoint directory or one safetensors file."""
+    tokenizer: str = ""
+    """Tokenizer directory with the chat template; empty means the base directory."""
+    dtype: str = "bfloat16"
+    """Dtype of every frozen weight and of activations (trainable tensors keep fp32 masters)."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend for the base and the head: sdpa or eager."""
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    files: tuple[str, ...] = ()
+    """Chat data: JSONL/JSON/parquet files of OpenAI-style or ShareGPT-style conversations."""
+    context_tokens: int = 128
+    """Tokens kept before each answer (they include the template's assistant header)."""
+    answer_tokens: int = 382
+    """Answer tokens kept per window; loss and metrics count only these."""
+    turns: str = "last"
+    """Which assistant turns become windows: last, first or every."""
+    train_conversations: int = 256
+    """Conversations in the train split (surplus conversations are counted, not used)."""
+    heldout_conversations: int = 32
+    """Conversations in the heldout split that every metric is measured on."""
+    split_seed: int = 0
+    """Seed of the content hash that assigns conversations to train or heldout."""
+    skip_bad_records: bool = False
+    """Skip (and count) malformed records instead of failing on the first one."""
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    epochs: int = 2
+    """Passes over the train windows. 2 epochs x 256 windows at 1 window/step = 512 steps."""
+    windows_per_step: int = 1
+    """Windows per optimizer step, summed over all processes."""
+    lr: float = 5e-4
+    """Peak learning rate of AdamW."""
+    lr_warmup_steps: int = 32
+    """Linear warmup from 0 to `lr` over this many steps, then cosine decay."""
+    lr_min_ratio: float = 0.1
+    """The cosine decays to lr * lr_min_ratio at the last step."""
+    weight_decay: float = 0.0
+    """AdamW weight decay. 0 keeps the donor's norms and fc from shrinking towards 0."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    """Clip the global gradient norm of the trainable tensors to this (0 disables)."""
+    seed: int = 0
+    """Seed of the window order (and of anything else random in training)."""
+    trainable: tuple[str, ...] = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+    """Head submodules to train; everything else stays the donor's."""
+    draft_steps: int = 1
+    """Chained MTP steps trained per anchor (1 = the original recipe; 3 = MTP-3 serving)."""
+    step_loss_weights: tuple[float, ...] = ()
+    """Loss weight of each step 1..draft_steps; empty means equal weights."""
+    detach_chain: bool = False
+    """Stop gradients between chained steps (cheaper; the default trains the full unroll)."""
+    checkpoint_every_steps: int = 64
+    """Write a resumable checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many periodic checkpoints to keep on disk."""
+    log_every_steps: int = 8
+    """Log loss, lr and throughput every this many steps."""
+    tracker: str = "none"
+    """Experiment tracker for accelerate: none, wandb, tensorboard (no network by default)."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    draft_steps: int = 3
+    """Chained steps measured by the offline acceptance evaluation."""
+    windows_per_batch: int = 4
+    """Heldout windows per evaluation forward."""
+
+
+@dataclass(frozen=True)
+class OutputSettings:
+    dir: str = "runs/default"
+    """Run directory: checkpoints, the trained tensors, exported files, TRAINING.json."""
+    expert_layout: str = "donor"
+    """Expert layout of the exported head: donor (as read), fused or per_expert."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    train: TrainSettings = field(default_factory=TrainSettings)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    output: OutputSettings = field(default_factory=OutputSettings)
+
+    def to_dict(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+    def fingerprint(self, sections: tuple[str, ...] = ("model", "data", "train")) -> str:
+        """sha256 of the settings that determine the trained head (resume refuses a change)."""
+        d = self.to_dict()
+        blob = json.dumps({s: d[s] for s in sections}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _plain(obj):
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------
+
+
+def _coerce(value, annotation, path: str):
+    """Check (and minimally convert) one YAML value against its field type."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        item_type = typing.get_args(annotation)[0]
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return tuple(_coerce(v, item_type, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        errors = []
+        for arg in args:
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if annotation is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {value!r}")
+        return None
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{path}: unsupported field type {annotation!r}")
+
+
+def _build(cls, values: dict, path: str):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]} (known keys: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in values.items():
+        annotation = hints[name]
+        dotted = f"{path}.{name}" if path else name
+        if dataclasses.is_dataclass(annotation):
+            kwargs[name] = _build(annotation, value, dotted)
+        else:
+            kwargs[name] = _coerce(value, annotation, dotted)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`train.lr=3e-4` -> ("train.lr", 3e-4). The value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults <- YAML file <- overrides; validated into a RunConfig.
+
+    Relative paths in `model.*`, `data.files` and `output.dir` are kept as written
+    (relative to the working directory), as users expect from a command line.
+    """
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    config = _build(RunConfig, tree, "")
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Cross-field checks, each naming the option at fault."""
+    checks = [
+        (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
+        (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
+        (config.data.turns in ("last", "first", "every"), "data.turns", "last, first or every"),
+        (config.data.context_tokens >= 1, "data.context_tokens", ">= 1"),
+        (config.data.answer_tokens >= 2, "data.answer_tokens", ">= 2"),
+        (config.data.train_conversations >= 1, "data.train_conversations", ">= 1"),
+        (config.data.heldout_conversations >= 1, "data.heldout_conversations", ">= 1"),
+        (config.train.epochs >= 1, "train.epochs", ">= 1"),
+        (config.train.windows_per_step >= 1, "train.windows_per_step", ">= 1"),
+        (config.train.lr > 0, "train.lr", "> 0"),
+        (config.train.lr_warmup_steps >= 0, "train.lr_warmup_steps", ">= 0"),
+        (0 <= config.train.lr_min_ratio <= 1, "train.lr_min_ratio", "between 0 and 1"),
+        (config.train.grad_clip_norm >= 0, "train.grad_clip_norm", ">= 0"),
+        (config.train.draft_steps >= 1, "train.draft_steps", ">= 1"),
+        (
+            not config.train.step_loss_weights or len(config.train.step_loss_weights) == config.train.draft_steps,
+            "train.step_loss_weights",
+            f"empty or {config.train.draft_steps} weights (one per draft step)",
+        ),
+        (all(w >= 0 for w in config.train.step_loss_weights), "train.step_loss_weights", "non-negative weights"),
+        (len(config.train.trainable) >= 1, "train.trainable", "at least one head submodule"),
+        (config.train.checkpoint_every_steps >= 1, "train.checkpoint_every_steps", ">= 1"),
+        (config.train.keep_checkpoints >= 1, "train.keep_checkpoints", ">= 1"),
+        (config.train.log_every_steps >= 1, "train.log_every_steps", ">= 1"),
+        (config.train.tracker in ("none", "wandb", "tensorboard"), "train.tracker", "none, wandb or tensorboard"),
+        (config.eval.draft_steps >= 1, "eval.draft_steps", ">= 1"),
+        (config.eval.windows_per_batch >= 1, "eval.windows_per_batch", ">= 1"),
+        (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
+    ]
+    for ok, option, expected in checks:
+        if not ok:
+            value = config.to_dict()
+            for part in option.split("."):
+                value = value[part]
+            raise ConfigError(f"{option}: expected {expected}, got {value!r}")
+
+
+def step_loss_weights(train: TrainSettings) -> tuple[float, ...]:
+    """Per-step loss weights, normalised to sum to 1 (equal weights when unset)."""
+    weights = train.step_loss_weights or (1.0,) * train.draft_steps
+    total = sum(weights)
+    if total <= 0:
+        raise ConfigError("train.step_loss_weights: weights sum to 0")
+    return tuple(w / total for w in weights)
+
+
+def dump_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

@@ -1,0 +1,103 @@
+"""Chain inputs, labels and the distillation loss.
+
+Alignment (SPEC sections 2 and 4), for a window x_0..x_{L-1} with the base's greedy
+choices greedy_t = argmax(W @ H_t) (the base's prediction for position t+1):
+
+* step 1 at anchor i embeds x_{i+1} and is trained towards greedy_{i+1} (position i+2);
+* step k >= 2 at anchor i embeds t_k = greedy_{i+k-1}, the token step k-1 drafts when it
+  is accepted, and is trained towards greedy_{i+k} (position i+k+1).
+
+A (step, anchor) pair is scored only when its predicted position lies inside the
+window and inside the assistant span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100  # label of an unscored (step, anchor) pair
+
+
+@dataclass(frozen=True)
+class ChainBatch:
+    """Everything the head and the loss need for one padded (B, T) batch."""
+
+    step_token_ids: torch.Tensor  # (K, B, T) tokens each step embeds
+    labels: torch.Tensor  # (K, B, T) greedy targets, IGNORE where unscored
+    data_labels: torch.Tensor  # (B, T) x_{i+2} where step 1 is scored (for the data NLL), else IGNORE
+
+
+def chain_batch(
+    input_ids: torch.Tensor, greedy: torch.Tensor, assistant: torch.Tensor, lengths: torch.Tensor, steps: int
+) -> ChainBatch:
+    """Build step inputs and labels.
+
+    Args:
+        input_ids: (B, T) window tokens, right-padded.
+        greedy: (B, T) the base's greedy choice at each position.
+        assistant: (B, T) bool, True on assistant-span positions.
+        lengths: (B,) real length of each row.
+        steps: K, the chained steps.
+    """
+    batch, length = input_ids.shape
+    device = input_ids.device
+    positions = torch.arange(length, device=device).expand(batch, -1)
+
+    def shifted(values: torch.Tensor, offset: int, fill: int) -> torch.Tensor:
+        """values[:, i + offset], `fill` past the end of the row."""
+        out = torch.full_like(values, fill)
+        if offset < length:
+            out[:, : length - offset] = values[:, offset:]
+        return out
+
+    real = positions < lengths[:, None]
+    step_tokens, labels = [], []
+    for k in range(1, steps + 1):
+        embedded = shifted(input_ids, 1, 0) if k == 1 else shifted(greedy, k - 1, 0)
+        predicted_position = positions + k + 1
+        scored = (predicted_position < lengths[:, None]) & shifted(assistant & real, k + 1, 0).bool()
+        target = shifted(greedy, k, IGNORE)
+        step_tokens.append(embedded)
+        labels.append(torch.where(scored, target, IGNORE))
+    data_scored = labels[0] != IGNORE
+    data_labels = torch.where(data_scored, shifted(input_ids, 2, IGNORE), IGNORE)
+    return ChainBatch(torch.stack(step_tokens), torch.stack(labels), data_labels)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Sums over the scored pairs of one step (add across batches, then divide)."""
+
+    scored: int
+    loss_sum: float
+    agree: int
+
+
+def chain_loss(
+    head, head_hidden: torch.Tensor, labels: torch.Tensor, weights: tuple[float, ...]
+) -> tuple[torch.Tensor, list[StepStats]]:
+    """Weighted mean over steps of the per-step mean cross-entropy against the greedy targets.
+
+    Logits are computed only at scored pairs, never for the whole (T x vocabulary).
+    `head_hidden` is (K, B, T, D) from `MTPHead.forward`; `labels` is (K, B, T).
+    """
+    # Zero that still depends on the head, so a batch without scored pairs yields a
+    # gradient of zeros (all data-parallel processes must run the same backward).
+    total = head_hidden.float().sum() * 0.0
+    stats = []
+    for k, weight in enumerate(weights):
+        scored = labels[k] != IGNORE
+        count = int(scored.sum())
+        if count == 0:
+            stats.append(StepStats(0, 0.0, 0))
+            continue
+        logits = head.logits(head_hidden[k][scored]).float()  # (N, V)
+        target = labels[k][scored]
+        loss = F.cross_entropy(logits, target)
+        total = total + weight * loss
+        agree = int((logits.argmax(-1) == target).sum())
+        stats.append(StepStats(count, float(loss.detach()) * count, agree))
+    return total, stats
