@@ -1,0 +1,192 @@
+"""TRAINING.json: the provenance and results record of a run (SPEC section 5), and its schema.
+
+The schema is a plain nested description checked by `validate_record`; a test checks
+that every exported record passes it and that a broken one does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from occamy_mtp import __version__
+from occamy_mtp import checkpoint as ckpt_io
+
+RECORD_FORMAT = 1
+_PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
+_HASH_BLOCK_BYTES = 16 * 1024 * 1024
+
+
+def sha256_file(path: Path, cache: dict | None = None) -> str:
+    """sha256 of a file; `cache` maps (path, size, mtime) to a known digest so a 67 GB base is hashed once."""
+    path = Path(path)
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    if cache is not None and key in cache:
+        return cache[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(_HASH_BLOCK_BYTES):
+            digest.update(block)
+    if cache is not None:
+        cache[key] = digest.hexdigest()
+    return digest.hexdigest()
+
+
+def load_hash_cache(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def git_commit(repo: Path | None = None) -> dict:
+    """The library's git commit and whether its tree had uncommitted changes (None outside git)."""
+    repo = repo or Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True).stdout.strip()
+        return {"commit": commit, "dirty": bool(dirty)}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def _revision(path: Path) -> str | None:
+    """A hub revision when the directory is a hub cache snapshot (`.../snapshots/<sha>/`)."""
+    parts = Path(path).resolve().parts
+    if len(parts) >= 2 and parts[-2] == "snapshots":
+        return parts[-1]
+    return None
+
+
+def checkpoint_identity(path: Path, hash_cache: dict) -> dict:
+    """Config hash and sha256 of every safetensors file of a checkpoint (directory or one file)."""
+    path = Path(path)
+    ckpt = ckpt_io.SafetensorsCheckpoint(path)
+    config_path = path / "config.json" if path.is_dir() else None
+    identity = {
+        "path": str(path.resolve()),
+        "revision": _revision(path) if path.is_dir() else None,
+        "config_sha256": sha256_file(config_path, hash_cache) if config_path and config_path.is_file() else None,
+        "files": [
+            {"name": f.name, "bytes": f.stat().st_size, "sha256": sha256_file(f, hash_cache)} for f in ckpt.files()
+        ],
+    }
+    index = path / ckpt_io.INDEX_NAME if path.is_dir() else None
+    if index is not None and index.is_file():
+        identity["index_sha256"] = sha256_file(index, hash_cache)
+    return identity
+
+
+def package_versions() -> dict:
+    versions = {"python": sys.version.split()[0]}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def hardware(processes: int) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "processes": processes,
+        "cuda_devices": [],
+    }
+    if torch.cuda.is_available():
+        info["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def library_identity() -> dict:
+    return {"name": "occamy-mtp", "version": __version__, **git_commit()}
+
+
+# ----------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------
+
+_METRICS = {
+    "windows": int, "scored_positions": int, "agreement": float, "data_nll": float, "draft_steps": int,
+    "proposed": [int], "accepted": [int], "acceptance": [float], "mean_accept_length": float,
+    "accept_rate": float, "text": str, "exact": bool,
+}
+_IDENTITY = {
+    "path": str, "revision": (str, None), "config_sha256": (str, None),
+    "files": [{"name": str, "bytes": int, "sha256": str}],
+}
+SCHEMA = {
+    "format": int,
+    "library": {"name": str, "version": str, "commit": (str, None), "dirty": (bool, None)},
+    "created_utc": str,
+    "base": _IDENTITY,
+    "donor": _IDENTITY,
+    "dataset": {
+        "files": [dict], "conversations_read": int, "conversations_kept": int, "excluded": dict,
+        "windows": dict, "split": dict,
+    },
+    "settings": {"model": dict, "data": dict, "train": dict, "eval": dict, "output": dict},
+    "derived": {"total_steps": int, "steps_per_epoch": int, "trainable_parameters": int, "head_parameters": int,
+                "trainable_tensors": [str], "donor_layout": str, "export_layout": str},
+    "packages": {"python": str, "torch": str, "transformers": str, "accelerate": str, "safetensors": str},
+    "hardware": {"platform": str, "cpu_count": (int, None), "processes": int, "cuda_devices": [str]},
+    "timings": {"train_seconds": float, "base_forward_seconds": float, "export_seconds": float},
+    "training": {"final_loss": (float, None), "loss_first_steps": [float], "loss_last_steps": [float]},
+    "metrics": {"heldout": {"donor": _METRICS, "trained": _METRICS}},
+    "export": {"tensors": int, "replaced": [str], "bit_identical_to_donor": int, "max_abs_rounding_error": float},
+    "outputs": {"mtp-trained.safetensors": str, "mtp_head_config.json": str},
+}
+
+
+def _check(value, schema, path: str, errors: list[str]) -> None:
+    if isinstance(schema, tuple):  # alternatives, e.g. (str, None)
+        for option in schema:
+            if option is None and value is None:
+                return
+            sub: list[str] = []
+            if option is not None:
+                _check(value, option, path, sub)
+                if not sub:
+                    return
+        errors.append(f"{path}: expected one of {schema}, got {value!r:.80}")
+    elif isinstance(schema, dict):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected an object, got {type(value).__name__}")
+            return
+        for key, sub_schema in schema.items():
+            if key not in value:
+                errors.append(f"{path}.{key}: missing")
+            else:
+                _check(value[key], sub_schema, f"{path}.{key}", errors)
+    elif isinstance(schema, list):
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, item in enumerate(value):
+            _check(item, schema[0], f"{path}[{i}]", errors)
+    elif schema is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            errors.append(f"{path}: expected a number, got {value!r:.80}")
+    elif schema is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors.append(f"{path}: expected an integer, got {value!r:.80}")
+    elif not isinstance(value, schema):
+        errors.append(f"{path}: expected {schema.__name__}, got {type(value).__name__}")
+
+
+def validate_record(record: dict) -> list[str]:
+    """Every way `record` departs from SCHEMA (empty when it conforms)."""
+    errors: list[str] = []
+    _check(record, SCHEMA, "TRAINING", errors)
+    return errors

@@ -1,0 +1,417 @@
+"""Training: distil the frozen base's greedy choices into the head's trainable tensors.
+
+`train(config)` reads top to bottom: set up (accelerate, models, data, optimizer,
+schedule), resume if asked, then for each step: base forward (no grad) -> head chain
+-> loss -> backward -> clip -> optimizer and lr step -> log -> checkpoint. Helpers are
+plain functions beside it.
+
+Checkpoints hold tensors and plain values only (loadable with `weights_only=True`):
+the fp32 master copies of the trainable tensors, the optimizer state, the step and the
+timings. The window order is a pure function of (seed, epoch), so a resumed run takes
+the same windows in the same order and, on CPU, ends with a bit-identical head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.config import ConfigError, RunConfig, dump_yaml, step_loss_weights
+from occamy_mtp.data import PreparedData, Window, prepare_windows
+from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.loss import chain_batch, chain_loss
+from occamy_mtp.target import base_outputs
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+CHECKPOINT_DIR = "checkpoints"
+TRAINED_TENSORS = "trained-tensors.safetensors"
+TRAIN_SUMMARY = "train-summary.json"
+RESOLVED_CONFIG = "config.resolved.yaml"
+# Head submodules whose fp32 master weights the forward can use directly: the norms
+# compute in fp32 anyway, and `MTPHead.project` rounds fc's weight to the activation
+# dtype. Training anything else runs the head under autocast.
+_DIRECT_FP32 = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+
+
+@dataclass
+class TrainState:
+    """Everything that changes during training; checkpointed as plain values + tensors."""
+
+    step: int = 0
+    elapsed_seconds: float = 0.0
+    base_forward_seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Models:
+    base: torch.nn.Module
+    head: MTPHead
+    donor_layout: str
+    trainable_parameters: int
+    head_parameters: int
+
+
+# ----------------------------------------------------------------------------------
+# Set-up helpers
+# ----------------------------------------------------------------------------------
+
+
+def tokenizer_path(config: RunConfig) -> str:
+    return config.model.tokenizer or config.model.base
+
+
+def load_tokenizer(config: RunConfig):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path(config)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def build_models(config: RunConfig, device) -> Models:
+    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters."""
+    dtype = DTYPES[config.model.dtype]
+    base_config = ckpt_io.read_config(config.model.base)
+    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
+    head, layout = ckpt_io.load_head(
+        config.model.donor_head,
+        base_config.text_config,
+        SharedWeights(base.model.embed_tokens, base.lm_head),
+        dtype=dtype,
+        device=device,
+        attn_implementation=config.model.attn_implementation,
+    )
+    trainable = set_trainable(head, config.train.trainable)
+    for name, param in head.named_parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # fp32 master copy; the forward rounds it as serving stores it
+    total, _ = count_parameters(head)
+    return Models(base, head, layout, trainable, total)
+
+
+def head_autocast(head: MTPHead, device: torch.device, dtype: torch.dtype):
+    """Autocast only when a trainable fp32 tensor feeds a matmul other than fc."""
+    needs = any(
+        p.requires_grad and not any(n == m or n.startswith(m + ".") for m in _DIRECT_FP32)
+        for n, p in head.named_parameters()
+    )
+    return torch.autocast(device.type, dtype=dtype, enabled=needs and dtype != torch.float32)
+
+
+def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, min_ratio: float) -> float:
+    """Linear warmup to `peak`, then cosine down to `peak * min_ratio` at the last step."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def window_order(num_windows: int, seed: int, epoch: int) -> list[int]:
+    """The order of the train windows in `epoch`: a pure function of (seed, epoch)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_windows, generator=generator).tolist()
+
+
+def steps_per_epoch(num_windows: int, windows_per_step: int) -> int:
+    return math.ceil(num_windows / windows_per_step)
+
+
+def step_windows(windows: list[Window], step: int, windows_per_step: int, seed: int) -> list[Window]:
+    """The windows of global `step` (all processes together)."""
+    per_epoch = steps_per_epoch(len(windows), windows_per_step)
+    epoch, within = divmod(step, per_epoch)
+    order = window_order(len(windows), seed, epoch)
+    return [windows[i] for i in order[within * windows_per_step : (within + 1) * windows_per_step]]
+
+
+@dataclass(frozen=True)
+class WindowBatch:
+    input_ids: torch.Tensor  # (B, T) right-padded with 0
+    assistant: torch.Tensor  # (B, T) bool
+    lengths: torch.Tensor  # (B,)
+    attention_mask: torch.Tensor | None  # (B, T), None when no row is padded
+
+
+def collate(windows: list[Window], device) -> WindowBatch:
+    length = max(len(w.input_ids) for w in windows)
+    input_ids = torch.zeros(len(windows), length, dtype=torch.long)
+    assistant = torch.zeros(len(windows), length, dtype=torch.bool)
+    lengths = torch.tensor([len(w.input_ids) for w in windows])
+    for row, window in enumerate(windows):
+        input_ids[row, : len(window.input_ids)] = torch.tensor(window.input_ids)
+        assistant[row, window.answer_start : len(window.input_ids)] = True
+    padded = bool((lengths < length).any())
+    attention_mask = (torch.arange(length)[None] < lengths[:, None]).long() if padded else None
+    return WindowBatch(
+        input_ids.to(device),
+        assistant.to(device),
+        lengths.to(device),
+        None if attention_mask is None else attention_mask.to(device),
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------
+
+
+def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().cpu() for n, p in head.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, fingerprint: str, keep: int) -> Path:
+    directory = output_dir / CHECKPOINT_DIR
+    path = directory / f"step-{state.step:06d}.pt"
+    payload = {
+        "format": 1,
+        "config_fingerprint": fingerprint,
+        "state": dataclasses.asdict(state),
+        "trainable": trainable_tensors(head),
+        "optimizer": optimizer.state_dict(),
+    }
+    with ckpt_io.atomic_path(path) as tmp:
+        torch.save(payload, tmp)
+    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+        old.unlink()
+    return path
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = sorted((output_dir / CHECKPOINT_DIR).glob("step-*.pt"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> TrainState:
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("config_fingerprint") != fingerprint:
+        raise ConfigError(
+            f"{path}: written by a run with different model/data/train settings; "
+            "resume with the same config, or use a new output.dir"
+        )
+    params = dict(head.named_parameters())
+    for name, tensor in payload["trainable"].items():
+        if name not in params or not params[name].requires_grad:
+            raise ConfigError(f"{path}: holds trainable tensor {name!r}, which this config does not train")
+        params[name].data.copy_(tensor.to(params[name].device))
+    optimizer.load_state_dict(payload["optimizer"])
+    return TrainState(**payload["state"])
+
+
+# ----------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------
+
+
+def train(config: RunConfig, resume: bool = False) -> dict:
+    """Train the head's trainable tensors; returns the train summary written to the run dir."""
+    output_dir = Path(config.output.dir)
+    accelerator = Accelerator(
+        log_with=None if config.train.tracker == "none" else config.train.tracker,
+        project_dir=str(output_dir),
+    )
+    set_seed(config.train.seed)
+    device = accelerator.device
+    world = accelerator.num_processes
+    if config.train.windows_per_step % world:
+        raise ConfigError(
+            f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
+            f"over {world} processes; use a multiple of {world}"
+        )
+    fingerprint = config.fingerprint()
+    existing = latest_checkpoint(output_dir)
+    if existing is not None and not resume:
+        raise ConfigError(f"{output_dir} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
+
+    # Data: windows from the chat files, split into train and heldout.
+    tokenizer = load_tokenizer(config)
+    data = prepare_data(config, tokenizer)
+    if not data.train:
+        raise ConfigError("data: no train windows were built; check data.files (see `python -m occamy_mtp.data`)")
+
+    # Models: frozen base, donor head with fp32 master copies of what trains.
+    models = build_models(config, device)
+    head, base = models.head, models.base
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=config.train.lr,
+        betas=(config.train.adam_beta1, config.train.adam_beta2),
+        eps=config.train.adam_eps,
+        weight_decay=config.train.weight_decay,
+    )
+    head, optimizer = accelerator.prepare(head, optimizer)
+    raw_head: MTPHead = accelerator.unwrap_model(head)
+    act_dtype = DTYPES[config.model.dtype]
+
+    per_epoch = steps_per_epoch(len(data.train), config.train.windows_per_step)
+    total_steps = config.train.epochs * per_epoch
+    weights = step_loss_weights(config.train)
+    state = TrainState()
+    if resume and existing is not None:
+        state = load_checkpoint(existing, fingerprint, raw_head, optimizer)
+        accelerator.print(f"resumed from {existing} at step {state.step}/{total_steps}")
+
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with ckpt_io.atomic_path(output_dir / RESOLVED_CONFIG) as tmp:
+            tmp.write_text(dump_yaml(config))
+    if config.train.tracker != "none":
+        accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
+
+    progress = _progress(accelerator, total_steps, state.step)
+    head.train()
+    started = time.perf_counter() - state.elapsed_seconds
+    while state.step < total_steps:
+        lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # This process's share of the step's windows.
+        windows = step_windows(data.train, state.step, config.train.windows_per_step, config.train.seed)
+        batch = collate(windows[accelerator.process_index :: world], device)
+
+        # Frozen base: post-norm hidden states and greedy targets, no gradients.
+        base_started = time.perf_counter()
+        targets = base_outputs(base, batch.input_ids, batch.attention_mask)
+        state.base_forward_seconds += time.perf_counter() - base_started
+
+        chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, config.train.draft_steps)
+        with head_autocast(raw_head, device, act_dtype):
+            head_hidden = head(chain.step_token_ids, targets.hidden, detach_chain=config.train.detach_chain)
+            loss, stats = chain_loss(raw_head, head_hidden, chain.labels, weights)
+        accelerator.backward(loss)
+        grad_norm = None
+        if config.train.grad_clip_norm > 0:
+            grad_norm = accelerator.clip_grad_norm_(trainable, config.train.grad_clip_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.elapsed_seconds = time.perf_counter() - started
+
+        record = _step_record(accelerator, state, lr, loss, stats, grad_norm)
+        state.history.append(record)
+        if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
+            accelerator.log(record, step=state.step)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
+        progress.update(1)
+
+        if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(output_dir, state, raw_head, optimizer, fingerprint, config.train.keep_checkpoints)
+    progress.close()
+
+    accelerator.wait_for_everyone()
+    summary = {
+        "steps": total_steps,
+        "steps_per_epoch": per_epoch,
+        "processes": world,
+        "device": str(device),
+        "train_seconds": state.elapsed_seconds,
+        "base_forward_seconds": state.base_forward_seconds,
+        "trainable_parameters": models.trainable_parameters,
+        "head_parameters": models.head_parameters,
+        "donor_layout": models.donor_layout,
+        "config_fingerprint": fingerprint,
+        "final_loss": state.history[-1]["loss"] if state.history else None,
+        "history": state.history,
+        "data": data.provenance(),
+    }
+    if accelerator.is_main_process:
+        tensors = {n: t.float() for n, t in trainable_tensors(raw_head).items()}
+        ckpt_io.save_safetensors(output_dir / TRAINED_TENSORS, tensors, metadata={"format": "pt", "config_fingerprint": fingerprint})
+        ckpt_io.write_json(output_dir / TRAIN_SUMMARY, summary)
+    accelerator.end_training()
+    return summary
+
+
+def prepare_data(config: RunConfig, tokenizer) -> PreparedData:
+    if not config.data.files:
+        raise ConfigError("data.files: no chat data files given")
+    return prepare_windows(
+        list(config.data.files),
+        tokenizer,
+        context_tokens=config.data.context_tokens,
+        answer_tokens=config.data.answer_tokens,
+        turns=config.data.turns,
+        train_conversations=config.data.train_conversations,
+        heldout_conversations=config.data.heldout_conversations,
+        split_seed=config.data.split_seed,
+        skip_bad_records=config.data.skip_bad_records,
+    )
+
+
+def _step_record(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:
+    """One step's log line, summed over processes."""
+    local = torch.tensor(
+        [float(loss.detach())] + [v for s in stats for v in (s.scored, s.agree)],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
+    summed = accelerator.reduce(local, reduction="sum").cpu().tolist()
+    record = {"step": state.step, "lr": lr, "loss": summed[0] / accelerator.num_processes}
+    for k in range(len(stats)):
+        scored, agree = summed[1 + 2 * k], summed[2 + 2 * k]
+        record[f"scored_step{k + 1}"] = int(scored)
+        record[f"agreement_step{k + 1}"] = agree / scored if scored else 0.0
+    if grad_norm is not None:
+        record["grad_norm"] = float(grad_norm)
+    record["elapsed_seconds"] = state.elapsed_seconds
+    return record
+
+
+def _progress(accelerator, total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not accelerator.is_local_main_process, desc="train", unit="step")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, list) else value
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).",
+    )
+    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/512step.yaml")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4")
+    args = parser.parse_args(argv)
+    from occamy_mtp.config import load_config
+    from occamy_mtp.data import DataError
+
+    try:
+        config = load_config(args.config, args.overrides)
+        train(config, resume=args.resume)
+    except (ConfigError, ckpt_io.CheckpointError, DataError) as err:
+        print(f"error: {err}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
