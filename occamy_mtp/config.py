@@ -173,6 +173,12 @@ def _coerce(value, annotation, path: str):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if annotation is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads `3e-4` (no dot) as a string; accept what float() accepts.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
         return float(value)

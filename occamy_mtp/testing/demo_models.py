@@ -1,0 +1,189 @@
+"""The embedded default's models: a donor with its MTP head, and a base fine-tuned away from it.
+
+This reproduces, at toy size and on CPU, the situation the library exists for:
+
+1. a *donor* model is trained as a language model on the shipped sample chats, and its
+   MTP head is trained with it (the head learns to predict x_{i+2} from the donor's
+   post-norm H_i and x_{i+1});
+2. the *base* ("Occamy") is a fine-tune of the donor on a restyled copy of the chats
+   (answers rewritten in a house style), so its hidden states drift and the donor's
+   head agrees with it less often;
+3. both are written in the real on-disk layout: the donor as a text-only checkpoint
+   with fused experts (as Qwen3.6 ships), the base as a multimodal checkpoint with
+   per-expert tensors that still carries the donor's stale `mtp.*` tensors, each with
+   the tokenizer and its chat template.
+
+Run `python -m occamy_mtp.testing.demo_models --out runs/demo/models`. The build is
+deterministic and skipped when `--out` already holds a build of the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.head import MTPHead, SharedWeights
+from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+
+MANIFEST = "demo-models.json"
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    seed: int = 0
+    sequence_tokens: int = 512
+    """Length of the packed language-model training sequences."""
+    sequences_per_step: int = 8
+    donor_steps: int = 120
+    """Language-model steps of the donor (with its head trained jointly)."""
+    donor_lr: float = 3e-3
+    finetune_steps: int = 40
+    """Steps of the base's fine-tune on the restyled chats (the head is not updated)."""
+    finetune_lr: float = 2e-3
+    hidden_size: int = 64
+
+
+def restyle(text: str) -> str:
+    """The base's "house style": answers in lower case with a fixed opening.
+
+    A deterministic rewrite is enough to move the fine-tuned base's hidden states away
+    from the donor's, which is what makes the donor's head go stale.
+    """
+    return "Occamy here. " + text.lower()
+
+
+def _conversations(path: Path) -> list[list[dict]]:
+    out = []
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                out.append(json.loads(line)["messages"])
+    return out
+
+
+def _packed_sequences(tokenizer, conversations: list[list[dict]], length: int) -> torch.Tensor:
+    """Render every conversation with the chat template and pack them into (N, length) rows."""
+    stream: list[int] = []
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, enable_thinking=False)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        stream.extend(ids)
+    rows = len(stream) // length
+    return torch.tensor(stream[: rows * length]).view(rows, length)
+
+
+def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: int, train_head: bool) -> list[float]:
+    """Train `base` as a language model (and `head` on its hidden states) for `steps` steps."""
+    params = list(base.parameters()) + (list(head.parameters()) if train_head else [])
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in range(steps):
+        for group in optimizer.param_groups:  # cosine to 10%
+            group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, steps - 1))))
+        rows = torch.randint(0, sequences.shape[0], (settings.sequences_per_step,), generator=generator)
+        ids = sequences[rows]
+        hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state
+        lm_loss = F.cross_entropy(base.lm_head(hidden[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss = lm_loss
+        if train_head:
+            # Head at anchor i: embeds x_{i+1}, sees H_i, predicts x_{i+2}.
+            g = head(ids[None, :, 1:-1], hidden[:, :-2].detach())[0]
+            head_loss = F.cross_entropy(head.logits(g).flatten(0, 1), ids[:, 2:].flatten())
+            loss = loss + head_loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(lm_loss.detach()))
+    return losses
+
+
+def settings_hash(settings: DemoSettings, data_path: Path) -> str:
+    digest = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode())
+    digest.update(Path(data_path).read_bytes())
+    return digest.hexdigest()
+
+
+def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), data_path: Path = SAMPLE_DATA_PATH, log=print) -> dict:
+    """Build (or reuse) tokenizer, donor and base under `out_dir`; returns the manifest."""
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    fingerprint = settings_hash(settings, data_path)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("fingerprint") == fingerprint and all((out_dir / d / "config.json").is_file() for d in ("donor", "base")):
+            log(f"demo models: reusing {out_dir}")
+            return manifest
+    started = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    torch.use_deterministic_algorithms(True)
+    tokenizer_dir = build_tokenizer(out_dir / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+    conversations = _conversations(data_path)
+    restyled = [
+        [dict(m, content=restyle(m["content"])) if m["role"] == "assistant" else m for m in messages]
+        for messages in conversations
+    ]
+    donor_sequences = _packed_sequences(tokenizer, conversations, settings.sequence_tokens)
+    finetune_sequences = _packed_sequences(tokenizer, restyled, settings.sequence_tokens)
+
+    text_config = tiny_text_config(vocab_size=len(tokenizer), hidden_size=settings.hidden_size)
+    model_class = ckpt_io.base_model_class(text_config)
+    donor = model_class._from_config(text_config, dtype=torch.float32)
+    head = MTPHead(text_config, SharedWeights(donor.model.embed_tokens, donor.lm_head), experts_implementation="eager")
+    with torch.no_grad():
+        head.layers[0].mlp.experts.gate_up_proj.normal_(0.0, text_config.initializer_range)
+        head.layers[0].mlp.experts.down_proj.normal_(0.0, text_config.initializer_range)
+    log(f"demo models: training the donor for {settings.donor_steps} steps on {donor_sequences.shape[0]} sequences")
+    donor_losses = _lm_steps(donor, head, donor_sequences, settings.donor_steps, settings.donor_lr, settings, settings.seed, True)
+    donor_state = {k: v.clone() for k, v in donor.state_dict().items()}
+    write_checkpoint(out_dir / "donor", text_config, donor, head, layout=ckpt_io.FUSED, multimodal=False, tokenizer_dir=tokenizer_dir)
+
+    log(f"demo models: fine-tuning the base for {settings.finetune_steps} steps on restyled chats")
+    base = model_class._from_config(text_config, dtype=torch.float32)
+    base.load_state_dict(donor_state)
+    head.attach(SharedWeights(base.model.embed_tokens, base.lm_head))
+    finetune_losses = _lm_steps(base, head, finetune_sequences, settings.finetune_steps, settings.finetune_lr, settings, settings.seed + 1, False)
+    # The base still ships the donor's (now stale) head, as a real fine-tune does.
+    write_checkpoint(out_dir / "base", text_config, base, head, layout=ckpt_io.PER_EXPERT, multimodal=True, tokenizer_dir=tokenizer_dir)
+    torch.use_deterministic_algorithms(False)
+
+    manifest = {
+        "fingerprint": fingerprint,
+        "settings": asdict(settings),
+        "vocab_size": len(tokenizer),
+        "donor_lm_loss_first_last": [donor_losses[0], donor_losses[-1]],
+        "finetune_lm_loss_first_last": [finetune_losses[0], finetune_losses[-1]],
+        "build_seconds": time.perf_counter() - started,
+    }
+    ckpt_io.write_json(manifest_path, manifest)
+    log(f"demo models: built in {manifest['build_seconds']:.0f} s under {out_dir}")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the demo's donor and fine-tuned base from the sample chats.")
+    parser.add_argument("--out", default="runs/demo/models", help="output directory (tokenizer/, donor/, base/)")
+    parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
+    args = parser.parse_args(argv)
+    build_demo_models(Path(args.out), data_path=Path(args.data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

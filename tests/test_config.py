@@ -1,0 +1,79 @@
+"""The config loader: schema, overrides, errors that name the option, and every shipped config."""
+
+from pathlib import Path
+
+import pytest
+
+from occamy_mtp.config import ConfigError, RunConfig, load_config, step_loss_weights
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_configs_directory_is_not_empty():
+    names = {p.name for p in CONFIGS}
+    assert {"512step.yaml", "demo.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path)
+    assert isinstance(config, RunConfig)
+    assert path.read_text().lstrip().startswith("#"), "each config starts with the command that runs it"
+
+
+def test_512step_is_the_original_recipe():
+    config = load_config(Path(__file__).resolve().parent.parent / "configs" / "512step.yaml")
+    steps = config.train.epochs * -(-config.data.train_conversations // config.train.windows_per_step)
+    assert steps == 512
+    assert (config.data.context_tokens, config.data.answer_tokens) == (128, 382)
+    assert (config.data.train_conversations, config.data.heldout_conversations) == (256, 32)
+    assert config.train.trainable == ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+
+
+def test_overrides_take_precedence_and_are_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1.0e-3\n")
+    config = load_config(path, ["train.lr=3e-4", "data.files=[a.jsonl, b.jsonl]", "train.epochs=3"])
+    assert config.train.lr == pytest.approx(3e-4)
+    assert config.data.files == ("a.jsonl", "b.jsonl")
+    assert config.train.epochs == 3
+    assert load_config(None).train.lr == RunConfig().train.lr  # defaults live in the dataclasses
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, message",
+    [
+        ("train:\n  lr_warmup: 3\n", [], "unknown config key train.lr_warmup"),
+        ("trian:\n  lr: 3\n", [], "unknown config key trian"),
+        ("", ["train.epoch=2"], "unknown config key train.epoch"),
+        ("train:\n  epochs: two\n", [], "train.epochs: expected an integer"),
+        ("train:\n  epochs: 1.5\n", [], "train.epochs: expected an integer"),
+        ("data:\n  files: a.jsonl\n", [], "data.files: expected a list"),
+        ("train:\n  trainable: [fc]\n  draft_steps: 2\n  step_loss_weights: [1.0]\n", [], "train.step_loss_weights"),
+        ("data:\n  turns: middle\n", [], "data.turns: expected last, first or every"),
+        ("", ["train.lr"], "expected section.key=value"),
+        ("- a\n- b\n", [], "expected a mapping"),
+    ],
+)
+def test_bad_configs_name_the_option(tmp_path, yaml_text, overrides, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        load_config(path, overrides)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_fingerprint_tracks_training_settings_only():
+    a = load_config(None)
+    assert a.fingerprint() == load_config(None, ["output.dir=elsewhere", "eval.draft_steps=1"]).fingerprint()
+    assert a.fingerprint() != load_config(None, ["train.lr=1e-5"]).fingerprint()
+
+
+def test_step_loss_weights_normalised():
+    config = load_config(None, ["train.draft_steps=3", "train.step_loss_weights=[2, 1, 1]"])
+    assert step_loss_weights(config.train) == pytest.approx((0.5, 0.25, 0.25))
+    assert step_loss_weights(load_config(None, ["train.draft_steps=2"]).train) == pytest.approx((0.5, 0.5))

@@ -1,0 +1,64 @@
+"""Chain alignment and the loss against hand-written references."""
+
+import torch
+import torch.nn.functional as F
+
+from occamy_mtp.loss import IGNORE, chain_batch, chain_loss
+
+
+def test_chain_batch_alignment_by_hand():
+    # One row of length 7, assistant span from position 3; a padded second row of length 5.
+    input_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 0, 0]])
+    greedy = torch.tensor([[30, 31, 32, 33, 34, 35, 36], [40, 41, 42, 43, 44, 0, 0]])
+    assistant = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    lengths = torch.tensor([7, 5])
+    batch = chain_batch(input_ids, greedy, assistant, lengths, steps=2)
+    I = IGNORE
+    # step 1 at anchor i embeds x_{i+1}; label greedy_{i+1} where i+2 is in the span.
+    assert batch.step_token_ids[0, 0].tolist() == [11, 12, 13, 14, 15, 16, 0]
+    assert batch.labels[0, 0].tolist() == [I, 32, 33, 34, 35, I, I]
+    assert batch.data_labels[0].tolist() == [I, 13, 14, 15, 16, I, I]
+    # step 2 embeds greedy_{i+1}; label greedy_{i+2} where i+3 is in the span.
+    assert batch.step_token_ids[1, 0].tolist() == [31, 32, 33, 34, 35, 36, 0]
+    assert batch.labels[1, 0].tolist() == [32, 33, 34, 35, I, I, I]
+    # the padded row: nothing is scored at or beyond its length
+    assert batch.labels[0, 1].tolist() == [41, 42, 43, I, I, I, I]
+    assert batch.labels[1, 1].tolist() == [42, 43, I, I, I, I, I]
+    assert batch.data_labels[1].tolist() == [22, 23, 24, I, I, I, I]
+
+
+class _Head:
+    def __init__(self, weight):
+        self.weight = weight
+
+    def logits(self, hidden):
+        return hidden @ self.weight.T
+
+
+def test_chain_loss_matches_reference():
+    torch.manual_seed(0)
+    vocab, dim = 11, 5
+    head = _Head(torch.randn(vocab, dim))
+    hidden = torch.randn(2, 3, 4, dim, requires_grad=True)  # (K, B, T, D)
+    labels = torch.randint(0, vocab, (2, 3, 4))
+    labels[0, 0, :2] = IGNORE
+    labels[1, 2] = IGNORE
+    weights = (0.75, 0.25)
+    loss, stats = chain_loss(head, hidden, labels, weights)
+    reference = 0.0
+    for k in range(2):
+        keep = labels[k] != IGNORE
+        reference = reference + weights[k] * F.cross_entropy(head.logits(hidden[k][keep]), labels[k][keep])
+    assert torch.allclose(loss, reference)
+    assert [s.scored for s in stats] == [int((labels[k] != IGNORE).sum()) for k in range(2)]
+    grad, = torch.autograd.grad(loss, hidden)
+    ref_grad, = torch.autograd.grad(reference, hidden)
+    assert torch.allclose(grad, ref_grad)
+
+
+def test_chain_loss_without_scored_pairs_still_has_a_graph():
+    head = _Head(torch.randn(7, 3))
+    hidden = torch.randn(1, 1, 4, 3, requires_grad=True)
+    loss, stats = chain_loss(head, hidden, torch.full((1, 1, 4), IGNORE), (1.0,))
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and hidden.grad is not None and stats[0].scored == 0
