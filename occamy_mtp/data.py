@@ -1,0 +1,774 @@
+"""Chat data -> assistant-only training windows (SPEC section 4), with counted exclusions.
+
+The flow, top to bottom:
+
+1. Read. JSONL / JSON files (parsed here, so that an error names the file and line) and
+   parquet files (through `datasets`), OpenAI style (`messages` with role/content,
+   content a string or a list of typed parts) or ShareGPT style (`conversations` with
+   from/value). Each record becomes one normalised `Conversation` of system/user/
+   assistant `Message`s with string content, or is excluded for a counted reason.
+2. Render. A window for the assistant message at index k is built from two renderings
+   by the tokenizer's own chat template, thinking disabled (as the served checks ran):
+       prompt = render(messages[:k], add_generation_prompt=True)
+       turn   = render(messages[:k + 1])
+   `turn` must start with `prompt`; the rest is the assistant span as the template
+   renders it (Qwen: content, `<|im_end|>`, newline). No {% generation %} markers are
+   needed (Qwen's templates have none) and no string search on decoded text is done.
+   A window is never cut from the rendering of the WHOLE conversation: Qwen templates
+   render earlier assistant turns differently (no think block) from the turn being
+   generated, which is exactly the difference between training and serving.
+3. Tokenize. input = tokens(prompt)[-context_tokens:] + tokens(span)[:answer_tokens],
+   where tokens(span) ends at its first end-of-turn token (the tokenizer's eos,
+   `<|im_end|>` for Qwen): the served base predicts that token, so it is scored when it
+   falls within the limit, but never the newline after it, which no engine generates.
+   The prompt is tokenized on its own exactly as a server tokenizes it; the span is
+   tokenized on its own, so that the boundary is a token boundary by construction.
+   Where tokenizing `turn` in one piece would merge tokens across the boundary, the
+   window still uses the split form and the event is counted
+   (`windows.boundary_retokenized` in the provenance).
+4. Split. Conversations (never windows) go to train or heldout by a seeded hash of
+   their content; see `assign_split` for the exact guarantee when data is added.
+
+Every exclusion is counted by reason (`EXCLUSION_REASONS`) with the first few
+locations, and everything needed for TRAINING.json is in `PreparedData.provenance()`.
+
+    python -m occamy_mtp.data data/sample.jsonl --tokenizer DIR --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ---------------------------------------------------------------------------- settings
+
+DEFAULT_CONTEXT_TOKENS = 128
+DEFAULT_ANSWER_TOKENS = 382
+DEFAULT_TRAIN_CONVERSATIONS = 256  # the original run
+DEFAULT_HELDOUT_CONVERSATIONS = 32
+TURN_CHOICES = ("last", "first", "every")
+
+# Where an error or an exclusion was found, kept per reason for the report.
+EXAMPLE_LOCATIONS_KEPT = 5
+# Bytes read at a time when hashing input files.
+HASH_CHUNK_BYTES = 1 << 20
+
+# Exclusion reasons, in the order they are checked (a conversation counts under the first).
+BAD_RECORD = "bad_record"  # only with skip_bad_records; otherwise a DataError
+TOOL_CALL_ROLES = "tool_call_roles"  # tool/function roles or tool calls: no normalised form
+NON_TEXT_CONTENT = "non_text_content"  # image, audio, video or file parts
+DUPLICATE_CONVERSATION = "duplicate_conversation"  # same normalised content as an earlier record
+NO_ASSISTANT_TURN = "no_assistant_turn"
+EMPTY_ANSWER = "empty_answer"  # a selected assistant turn is empty or whitespace only
+SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # e.g. a literal "<|im_end|>" in a message
+TEMPLATE_ERROR = "template_error"  # the chat template refused the conversation
+TEMPLATE_PREFIX_MISMATCH = "template_prefix_mismatch"  # the turn does not extend the generation prompt
+BEYOND_SPLIT_SIZE = "beyond_split_size"  # more conversations than train + heldout asked for
+EXCLUSION_REASONS = (
+    BAD_RECORD,
+    TOOL_CALL_ROLES,
+    NON_TEXT_CONTENT,
+    DUPLICATE_CONVERSATION,
+    NO_ASSISTANT_TURN,
+    EMPTY_ANSWER,
+    SPECIAL_TOKEN_IN_TEXT,
+    TEMPLATE_ERROR,
+    TEMPLATE_PREFIX_MISMATCH,
+    BEYOND_SPLIT_SIZE,
+)
+# The exclusions a caller may turn off. Without NON_TEXT_CONTENT the non-text parts are
+# dropped and the text kept (the served base would have seen the images: use with care);
+# without EMPTY_ANSWER an empty answer gives a one-token window (`<|im_end|>`).
+OPTIONAL_EXCLUSIONS = frozenset({NON_TEXT_CONTENT, EMPTY_ANSWER})
+DEFAULT_EXCLUSIONS = OPTIONAL_EXCLUSIONS
+
+# Role spellings, case-insensitive. ShareGPT says human/gpt; OpenAI's newer APIs say developer.
+ROLE_SPELLINGS = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+}
+TOOL_ROLE_SPELLINGS = frozenset({"tool", "function", "ipython", "observation", "function_call", "tool_call", "tool_calls", "tool_response"})
+TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+# Record-level keys that attach images to a ShareGPT/LLaVA-style record.
+MEDIA_RECORD_KEYS = ("image", "images", "video", "videos", "audio", "audios")
+
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+class DataError(ValueError):
+    """Bad input: the message names the file and line (or record) and what is wrong."""
+
+
+# ---------------------------------------------------------------------------- types
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # "system", "user" or "assistant"
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One normalised conversation and where it came from (for errors and the report)."""
+
+    messages: tuple[Message, ...]
+    location: str  # "path:line" for JSONL, "path: record N" for JSON arrays and parquet
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 of the roles and contents only: the conversation's identity for the split."""
+        canonical = json.dumps([[m.role, m.content] for m in self.messages], ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """Why a record or conversation was left out (one of EXCLUSION_REASONS)."""
+
+    reason: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Window:
+    """One training/eval window: context tokens followed by the assistant span.
+
+    `input_ids[answer_start:]` is the assistant span: the first <= answer_tokens tokens of
+    the assistant turn as the template renders it, ending with the end-of-turn token
+    when it falls within the limit. `input_ids[:answer_start]` is the <= context_tokens
+    tokens just before it, ending with the template's assistant header (and, for Qwen
+    with thinking disabled, the empty think block).
+    """
+
+    conversation_hash: str
+    turn_index: int  # index of the assistant message in the normalised conversation's messages
+    input_ids: tuple[int, ...]
+    answer_start: int
+
+    def assistant_mask(self) -> list[bool]:
+        """mask[p] is True iff position p holds an assistant-span token.
+
+        The head anchored at i predicts token i+2; training scores anchor i iff
+        mask[i+2]. Metrics and loss must use only those positions.
+        """
+        return [position >= self.answer_start for position in range(len(self.input_ids))]
+
+    @property
+    def answer_length(self) -> int:
+        """Tokens in the assistant span (each is a scored prediction target)."""
+        return len(self.input_ids) - self.answer_start
+
+
+@dataclass
+class _Tally:
+    """Exclusion counts by reason and their first few locations."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, location: str, detail: str = "") -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < EXAMPLE_LOCATIONS_KEPT:
+            examples.append(f"{location}: {detail}" if detail else location)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Windows of the train and heldout conversations, and how they were obtained."""
+
+    train: list[Window]
+    heldout: list[Window]
+    files: list[dict[str, Any]]
+    conversations_read: int
+    excluded: dict[str, int]
+    excluded_examples: dict[str, list[str]]
+    train_hashes: list[str]
+    heldout_hashes: list[str]
+    boundary_retokenized: int
+    settings: dict[str, Any]
+    tokenizer_identity: dict[str, Any]
+
+    @property
+    def conversations_kept(self) -> int:
+        return len(self.train_hashes) + len(self.heldout_hashes)
+
+    def summary(self) -> dict[str, Any]:
+        """The counts a user checks before training (what the CLI prints)."""
+        return {
+            "files": [f["path"] for f in self.files],
+            "conversations_read": self.conversations_read,
+            "conversations_kept": self.conversations_kept,
+            "excluded": dict(self.excluded),
+            "windows_built": len(self.train) + len(self.heldout),
+            "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.heldout),
+            "train_conversations": len(self.train_hashes),
+            "heldout_conversations": len(self.heldout_hashes),
+            "train_windows": len(self.train),
+            "heldout_windows": len(self.heldout),
+        }
+
+    def provenance(self) -> dict[str, Any]:
+        """JSON-able record for TRAINING.json: inputs, counts, the split and the settings."""
+        return {
+            "files": [dict(f) for f in self.files],
+            "conversations_read": self.conversations_read,
+            "conversations_kept": self.conversations_kept,
+            "excluded": dict(self.excluded),
+            "excluded_examples": {reason: list(places) for reason, places in self.excluded_examples.items()},
+            "windows": {
+                "built": len(self.train) + len(self.heldout),
+                "train": len(self.train),
+                "heldout": len(self.heldout),
+                "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.heldout),
+                "train_assistant_tokens": _span_tokens(self.train),
+                "heldout_assistant_tokens": _span_tokens(self.heldout),
+                "boundary_retokenized": self.boundary_retokenized,
+            },
+            "split": {
+                "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
+                "heldout_fraction, train above; each side keeps its lowest keys up to its size",
+                "seed": self.settings["split_seed"],
+                "heldout_fraction": self.settings["heldout_fraction"],
+                "train_conversations": len(self.train_hashes),
+                "heldout_conversations": len(self.heldout_hashes),
+                "train_hashes": list(self.train_hashes),
+                "heldout_hashes": list(self.heldout_hashes),
+            },
+            "settings": dict(self.settings),
+            "tokenizer": dict(self.tokenizer_identity),
+        }
+
+
+def _span_tokens(windows: Iterable[Window]) -> int:
+    return sum(window.answer_length for window in windows)
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, record) pairs of one file; DataError for a malformed file or line.
+
+    JSON and JSONL are parsed here rather than by `datasets`, whose errors for a bad
+    line come from deep inside pyarrow without the line number.
+    """
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a file (pass the data files themselves)")
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        yield from _read_json(path)
+    elif suffix in PARQUET_SUFFIXES:
+        yield from _read_parquet(path)
+    else:
+        raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)}")
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    """A JSON array of records, or one record per line (JSONL; blank lines skipped)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: malformed JSON ({err.msg}, column {err.colno})") from None
+        for number, record in enumerate(records, start=1):
+            yield f"{path}: record {number}", record
+        return
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            yield f"{path}:{line_number}", _Malformed(f"malformed JSON ({err.msg}, column {err.colno})")
+            continue
+        yield f"{path}:{line_number}", record
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """A line that is not JSON: a bad record, skippable like the others."""
+
+    problem: str
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    bars_were_enabled = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        with tempfile.TemporaryDirectory(prefix="occamy-mtp-data-") as cache_dir:
+            try:
+                table = datasets.load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir, keep_in_memory=True)
+            except Exception as err:  # pyarrow and datasets raise many types; name the file instead
+                raise DataError(f"{path}: cannot read as parquet ({type(err).__name__}: {err})") from None
+            rows = list(table)
+    finally:
+        if bars_were_enabled:
+            datasets.enable_progress_bars()
+    for number, row in enumerate(rows, start=1):
+        yield f"{path}: record {number}", row
+
+
+# ---------------------------------------------------------------------------- normalising
+
+
+def normalise_record(record: Any, location: str, *, drop_non_text: bool = False) -> Conversation | Excluded:
+    """One record -> a Conversation, or an Excluded reason; DataError if malformed.
+
+    OpenAI style: {"messages": [{"role", "content"}]} with content a string, null or a
+    list of parts ({"type": "text", "text": ...}, image/audio/file parts). ShareGPT
+    style: {"conversations": [{"from", "value"}]} (a top-level "system" string becomes
+    the system turn). Unknown keys are ignored; so is any per-message reasoning field:
+    windows are built with thinking disabled.
+    """
+    if isinstance(record, _Malformed):
+        raise DataError(f"{location}: {record.problem}")
+    if not isinstance(record, dict):
+        raise DataError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
+    if isinstance(record.get("messages"), list):
+        raw_messages, role_key, content_key = record["messages"], "role", "content"
+    elif isinstance(record.get("conversations"), list):
+        raw_messages, role_key, content_key = record["conversations"], "from", "value"
+    else:
+        raise DataError(f"{location}: record has no 'messages' (OpenAI style) or 'conversations' (ShareGPT style) list")
+
+    messages: list[Message] = []
+    if role_key == "from" and isinstance(record.get("system"), str) and record["system"].strip():
+        messages.append(Message("system", record["system"]))
+    has_non_text = any(record.get(key) for key in MEDIA_RECORD_KEYS)
+    for index, raw in enumerate(raw_messages):
+        where = f"{location}: message {index}"
+        if not isinstance(raw, dict):
+            raise DataError(f"{where}: a message must be an object, got {type(raw).__name__}")
+        # ShareGPT files sometimes use role/content inside "conversations".
+        this_role_key, this_content_key = (role_key, content_key) if role_key in raw else ("role", "content")
+        role = raw.get(this_role_key)
+        if not isinstance(role, str):
+            raise DataError(f"{where}: missing or non-string {this_role_key!r}")
+        spelled = role.strip().lower()
+        if spelled in TOOL_ROLE_SPELLINGS or raw.get("tool_calls") or raw.get("function_call"):
+            return Excluded(TOOL_CALL_ROLES, f"message {index} role {role!r}")
+        if spelled not in ROLE_SPELLINGS:
+            accepted = ", ".join(sorted(ROLE_SPELLINGS))
+            raise DataError(f"{where}: unknown role {role!r}; expected one of {accepted} (tool roles are excluded and counted)")
+        text, part_has_non_text = _content_text(raw.get(this_content_key), where)
+        has_non_text = has_non_text or part_has_non_text
+        messages.append(Message(ROLE_SPELLINGS[spelled], text))
+    if has_non_text and not drop_non_text:
+        return Excluded(NON_TEXT_CONTENT)
+    return Conversation(tuple(messages), location)
+
+
+def _content_text(content: Any, where: str) -> tuple[str, bool]:
+    """(text, whether non-text parts were present) of one message's content."""
+    if content is None:
+        return "", False
+    if isinstance(content, str):
+        return content, False
+    if not isinstance(content, list):
+        raise DataError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
+    texts: list[str] = []
+    has_non_text = False
+    for part_index, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise DataError(f"{where}: content part {part_index} must be a string or an object with a 'type'")
+        if part["type"] in TEXT_PART_TYPES:
+            if not isinstance(part.get("text"), str):
+                raise DataError(f"{where}: content part {part_index} is a text part whose 'text' is not a string")
+            texts.append(part["text"])
+        else:
+            has_non_text = True
+    return "".join(texts), has_non_text  # OpenAI and Qwen's template concatenate text parts
+
+
+def selected_turns(conversation: Conversation, turns: str) -> list[int]:
+    """Indices of the assistant messages that become windows ("last", "first" or "every")."""
+    assistant = [index for index, message in enumerate(conversation.messages) if message.role == "assistant"]
+    if not assistant or turns == "every":
+        return assistant
+    return [assistant[-1]] if turns == "last" else [assistant[0]]
+
+
+# ---------------------------------------------------------------------------- windows
+
+
+@dataclass(frozen=True)
+class _TurnTokens:
+    prompt_ids: list[int]  # the whole rendered prompt, up to and including the generation prompt
+    span_ids: list[int]  # the assistant span, ending with the end-of-turn token (untruncated)
+    boundary_retokenized: bool
+
+
+def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tuple[str, str] | Excluded:
+    """(prompt text, assistant span text) of messages[turn_index] as the template renders it."""
+    if turn_index == 0:
+        return Excluded(TEMPLATE_ERROR, "the conversation opens with an assistant turn: there is no prompt")
+    as_dicts = [{"role": m.role, "content": m.content} for m in messages[: turn_index + 1]]
+    import jinja2
+
+    try:
+        prompt = tokenizer.apply_chat_template(as_dicts[:-1], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        turn = tokenizer.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=False, enable_thinking=False)
+    except (jinja2.TemplateError, ValueError) as err:
+        return Excluded(TEMPLATE_ERROR, str(err))
+    if not turn.startswith(prompt):
+        return Excluded(TEMPLATE_PREFIX_MISMATCH, f"message {turn_index} does not render as a continuation of the generation prompt")
+    return prompt, turn[len(prompt) :]
+
+
+def tokenize_turn(tokenizer, prompt: str, span: str) -> _TurnTokens:
+    """Token ids of the prompt and of the assistant span, each tokenized on its own."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    rendered_span_ids = tokenizer(span, add_special_tokens=False)["input_ids"]
+    whole_ids = tokenizer(prompt + span, add_special_tokens=False)["input_ids"]
+    span_ids = list(rendered_span_ids)
+    end_of_turn = tokenizer.eos_token_id
+    if end_of_turn is not None and end_of_turn in span_ids:
+        span_ids = span_ids[: span_ids.index(end_of_turn) + 1]  # drop what follows: never generated
+    return _TurnTokens(list(prompt_ids), span_ids, whole_ids != list(prompt_ids) + list(rendered_span_ids))
+
+
+def conversation_windows(
+    tokenizer,
+    conversation: Conversation,
+    *,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS,
+    turns: str = "last",
+    exclude: Collection[str] = DEFAULT_EXCLUSIONS,
+) -> tuple[list[Window], int] | Excluded:
+    """The windows of one conversation and how many were retokenized at the boundary,
+    or the reason it is excluded (checked in EXCLUSION_REASONS order)."""
+    turn_indices = selected_turns(conversation, turns)
+    if not turn_indices:
+        return Excluded(NO_ASSISTANT_TURN)
+    if EMPTY_ANSWER in exclude and any(not conversation.messages[k].content.strip() for k in turn_indices):
+        return Excluded(EMPTY_ANSWER)
+    special = _special_token_texts(tokenizer)
+    for index, message in enumerate(conversation.messages[: max(turn_indices) + 1]):
+        found = [token for token in special if token in message.content]
+        if found:
+            return Excluded(SPECIAL_TOKEN_IN_TEXT, f"message {index} contains {found[0]!r}")
+
+    content_hash = conversation.content_hash
+    windows: list[Window] = []
+    retokenized = 0
+    for k in turn_indices:
+        rendered = render_turn(tokenizer, conversation.messages, k)
+        if isinstance(rendered, Excluded):
+            return rendered
+        tokens = tokenize_turn(tokenizer, *rendered)
+        retokenized += tokens.boundary_retokenized
+        context = tokens.prompt_ids[-context_tokens:]
+        answer = tokens.span_ids[:answer_tokens]
+        windows.append(Window(content_hash, k, tuple(context + answer), len(context)))
+    return windows, retokenized
+
+
+def _special_token_texts(tokenizer) -> list[str]:
+    """The texts of the tokenizer's special added tokens (chat control tokens)."""
+    return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+
+
+# ---------------------------------------------------------------------------- split
+
+TRAIN = "train"
+HELDOUT = "heldout"
+HASH_KEY_BITS = 64
+
+
+def split_key(conversation_hash: str, seed: int) -> float:
+    """A uniform number in [0, 1) that depends only on the conversation and the seed."""
+    digest = hashlib.sha256(f"{seed}:{conversation_hash}".encode("ascii")).digest()
+    return int.from_bytes(digest[: HASH_KEY_BITS // 8], "big") / 2**HASH_KEY_BITS
+
+
+def default_heldout_fraction(train_conversations: int, heldout_conversations: int) -> float:
+    return heldout_conversations / (train_conversations + heldout_conversations)
+
+
+def assign_split(
+    conversation_hashes: Iterable[str],
+    *,
+    train_conversations: int,
+    heldout_conversations: int,
+    seed: int,
+    heldout_fraction: float | None = None,
+) -> dict[str, str]:
+    """hash -> "train", "heldout" or BEYOND_SPLIT_SIZE.
+
+    A conversation's side is heldout iff its split key is below `heldout_fraction`
+    (default heldout / (train + heldout)); each side then keeps the conversations with
+    the lowest keys, up to its size. Guarantee, exactly: a conversation's side depends on
+    its own content and the seed only, so adding conversations never moves another one
+    from train to heldout or back. Adding one conversation changes at most one other
+    assignment: when the new one's side is full and its key is below that side's
+    largest kept key, that largest one becomes BEYOND_SPLIT_SIZE. While a side has
+    room, adding data changes nothing else at all. The input order never matters.
+    The price: a side can come out smaller than asked for when the data is just big
+    enough (the report shows the sizes reached).
+    """
+    fraction = default_heldout_fraction(train_conversations, heldout_conversations) if heldout_fraction is None else heldout_fraction
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {fraction}")
+    keyed = sorted((split_key(h, seed), h) for h in set(conversation_hashes))
+    assignment: dict[str, str] = {}
+    kept = {TRAIN: 0, HELDOUT: 0}
+    capacity = {TRAIN: train_conversations, HELDOUT: heldout_conversations}
+    for key, conversation_hash in keyed:
+        side = HELDOUT if key < fraction else TRAIN
+        if kept[side] < capacity[side]:
+            assignment[conversation_hash] = side
+            kept[side] += 1
+        else:
+            assignment[conversation_hash] = BEYOND_SPLIT_SIZE
+    return assignment
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def prepare_windows(
+    paths: Iterable[str | Path],
+    tokenizer,
+    *,
+    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    answer_tokens: int = DEFAULT_ANSWER_TOKENS,
+    turns: str = "last",
+    train_conversations: int = DEFAULT_TRAIN_CONVERSATIONS,
+    heldout_conversations: int = DEFAULT_HELDOUT_CONVERSATIONS,
+    split_seed: int = 0,
+    heldout_fraction: float | None = None,
+    skip_bad_records: bool = False,
+    exclude: Collection[str] = DEFAULT_EXCLUSIONS,
+) -> PreparedData:
+    """Read chat files, build assistant-only windows, split them; see the module docstring.
+
+    `tokenizer` is a transformers tokenizer with a chat template (the base's own).
+    With `skip_bad_records`, malformed records are counted as BAD_RECORD (first few
+    locations in the report) instead of raising DataError; a missing or unreadable file
+    always raises. `exclude` lists which of OPTIONAL_EXCLUSIONS apply; the other reasons
+    always do. Windows are ordered by split key, then turn.
+    """
+    _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, exclude)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    tally = _Tally()
+    files: list[dict[str, Any]] = []
+    windows_by_hash: dict[str, list[Window]] = {}  # the conversations that produced windows
+    first_location: dict[str, str] = {}  # content hash -> where it was first read
+    conversations_read = 0
+    boundary_retokenized = 0
+    for path in (Path(p) for p in paths):
+        records = 0
+        for location, record in read_records(path):
+            records += 1
+            conversations_read += 1
+            try:
+                conversation = normalise_record(record, location, drop_non_text=NON_TEXT_CONTENT not in exclude)
+            except DataError as err:
+                if not skip_bad_records:
+                    raise
+                tally.add(BAD_RECORD, location, str(err).removeprefix(f"{location}: "))
+                continue
+            if isinstance(conversation, Excluded):
+                tally.add(conversation.reason, location, conversation.detail)
+                continue
+            content_hash = conversation.content_hash
+            if content_hash in first_location:
+                tally.add(DUPLICATE_CONVERSATION, location, f"same as {first_location[content_hash]}")
+                continue
+            first_location[content_hash] = location
+            built = conversation_windows(
+                tokenizer, conversation, context_tokens=context_tokens, answer_tokens=answer_tokens, turns=turns, exclude=exclude
+            )
+            if isinstance(built, Excluded):
+                tally.add(built.reason, location, built.detail)
+                continue
+            windows, retokenized = built
+            windows_by_hash[content_hash] = windows
+            boundary_retokenized += retokenized
+        files.append({"path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size, "records": records})
+
+    fraction = default_heldout_fraction(train_conversations, heldout_conversations) if heldout_fraction is None else heldout_fraction
+    assignment = assign_split(
+        windows_by_hash, train_conversations=train_conversations, heldout_conversations=heldout_conversations, seed=split_seed, heldout_fraction=fraction
+    )
+    members: dict[str, list[str]] = {TRAIN: [], HELDOUT: []}
+    for content_hash in sorted(windows_by_hash, key=lambda h: split_key(h, split_seed)):
+        side = assignment[content_hash]
+        if side == BEYOND_SPLIT_SIZE:
+            tally.add(BEYOND_SPLIT_SIZE, first_location[content_hash])
+        else:
+            members[side].append(content_hash)
+
+    settings = {
+        "context_tokens": context_tokens,
+        "answer_tokens": answer_tokens,
+        "turns": turns,
+        "train_conversations": train_conversations,
+        "heldout_conversations": heldout_conversations,
+        "split_seed": split_seed,
+        "heldout_fraction": fraction,
+        "skip_bad_records": skip_bad_records,
+        "exclude": sorted(exclude),
+        "enable_thinking": False,
+    }
+    return PreparedData(
+        train=[w for h in members[TRAIN] for w in windows_by_hash[h]],
+        heldout=[w for h in members[HELDOUT] for w in windows_by_hash[h]],
+        files=files,
+        conversations_read=conversations_read,
+        excluded={reason: tally.counts[reason] for reason in EXCLUSION_REASONS if reason in tally.counts},
+        excluded_examples={reason: tally.examples[reason] for reason in EXCLUSION_REASONS if reason in tally.examples},
+        train_hashes=members[TRAIN],
+        heldout_hashes=members[HELDOUT],
+        boundary_retokenized=boundary_retokenized,
+        settings=settings,
+        tokenizer_identity=tokenizer_identity(tokenizer),
+    )
+
+
+def _check_settings(
+    context_tokens: int, answer_tokens: int, turns: str, train_conversations: int, heldout_conversations: int, exclude: Collection[str]
+) -> None:
+    checks = (
+        (context_tokens >= 1, "context_tokens", ">= 1", context_tokens),
+        (answer_tokens >= 1, "answer_tokens", ">= 1", answer_tokens),
+        (turns in TURN_CHOICES, "turns", " or ".join(TURN_CHOICES), turns),
+        (train_conversations >= 0, "train_conversations", ">= 0", train_conversations),
+        (heldout_conversations >= 0, "heldout_conversations", ">= 0", heldout_conversations),
+        (train_conversations + heldout_conversations >= 1, "train_conversations + heldout_conversations", ">= 1", None),
+    )
+    for ok, name, expected, value in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {expected}" + ("" if value is None else f", got {value!r}"))
+    unknown = set(exclude) - OPTIONAL_EXCLUSIONS
+    if unknown:
+        raise ValueError(f"exclude: {sorted(unknown)} cannot be switched; optional exclusions are {sorted(OPTIONAL_EXCLUSIONS)}")
+
+
+def tokenizer_identity(tokenizer) -> dict[str, Any]:
+    """What identifies the rendering: the tokenizer's name, size, eos and chat template."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template, sort_keys=True)
+    return {
+        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
+        "vocab_size": len(tokenizer),
+        "eos_token": tokenizer.eos_token,
+        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+    }
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        f"files: {', '.join(summary['files'])}",
+        f"conversations: {summary['conversations_read']} read, {summary['conversations_kept']} kept",
+    ]
+    if summary["excluded"]:
+        lines.append("excluded: " + ", ".join(f"{reason} {count}" for reason, count in summary["excluded"].items()))
+    else:
+        lines.append("excluded: none")
+    lines.append(
+        f"split: {summary['train_conversations']} train / {summary['heldout_conversations']} heldout conversations, "
+        f"{summary['train_windows']} / {summary['heldout_windows']} windows"
+    )
+    lines.append(f"windows: {summary['windows_built']} built, {summary['assistant_tokens_scored']} assistant tokens scored")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m occamy_mtp.data",
+        description="Check chat data as training would see it: conversations read, kept, excluded per reason, windows, split.",
+    )
+    parser.add_argument("files", nargs="+", type=Path, help="JSONL, JSON or parquet files of conversations")
+    parser.add_argument("--tokenizer", required=True, type=Path, help="tokenizer directory (the base model's) with a chat template")
+    parser.add_argument("--context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS)
+    parser.add_argument("--answer-tokens", type=int, default=DEFAULT_ANSWER_TOKENS)
+    parser.add_argument("--turns", choices=TURN_CHOICES, default="last")
+    parser.add_argument("--train-conversations", type=int, default=DEFAULT_TRAIN_CONVERSATIONS)
+    parser.add_argument("--heldout-conversations", type=int, default=DEFAULT_HELDOUT_CONVERSATIONS)
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
+    parser.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
+    parser.add_argument("--keep-empty-answers", action="store_true", help="keep empty answers (a one-token window)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    args = parser.parse_args(argv)
+
+    if not args.tokenizer.is_dir():
+        print(f"error: --tokenizer {args.tokenizer}: no such directory", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    except (OSError, ValueError) as err:
+        print(f"error: --tokenizer {args.tokenizer}: cannot load ({err})", file=sys.stderr)
+        return 2
+    exclude = set(DEFAULT_EXCLUSIONS)
+    if args.keep_non_text:
+        exclude.discard(NON_TEXT_CONTENT)
+    if args.keep_empty_answers:
+        exclude.discard(EMPTY_ANSWER)
+    try:
+        data = prepare_windows(
+            args.files,
+            tokenizer,
+            context_tokens=args.context_tokens,
+            answer_tokens=args.answer_tokens,
+            turns=args.turns,
+            train_conversations=args.train_conversations,
+            heldout_conversations=args.heldout_conversations,
+            split_seed=args.split_seed,
+            skip_bad_records=args.skip_bad_records,
+            exclude=frozenset(exclude),
+        )
+    except (DataError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    summary = data.summary()
+    if args.json:
+        summary["excluded_examples"] = data.excluded_examples
+        print(json.dumps(summary, indent=2))
+    else:
+        print(_format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
