@@ -18,9 +18,10 @@ The flow, top to bottom:
    render earlier assistant turns differently (no think block) from the turn being
    generated, which is exactly the difference between training and serving.
 3. Tokenize. input = tokens(prompt)[-context_tokens:] + tokens(span)[:answer_tokens],
-   where tokens(span) ends at its first end-of-turn token (the tokenizer's eos,
-   `<|im_end|>` for Qwen): the served base predicts that token, so it is scored when it
-   falls within the limit, but never the newline after it, which no engine generates.
+   where tokens(span) ends at its first special token: the template's end of turn
+   (`<|im_end|>` for Qwen; it is the template's because content holding a special token
+   is excluded). The served base predicts that token, so it is scored when it falls
+   within the limit; the newline after it is dropped, since no engine generates it.
    The prompt is tokenized on its own exactly as a server tokenizes it; the span is
    tokenized on its own, so that the boundary is a token boundary by construction.
    Where tokenizing `turn` in one piece would merge tokens across the boundary, the
@@ -44,8 +45,11 @@ import sys
 import tempfile
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+import jinja2
 
 # ---------------------------------------------------------------------------- settings
 
@@ -127,7 +131,7 @@ class Conversation:
     messages: tuple[Message, ...]
     location: str  # "path:line" for JSONL, "path: record N" for JSON arrays and parquet
 
-    @property
+    @cached_property
     def content_hash(self) -> str:
         """sha256 of the roles and contents only: the conversation's identity for the split."""
         canonical = json.dumps([[m.role, m.content] for m in self.messages], ensure_ascii=False, separators=(",", ":"))
@@ -148,7 +152,7 @@ class Window:
 
     `input_ids[answer_start:]` is the assistant span: the first <= answer_tokens tokens of
     the assistant turn as the template renders it, ending with the end-of-turn token
-    when it falls within the limit. `input_ids[:answer_start]` is the <= context_tokens
+    (`<|im_end|>`) when it falls within the limit: the served base predicts it too. `input_ids[:answer_start]` is the <= context_tokens
     tokens just before it, ending with the template's assistant header (and, for Qwen
     with thinking disabled, the empty think block).
     """
@@ -287,6 +291,13 @@ def read_records(path: Path) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: unsupported file type {suffix!r}; expected one of {', '.join(JSON_SUFFIXES + PARQUET_SUFFIXES)}")
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """A line that is not JSON: a bad record, skippable like the others."""
+
+    problem: str
+
+
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     """A JSON array of records, or one record per line (JSONL; blank lines skipped)."""
     try:
@@ -310,13 +321,6 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"{path}:{line_number}", _Malformed(f"malformed JSON ({err.msg}, column {err.colno})")
             continue
         yield f"{path}:{line_number}", record
-
-
-@dataclass(frozen=True)
-class _Malformed:
-    """A line that is not JSON: a bad record, skippable like the others."""
-
-    problem: str
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -436,8 +440,6 @@ def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tupl
     if turn_index == 0:
         return Excluded(TEMPLATE_ERROR, "the conversation opens with an assistant turn: there is no prompt")
     as_dicts = [{"role": m.role, "content": m.content} for m in messages[: turn_index + 1]]
-    import jinja2
-
     try:
         prompt = tokenizer.apply_chat_template(as_dicts[:-1], tokenize=False, add_generation_prompt=True, enable_thinking=False)
         turn = tokenizer.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=False, enable_thinking=False)
@@ -449,15 +451,17 @@ def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tupl
 
 
 def tokenize_turn(tokenizer, prompt: str, span: str) -> _TurnTokens:
-    """Token ids of the prompt and of the assistant span, each tokenized on its own."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    rendered_span_ids = tokenizer(span, add_special_tokens=False)["input_ids"]
-    whole_ids = tokenizer(prompt + span, add_special_tokens=False)["input_ids"]
-    span_ids = list(rendered_span_ids)
-    end_of_turn = tokenizer.eos_token_id
-    if end_of_turn is not None and end_of_turn in span_ids:
-        span_ids = span_ids[: span_ids.index(end_of_turn) + 1]  # drop what follows: never generated
-    return _TurnTokens(list(prompt_ids), span_ids, whole_ids != list(prompt_ids) + list(rendered_span_ids))
+    """Token ids of the prompt and of the assistant span, each tokenized on its own.
+
+    The span ends with its first special token (the template's end of turn); what
+    follows it (Qwen: a newline) is never generated, so it is dropped.
+    """
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    rendered_span_ids = list(tokenizer(span, add_special_tokens=False)["input_ids"])
+    whole_ids = list(tokenizer(prompt + span, add_special_tokens=False)["input_ids"])
+    special_ids = _special_token_ids(tokenizer)
+    end = next((i + 1 for i, token_id in enumerate(rendered_span_ids) if token_id in special_ids), len(rendered_span_ids))
+    return _TurnTokens(prompt_ids, rendered_span_ids[:end], whole_ids != prompt_ids + rendered_span_ids)
 
 
 def conversation_windows(
@@ -502,6 +506,10 @@ def _special_token_texts(tokenizer) -> list[str]:
     return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
 
 
+def _special_token_ids(tokenizer) -> frozenset[int]:
+    return frozenset(token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special)
+
+
 # ---------------------------------------------------------------------------- split
 
 TRAIN = "train"
@@ -541,8 +549,8 @@ def assign_split(
     enough (the report shows the sizes reached).
     """
     fraction = default_heldout_fraction(train_conversations, heldout_conversations) if heldout_fraction is None else heldout_fraction
-    if not 0.0 < fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in (0, 1), got {fraction}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1], got {fraction}")
     keyed = sorted((split_key(h, seed), h) for h in set(conversation_hashes))
     assignment: dict[str, str] = {}
     kept = {TRAIN: 0, HELDOUT: 0}
