@@ -738,6 +738,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     args = parser.parse_args(argv)
 
+    missing = [path for path in args.files if not path.exists()]
+    if missing:  # before the slow transformers import: a typo should fail at once
+        print(f"error: {missing[0]}: no such file", file=sys.stderr)
+        return 2
     if not args.tokenizer.is_dir():
         print(f"error: --tokenizer {args.tokenizer}: no such directory", file=sys.stderr)
         return 2
@@ -775,6 +779,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(_format_summary(summary))
+        for side, asked in (("train", args.train_conversations), ("heldout", args.heldout_conversations)):
+            if summary[f"{side}_conversations"] < asked:
+                fraction = data.settings["heldout_fraction"]
+                print(
+                    f"note: {side} has {summary[f'{side}_conversations']} of the {asked} conversations asked for: no more "
+                    f"hash to that side (heldout iff split key < {fraction:.4g}); add conversations (see assign_split)"
+                )
     return 0
 
 
