@@ -324,7 +324,7 @@ def _module_sources(module_shapes: Mapping[str, tuple], disk_keys: set[str], dis
     module has no experts). Missing keys are reported by the caller.
     """
     sources: dict[str, _Source] = {}
-    layouts: set[str] = set()
+    layouts: dict[str, str] = {}  # layout -> one disk key found in it, for the error message
     for name, shape in module_shapes.items():
         fused = _FUSED_KEY.match(name)
         if fused and disk_prefix + name not in disk_keys:
@@ -336,15 +336,19 @@ def _module_sources(module_shapes: Mapping[str, tuple], disk_keys: set[str], dis
             else:
                 keys = [f"{disk_prefix}{stem}.{e}.down_proj.weight" for e in range(num_experts)]
                 sources[name] = _Source(keys, "down")
-            if any(k in disk_keys for k in keys):
-                layouts.add(PER_EXPERT)
+            found = [k for k in keys if k in disk_keys]
+            if found:
+                layouts.setdefault(PER_EXPERT, found[0])
         else:
             sources[name] = _Source([disk_prefix + name], "direct")
             if fused:
-                layouts.add(FUSED)
+                layouts.setdefault(FUSED, disk_prefix + name)
     if len(layouts) > 1:
-        raise CheckpointError(f"checkpoint mixes fused and per-expert tensors under {disk_prefix!r}")
-    return sources, (layouts.pop() if layouts else None)
+        raise CheckpointError(
+            f"checkpoint mixes fused and per-expert tensors under {disk_prefix!r}: "
+            f"{layouts[FUSED]} is fused but {layouts[PER_EXPERT]} is per-expert; use one expert layout"
+        )
+    return sources, (next(iter(layouts)) if layouts else None)
 
 
 def _expected_disk_shapes(name: str, shape: tuple, source: _Source) -> dict[str, tuple]:

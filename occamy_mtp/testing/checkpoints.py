@@ -136,7 +136,15 @@ def random_models(text_config, seed: int = 0):
                 elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
                     param.normal_(0.0, init_std)  # transformers leaves these uninitialised on some versions
         head.layers[0].mlp.experts.gate_up_proj.normal_(0.0, init_std)
-    return base.to(torch.bfloat16), head.to(torch.bfloat16)
+        # MTPHead is built outside transformers' init, so its router starts at zeros:
+        # uniform routing with tied top-k, which hides a router loaded from the wrong key.
+        head.layers[0].mlp.gate.weight.normal_(0.0, init_std)
+    base, head = base.to(torch.bfloat16), head.to(torch.bfloat16)
+    # `.to` also rounds the rotary frequency buffers to bf16, which transformers (and
+    # our loaders) keep in fp32: rebuild them so the in-memory models are the loaded ones.
+    base.model.rotary_emb = type(base.model.rotary_emb)(base.config)
+    head.rotary_emb = type(head.rotary_emb)(head.config)
+    return base, head
 
 
 @dataclass(frozen=True)
