@@ -1,0 +1,255 @@
+"""`python -m occamy_mtp.inspect`: what it reports for configs and checkpoints, that it
+reads no weights, and that it finds every kind of problem."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
+from occamy_mtp.inspect import main
+from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
+
+QWEN3_5, QWEN3_NEXT = "qwen3_5_moe_text", "qwen3_next"
+
+# Real dimensions (SPEC section 1; Qwen3-Next-80B-A3B's config.json).
+QWEN3_5_35B_A3B = dict(
+    model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, vocab_size=248_320,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, mtp_num_hidden_layers=1,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+)
+QWEN3_NEXT_80B_A3B = dict(
+    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, vocab_size=151_936,
+    intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+)
+
+
+def run_json(capsys, path: Path) -> tuple[int, dict]:
+    code = main([str(path), "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def write_config(path: Path, fields: dict, multimodal: bool, quantization_config: dict | None = None) -> Path:
+    config = ckpt_io.text_config_from_dict(dict(fields))
+    path.write_text(json.dumps(config_json(config, multimodal, quantization_config)))
+    return path
+
+
+def head_numel_on_disk(path: Path) -> int:
+    """Parameters of the mtp.* tensors, counted from the safetensors headers alone."""
+    total = 0
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as handle:
+            for key in handle.keys():
+                if key.startswith("mtp."):
+                    total += torch.Size(handle.get_slice(key).get_shape()).numel()
+    return total
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    def refuse(self, key):
+        raise AssertionError(f"inspect read the weights of {key}")
+
+    monkeypatch.setattr(SafetensorsCheckpoint, "get", refuse)
+
+
+# ----------------------------------------------------------------------------------
+# Configs at real size
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+def test_real_size_config_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """`python -m occamy_mtp.inspect config.json --json` on the real model's bare config
+    (no weights exist), run as __main__ in this interpreter to spare a second start-up."""
+    config = write_config(tmp_path / "config.json", QWEN3_5_35B_A3B, multimodal=True)
+    monkeypatch.setattr(sys, "argv", ["python -m occamy_mtp.inspect", str(config), "--json"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("occamy_mtp.inspect", run_name="__main__")
+    assert exited.value.code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["head_parameters"] == 844_640_768
+    assert report["trainable_parameters"] == 8_392_704
+    assert report["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+    assert report["text_model_type"] == QWEN3_5 and report["multimodal"] is True
+    d = report["dimensions"]
+    assert (d["hidden_size"], d["num_hidden_layers"], d["vocab_size"]) == (2048, 40, 248_320)
+    assert (d["full_attention_layers"], d["linear_attention_layers"]) == (10, 30)
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"], d["rotary_dims"]) == (16, 2, 256, 64)
+    assert (d["num_experts"], d["num_experts_per_tok"]) == (256, 8)
+    assert report["mtp"]["present"] is None and report["checkpoint"] is None
+    assert report["problems"] == []
+
+
+def test_real_size_config_text_report(tmp_path, capsys):
+    config = write_config(tmp_path / "config.json", QWEN3_5_35B_A3B, multimodal=True)
+    assert main([str(config)]) == 0
+    text = capsys.readouterr().out
+    assert "844,640,768" in text and "trainable 8,392,704" in text
+    assert "1,611" in text  # MiB of the head in bf16 (SPEC section 1)
+    assert "hidden 2,048, 40 layers (10 full attention, 30 linear)" in text
+    assert "problems          none" in text
+
+
+def test_real_size_qwen3_next_config(tmp_path, capsys):
+    config = write_config(tmp_path / "config.json", QWEN3_NEXT_80B_A3B, multimodal=False)
+    code, report = run_json(capsys, config)
+    assert code == 0
+    assert report["architecture"] == "Qwen3NextForCausalLM"
+    assert report["dimensions"]["num_experts"] == 512
+    # 844,640,768 + 256 more experts (256 x 3 x 512 x 2048) + 256 more router rows (256 x 2048).
+    assert report["head_parameters"] == 844_640_768 + 256 * 3 * 512 * 2048 + 256 * 2048 == 1_650_471_424
+    assert report["trainable_parameters"] == 8_392_704
+
+
+# ----------------------------------------------------------------------------------
+# Tiny checkpoints
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family, layout, multimodal",
+    [(QWEN3_5, PER_EXPERT, True), (QWEN3_5, FUSED, False), (QWEN3_NEXT, PER_EXPERT, False)],
+)
+def test_checkpoint_report(tiny_checkpoint, capsys, no_weight_reads, family, layout, multimodal):
+    written = tiny_checkpoint(family, layout, multimodal)
+    code, report = run_json(capsys, written.path)
+    assert code == 0, report["problems"]
+    assert report["problems"] == [] and report["notes"] == []
+    assert report["text_model_type"] == family and report["multimodal"] is multimodal
+    assert report["mtp"]["present"] is True
+    assert report["mtp"]["expert_layout"] == layout
+    assert report["mtp"]["dtypes"] == {"BF16": report["mtp"]["tensors"]}
+    hidden = written.text_config.hidden_size
+    assert report["head_parameters"] == head_numel_on_disk(written.path)
+    assert report["trainable_parameters"] == 2 * hidden * hidden + 2 * hidden
+    assert report["base_parameters"] == sum(p.numel() for p in written.base.parameters())
+    ckpt = report["checkpoint"]
+    assert ckpt["text_prefix"] == ("model.language_model." if multimodal else "model.")
+    assert (ckpt["vision_tensors"] > 0) == multimodal
+    assert ckpt["files"] == len(set(json.loads((written.path / ckpt_io.INDEX_NAME).read_text())["weight_map"].values()))
+
+    assert main([str(written.path)]) == 0
+    text = capsys.readouterr().out
+    assert f"mtp head          present, {layout} expert layout" in text
+
+
+def test_checkpoint_without_head(tiny_checkpoint, tmp_path, capsys):
+    written = tiny_checkpoint(QWEN3_5, PER_EXPERT, True)
+    ckpt = SafetensorsCheckpoint(written.path)
+    tensors = {k: ckpt.get(k) for k in ckpt.keys() if not k.startswith("mtp.")}
+    bare = rewrite(written.path, tmp_path / "bare", tensors)
+    code, report = run_json(capsys, bare)
+    assert code == 0 and report["mtp"]["present"] is False
+    assert any("no mtp.* tensors" in n for n in report["notes"])
+
+
+# ----------------------------------------------------------------------------------
+# Problems
+# ----------------------------------------------------------------------------------
+
+
+def rewrite(src: Path, dst: Path, tensors: dict) -> Path:
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    ckpt_io.save_sharded(dst, tensors, max_shard_bytes=400_000)
+    return dst
+
+
+@pytest.fixture
+def donor(tiny_checkpoint):
+    written = tiny_checkpoint(QWEN3_5, PER_EXPERT, True)
+    ckpt = SafetensorsCheckpoint(written.path)
+    return written, {k: ckpt.get(k) for k in ckpt.keys()}
+
+
+def test_reports_missing_and_mis_shaped_tensors(donor, tmp_path, capsys):
+    written, tensors = donor
+    del tensors["mtp.layers.0.mlp.shared_expert_gate.weight"]
+    del tensors["model.language_model.layers.0.linear_attn.dt_bias"]
+    tensors["mtp.layers.0.self_attn.q_norm.weight"] = torch.zeros(16, dtype=torch.bfloat16)
+    bad = rewrite(written.path, tmp_path / "bad", tensors)
+    code, report = run_json(capsys, bad)
+    assert code == 1
+    problems = "\n".join(report["problems"])
+    assert "missing tensor mtp.layers.0.mlp.shared_expert_gate.weight (expected shape [1, 64])" in problems
+    assert "missing tensor model.language_model.layers.0.linear_attn.dt_bias (expected shape [4])" in problems
+    assert "tensor mtp.layers.0.self_attn.q_norm.weight in" in problems and "has shape [16], expected [32]" in problems
+    assert len(report["problems"]) == 3
+    assert main([str(bad)]) == 1
+    assert "problems (3):" in capsys.readouterr().out
+
+
+def test_reports_a_head_of_another_hidden_size(donor, tmp_path, capsys):
+    written, tensors = donor
+    _, small_head = random_models(tiny_text_config(QWEN3_5, hidden_size=32), seed=3)
+    tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    tensors.update(ckpt_io.head_checkpoint_tensors(small_head.state_dict(), PER_EXPERT))
+    bad = rewrite(written.path, tmp_path / "bad", tensors)
+    code, report = run_json(capsys, bad)
+    assert code == 1
+    mismatch = [p for p in report["problems"] if p.startswith("base/head dimension mismatch")]
+    assert len(mismatch) == 1
+    assert "mtp.fc.weight" in mismatch[0] and "[32, 64]" in mismatch[0] and "hidden_size is 64" in mismatch[0]
+    assert any("has shape [32], expected [64]" in p for p in report["problems"])
+
+
+def test_reports_mixed_expert_layouts(donor, tiny_checkpoint, tmp_path, capsys):
+    written, tensors = donor
+    fused = SafetensorsCheckpoint(tiny_checkpoint(QWEN3_5, FUSED, True).path)
+    for key in [k for k in tensors if k.startswith("mtp.layers.0.mlp.experts.") and k.endswith("down_proj.weight")]:
+        del tensors[key]
+    tensors["mtp.layers.0.mlp.experts.down_proj"] = fused.get("mtp.layers.0.mlp.experts.down_proj")
+    bad = rewrite(written.path, tmp_path / "bad", tensors)
+    code, report = run_json(capsys, bad)
+    assert code == 1
+    assert any("mixes fused and per-expert" in p and "mtp.layers.0.mlp.experts.down_proj" in p for p in report["problems"])
+
+
+def test_reports_a_quantized_base(tiny_checkpoint, tmp_path, capsys):
+    written = tiny_checkpoint(QWEN3_5, PER_EXPERT, True)
+    quantized = tmp_path / "quantized"
+    shutil.copytree(written.path, quantized)
+    raw = json.loads((quantized / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}
+    (quantized / "config.json").write_text(json.dumps(raw))
+    code, report = run_json(capsys, quantized)
+    assert code == 1
+    assert report["quantization"] == {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    assert len(report["problems"]) == 1 and "quantized base" in report["problems"][0]
+    assert "NVFP4" in report["problems"][0]
+    # A bare text-only config with a quantization_config is reported the same way.
+    config = write_config(tmp_path / "config.json", QWEN3_5_35B_A3B, multimodal=False,
+                          quantization_config={"quant_method": "fp8"})
+    code, report = run_json(capsys, config)
+    assert code == 1 and "quantized base" in report["problems"][0]
+    assert report["head_parameters"] == 844_640_768
+
+
+def test_reports_unreadable_checkpoints(donor, tmp_path, capsys):
+    written, _ = donor
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(written.path, corrupt)
+    (corrupt / ckpt_io.INDEX_NAME).write_text("{ not json")
+    code, report = run_json(capsys, corrupt)
+    assert code == 1 and "not valid JSON" in report["problems"][0] and ckpt_io.INDEX_NAME in report["problems"][0]
+    # What the config says is still reported.
+    assert report["head_parameters"] == head_numel_on_disk(written.path)
+
+    code, report = run_json(capsys, tmp_path / "nowhere")
+    assert code == 1 and "no such config file" in report["problems"][0]
