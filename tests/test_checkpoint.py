@@ -14,8 +14,10 @@ from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.checkpoint import FUSED, PER_EXPERT, CheckpointError, SafetensorsCheckpoint
-from occamy_mtp.head import MTPHead, SharedWeights
+from occamy_mtp.head import SharedWeights
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 QWEN3_5, QWEN3_NEXT = "qwen3_5_moe_text", "qwen3_next"
 

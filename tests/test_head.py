@@ -17,6 +17,8 @@ from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 QWEN3_5, QWEN3_NEXT = "qwen3_5_moe_text", "qwen3_next"
 STEPS = 3  # what `--speculative-num-steps 3` runs
 ATOL = RTOL = 1e-5  # float32 throughout
@@ -144,7 +146,6 @@ class Float32Models:
         self.windows = torch.randint(self.text_config.vocab_size, (2, MAX_LENGTH + 1), generator=generator)
         with torch.no_grad():
             self.hidden = self.base.model(input_ids=self.windows[:, :-1]).last_hidden_state  # (2, MAX_LENGTH, D)
-
 
     def head(self, attn_implementation: str = "sdpa", experts_implementation: str | None = None) -> MTPHead:
         head = MTPHead(self.text_config, self.shared, attn_implementation, experts_implementation)

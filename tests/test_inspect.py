@@ -18,6 +18,8 @@ from occamy_mtp.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
 from occamy_mtp.inspect import main
 from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 QWEN3_5, QWEN3_NEXT = "qwen3_5_moe_text", "qwen3_next"
 
 # Real dimensions (SPEC section 1; Qwen3-Next-80B-A3B's config.json).
