@@ -449,9 +449,11 @@ def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = Fa
 
     weight_files = sorted(set(base_ckpt.weight_map.values()))
     plans = plan_shards(base, weight_files)
-    kept_names = {p.name for p in plans if p.action != DROP}
     entries = sorted(p.name for p in base.iterdir())
-    if head_path.name in kept_names or (head_path.name in entries and head_path.name not in weight_files):
+    # The head may take the name of a base shard that held only mtp.* (e.g. when the
+    # base is itself an assembled directory); any other clash would hide a base file.
+    dropped = {p.name for p in plans if p.action == DROP}
+    if head_path.name in entries and head_path.name not in dropped:
         raise AssemblyError(
             f"--head {head_file}: the base already has a file named {head_path.name}; rename the head file"
         )

@@ -317,6 +317,30 @@ def test_qwen3_next_config_fields(tmp_path):
     assert_serves_head(tmp_path / "serve", base.text_config, head, head_file.name)
 
 
+def test_reassembling_onto_an_assembled_dir(base, tmp_path):
+    """The first head becomes an mtp.*-only shard of the new base: dropped, and its name reused."""
+    head_file = tmp_path / "mtp-trained.safetensors"
+    write_head(base.path, head_file)
+    asm.assemble(base.path, head_file, tmp_path / "first")
+    (tmp_path / "second-head").mkdir()
+    second_file = tmp_path / "second-head" / "mtp-trained.safetensors"
+    head_variant(tmp_path / "first", second_file, lambda t: t.update({"mtp.norm.weight": t["mtp.norm.weight"] + 1}))
+    before = tree_state(tmp_path / "first")
+
+    report = asm.assemble(tmp_path / "first", second_file, tmp_path / "second")
+
+    assert tree_state(tmp_path / "first") == before
+    assert report.dropped_shards == [second_file.name]
+    assert_serves_head(tmp_path / "second", base.text_config, base_tensors(second_file), second_file.name)
+
+
+def test_head_name_clashing_with_a_base_file(base, tmp_path):
+    head_file = tmp_path / "model-00001-of-00003.safetensors"
+    write_head(base.path, head_file)
+    with pytest.raises(asm.AssemblyError, match="already has a file named model-00001-of-00003.safetensors"):
+        asm.assemble(base.path, head_file, tmp_path / "serve")
+
+
 # ----------------------------------------------------------------------------------
 # Quantized bases
 # ----------------------------------------------------------------------------------
