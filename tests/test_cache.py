@@ -1,0 +1,347 @@
+"""The offline target cache against the online base pass (occamy_mtp.cache).
+
+Cached outputs equal the online ones bit for bit; a run trained from the cache ends with
+the same head as the online run; a foreign base, changed data or changed settings is
+refused with the differing part named; an interrupted pass resumes into the identical
+cache; a corrupted or truncated shard is detected and recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from occamy_mtp import cache as C
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import train as train_module
+from occamy_mtp.config import load_config
+from occamy_mtp.data import Window, prepare_windows
+from occamy_mtp.target import base_outputs
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+
+CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
+WINDOW_SETTINGS = dict(context_tokens=16, answer_tokens=48, train_conversations=6, heldout_conversations=2)
+HIDDEN_SIZE = 64  # the tiny models'
+# fp32 hidden (64 x 4 bytes) + int32 id and greedy: 264 bytes per token, so two
+# 64-token windows per shard and four shards for the 8 windows.
+SHARD_BYTES = 2 * 64 * (HIDDEN_SIZE * 4 + 8)
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class WindowOutputs:
+    hidden: torch.Tensor  # (T, D)
+    greedy: torch.Tensor  # (T,)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny base's forward is ~30x slower with 2 threads on 2 busy shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    tokenizer_dir = build_tokenizer(root / "tokenizer")
+    base = build_tiny_checkpoint(root / "base", seed=2, tokenizer_dir=tokenizer_dir)
+    donor = build_tiny_checkpoint(root / "donor", layout=ckpt_io.FUSED, multimodal=False, seed=1)
+    data_file = root / "sample.jsonl"
+    data_file.write_text("\n".join(SAMPLE_DATA_PATH.read_text().splitlines()[:CONVERSATIONS]) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    data = prepare_windows([data_file], tokenizer, **WINDOW_SETTINGS)
+    model = ckpt_io.load_base(base.path, dtype=torch.float32)
+    identity = C.cache_identity(base.path, data, "float32", "sdpa")
+    directory = root / "targets"
+    C.build_cache(directory, identity, C.all_window_ids(data), C.plain_compute(model), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    return {
+        "root": root, "base_path": base.path, "donor_path": donor.path, "tokenizer": tokenizer, "data_file": data_file,
+        "data": data, "base": model, "identity": identity, "directory": directory,
+    }
+
+
+def online(base, windows):
+    return base_outputs(base, *C.padded_ids([w.input_ids for w in windows]))
+
+
+def counting(compute, calls: list):
+    """`compute`, recording the windows of every call."""
+
+    def counted(windows):
+        calls.append(list(windows))
+        return compute(windows)
+
+    return counted
+
+
+def shard_bytes(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.glob("*.safetensors"))}
+
+
+def copy_cache(world, name: str) -> Path:
+    return Path(shutil.copytree(world["directory"], world["root"] / name))
+
+
+# ----------------------------------------------------------------------------------
+# Equality with the online path
+# ----------------------------------------------------------------------------------
+
+
+def test_cached_outputs_equal_online_outputs_exactly(world):
+    cache = C.TargetCache.open(world["directory"], world["identity"])
+    windows = C.all_windows(world["data"])
+    assert len(cache) == len(windows) == 8
+    manifest = json.loads((world["directory"] / C.MANIFEST_NAME).read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 4
+    for window in windows:
+        input_ids, mask = C.padded_ids([window.input_ids])
+        expected, got = online(world["base"], [window]), cache.outputs(input_ids, mask)
+        assert got.hidden.dtype == expected.hidden.dtype == torch.float32
+        assert got.greedy.dtype == expected.greedy.dtype == torch.long
+        assert torch.equal(got.hidden, expected.hidden) and torch.equal(got.greedy, expected.greedy)
+
+
+def test_padded_batch_equals_online_when_batched_alike(world, tmp_path):
+    """Windows of different lengths in one padded batch: the pass batched the same way
+    gives the online batch's values bit for bit on every real position, zeros on padding."""
+    full = C.all_windows(world["data"])[:3]
+    windows = [Window(w.conversation_hash, w.turn_index, w.input_ids[:length], w.answer_start) for w, length in zip(full, (64, 37, 50))]
+    identity = C.CacheIdentity(world["identity"].base, {"windows": "truncated"}, world["identity"].settings)
+    C.build_cache(tmp_path / "c", identity, [w.input_ids for w in windows], C.plain_compute(world["base"], windows_per_batch=3),
+                  hidden_size=HIDDEN_SIZE, compute_name=C.plain_compute_name(3))
+    cache = C.TargetCache.open(tmp_path / "c", identity)
+    input_ids, mask = C.padded_ids([w.input_ids for w in windows])
+    expected, got = online(world["base"], windows), cache.outputs(input_ids, mask)
+    for row, window in enumerate(windows):
+        length = len(window.input_ids)
+        assert torch.equal(got.hidden[row, :length], expected.hidden[row, :length])
+        assert torch.equal(got.greedy[row, :length], expected.greedy[row, :length])
+        assert not got.hidden[row, length:].any() and not got.greedy[row, length:].any()
+
+
+def test_padded_ids_are_collate_s(world):
+    windows = C.all_windows(world["data"])[:2]
+    short = [windows[0], Window(windows[1].conversation_hash, 0, windows[1].input_ids[:20], 4)]
+    for batch in (windows, short):
+        input_ids, mask = C.padded_ids([w.input_ids for w in batch])
+        collated = train_module.collate(batch, "cpu")
+        assert torch.equal(input_ids, collated.input_ids)
+        assert (mask is None and collated.attention_mask is None) or torch.equal(mask, collated.attention_mask)
+
+
+def run_config(world, output: Path) -> Path:
+    path = output.parent / f"{output.name}.yaml"
+    settings = "\n".join(f"  {k}: {v}" for k, v in WINDOW_SETTINGS.items())
+    path.write_text(
+        f"model:\n  base: {world['base_path']}\n  donor_head: {world['donor_path']}\n  dtype: float32\n"
+        f"data:\n  files: [{world['data_file']}]\n{settings}\n"
+        "train:\n  epochs: 1\n  windows_per_step: 1\n  lr: 1.0e-2\n  lr_warmup_steps: 1\n  checkpoint_every_steps: 100\n"
+        f"output:\n  dir: {output}\n"
+    )
+    return path
+
+
+def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
+    """train() itself, once online and once with its base call answered by the cache
+    (as the integration will do): the trained tensors are bit-identical."""
+    online_config = load_config(run_config(world, world["root"] / "run-online"))
+    cached_config = load_config(run_config(world, world["root"] / "run-cached"))
+    directory = world["root"] / "targets-cli"
+    assert C.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
+    # The CLI built exactly the cache of the library pass.
+    assert shard_bytes(directory) == shard_bytes(world["directory"])
+    again = C.build_for_config(cached_config, directory, compute=lambda windows: pytest.fail("a complete cache is recomputed"), log=lambda m: None)
+    assert again["complete"]
+
+    train_module.train(online_config)
+    cache = C.open_targets(directory, world["base_path"], world["data"], "float32", "sdpa")
+    calls = []
+
+    def from_cache(base, input_ids, attention_mask=None):
+        calls.append(input_ids.shape)
+        return cache.outputs(input_ids, attention_mask)
+
+    monkeypatch.setattr(train_module, "base_outputs", from_cache)
+    train_module.train(cached_config)
+    assert len(calls) == len(world["data"].train)
+    trained_online = load_file(world["root"] / "run-online" / train_module.TRAINED_TENSORS)
+    trained_cached = load_file(world["root"] / "run-cached" / train_module.TRAINED_TENSORS)
+    assert trained_online.keys() == trained_cached.keys() and trained_online
+    for name in trained_online:
+        assert torch.equal(trained_online[name], trained_cached[name]), name
+    donor = ckpt_io.SafetensorsCheckpoint(world["donor_path"])
+    assert not torch.equal(trained_online["fc.weight"].to(torch.bfloat16), donor.get("mtp.fc.weight"))  # it did train
+
+
+def test_online_source_is_base_outputs(world):
+    source = C.open_targets("", world["base_path"], world["data"], "float32", "sdpa", base=world["base"])
+    window = C.all_windows(world["data"])[0]
+    expected, got = online(world["base"], [window]), source.outputs(*C.padded_ids([window.input_ids]))
+    assert torch.equal(got.hidden, expected.hidden) and source.provenance() == {"source": "online"}
+    with pytest.raises(ValueError, match="base itself is needed"):
+        C.open_targets("", world["base_path"], world["data"], "float32", "sdpa")
+
+
+def test_shared_weights_only_are_the_base_s(world):
+    shared = C.load_shared_weights(world["base_path"], dtype=torch.float32)
+    assert torch.equal(shared.embed_tokens.weight, world["base"].model.embed_tokens.weight)
+    assert torch.equal(shared.lm_head.weight, world["base"].lm_head.weight)
+    assert not shared.embed_tokens.weight.requires_grad and not shared.lm_head.weight.requires_grad
+
+
+# ----------------------------------------------------------------------------------
+# Refusals
+# ----------------------------------------------------------------------------------
+
+
+def test_foreign_base_is_refused(world):
+    """Same config, other weights (what a fine-tuned base looks like): the base part differs."""
+    other = build_tiny_checkpoint(world["root"] / "other-base", seed=3, with_head=False)
+    identity = C.cache_identity(other.path, world["data"], "float32", "sdpa")
+    with pytest.raises(C.CacheError) as err:
+        C.TargetCache.open(world["directory"], identity)
+    message = str(err.value)
+    assert "base: files." in message and "fingerprint" in message
+    assert "data:" not in message and "settings:" not in message
+
+
+def test_changed_data_is_refused(world):
+    """Other conversations with the same settings: only the data part differs."""
+    shifted = world["root"] / "shifted.jsonl"
+    shifted.write_text("\n".join(SAMPLE_DATA_PATH.read_text().splitlines()[CONVERSATIONS : 2 * CONVERSATIONS]) + "\n")
+    data = prepare_windows([shifted], world["tokenizer"], **WINDOW_SETTINGS)
+    with pytest.raises(C.CacheError) as err:
+        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], data, "float32", "sdpa"))
+    message = str(err.value)
+    assert "data: window_ids_sha256" in message
+    assert "base:" not in message and "settings:" not in message
+
+
+def test_changed_settings_are_refused(world):
+    with pytest.raises(C.CacheError, match="settings: dtype: float32 in the cache vs bfloat16 for this run"):
+        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa"))
+    with pytest.raises(C.CacheError, match="settings: attn_implementation"):
+        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], world["data"], "float32", "eager"))
+    shorter = prepare_windows([world["data_file"]], world["tokenizer"], **{**WINDOW_SETTINGS, "answer_tokens": 40})
+    with pytest.raises(C.CacheError) as err:
+        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], shorter, "float32", "sdpa"))
+    assert "settings: windows.answer_tokens: 48 in the cache vs 40 for this run" in str(err.value)
+
+
+def test_pass_refuses_another_cache_or_a_non_cache_directory(world, tmp_path):
+    bf16 = C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa")
+    with pytest.raises(C.CacheError, match="holds a target cache for another base, data or settings"):
+        C.build_cache(world["directory"], bf16, C.all_window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(C.CacheError, match="not empty"):
+        C.build_cache(tmp_path, world["identity"], C.all_window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+    with pytest.raises(C.CacheError, match="no target cache here"):
+        C.TargetCache.open(tmp_path, world["identity"])
+
+
+def test_a_window_not_in_the_cache_is_an_error(world):
+    cache = C.TargetCache.open(world["directory"], world["identity"], verify=False)
+    window = C.all_windows(world["data"])[0]
+    with pytest.raises(C.CacheError, match="no window with these 63 token ids"):
+        cache.outputs(torch.tensor([window.input_ids[:63]]))
+
+
+# ----------------------------------------------------------------------------------
+# Interruption and corruption
+# ----------------------------------------------------------------------------------
+
+
+def test_interrupted_pass_resumes_into_the_identical_cache(world, tmp_path):
+    directory = tmp_path / "targets"
+    windows = C.all_window_ids(world["data"])
+    plain = C.plain_compute(world["base"])
+    calls = []
+
+    def dies_in_shard_2(batch):  # called once per shard
+        calls.append(batch)
+        if len(calls) == 2:
+            plain(batch[:1])  # killed midway through shard 2's forwards
+            raise Interrupted
+        return plain(batch)
+
+    build = dict(hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    with pytest.raises(Interrupted):
+        C.build_cache(directory, world["identity"], windows, dies_in_shard_2, **build)
+    manifest = json.loads((directory / C.MANIFEST_NAME).read_text())
+    assert [s["sha256"] is not None for s in manifest["shards"]] == [True, False, False, False]
+    assert sorted(p.name for p in directory.iterdir()) == [C.MANIFEST_NAME, manifest["shards"][0]["file"]]
+    with pytest.raises(C.CacheError, match=r"incomplete target cache \(1 of 4 shards done\)"):
+        C.TargetCache.open(directory, world["identity"])
+    # A write killed before its rename leaves a temporary file: never referenced, removed.
+    (directory / f".{manifest['shards'][1]['file']}.x1y2.tmp").write_bytes(b"half a shard")
+    with pytest.raises(C.CacheError, match="started with compute 'target.base_outputs, 1 window"):
+        C.build_cache(directory, world["identity"], windows, plain, compute_name=C.plain_compute_name(2), **build)
+
+    calls.clear()
+    C.build_cache(directory, world["identity"], windows, counting(plain, calls), **build)
+    assert [ids for batch in calls for ids in batch] == windows[2:]  # shard 1 is not computed again
+    assert shard_bytes(directory) == shard_bytes(world["directory"])
+    assert not any(p.name.endswith(".tmp") for p in directory.iterdir())
+    reference = json.loads((world["directory"] / C.MANIFEST_NAME).read_text())
+    resumed = json.loads((directory / C.MANIFEST_NAME).read_text())
+    assert resumed["shards"] == reference["shards"] and resumed["key"] == reference["key"]
+    C.TargetCache.open(directory, world["identity"])
+
+
+def test_corrupted_or_truncated_shard_is_detected_and_recomputed(world):
+    directory = copy_cache(world, "corrupted")
+    manifest = json.loads((directory / C.MANIFEST_NAME).read_text())
+    second = directory / manifest["shards"][1]["file"]
+    data = bytearray(second.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one hidden value
+    second.write_bytes(bytes(data))
+    with pytest.raises(C.CacheError, match=rf"{second.name}: sha256 differs from the manifest's \(corrupted\)"):
+        C.TargetCache.open(directory, world["identity"])
+    third = directory / manifest["shards"][2]["file"]
+    third.write_bytes(third.read_bytes()[:-10])
+    with pytest.raises(C.CacheError, match=rf"{third.name}: \d+ bytes, the manifest says \d+ \(truncated"):
+        C.TargetCache.open(directory, world["identity"], verify=False)
+
+    calls = []
+    plain = C.plain_compute(world["base"])
+    C.build_cache(directory, world["identity"], C.all_window_ids(world["data"]), counting(plain, calls),
+                  hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    assert calls == [list(C.all_window_ids(world["data"])[2:4]), list(C.all_window_ids(world["data"])[4:6])]  # the damaged shards only
+    assert shard_bytes(directory) == shard_bytes(world["directory"])
+    C.TargetCache.open(directory, world["identity"])
+
+
+def test_a_shard_from_another_cache_is_detected(world, tmp_path):
+    """A shard file copied in from another cache, manifest edited to match its size and hash."""
+    directory = copy_cache(world, "mixed")
+    bf16 = C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa")
+    windows = C.all_window_ids(world["data"])[:2]
+    other = tmp_path / "other"
+    plain = C.plain_compute(world["base"])
+
+    def in_bf16(batch):
+        return [WindowOutputs(out.hidden.bfloat16(), out.greedy) for out in plain(batch)]
+
+    C.build_cache(other, bf16, windows, in_bf16, hidden_size=HIDDEN_SIZE)
+    manifest = json.loads((directory / C.MANIFEST_NAME).read_text())
+    foreign = next(other.glob("*.safetensors"))
+    target = directory / manifest["shards"][0]["file"]
+    shutil.copyfile(foreign, target)
+    manifest["shards"][0].update(bytes=target.stat().st_size, sha256=C._sha256_file(target))
+    ckpt_io.write_json(directory / C.MANIFEST_NAME, manifest)
+    with pytest.raises(C.CacheError, match="written for another cache"):
+        C.TargetCache.open(directory, world["identity"])
