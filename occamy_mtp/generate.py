@@ -1,0 +1,803 @@
+"""Self-distilled data: the frozen base's own greedy answers to a chat dataset's prompts.
+
+Offline chained acceptance is exact only on text the base itself generated greedily
+(SPEC section 4), and training on such text trains for the steps serving runs. This
+module rewrites a chat dataset's answers with the frozen base:
+
+    python -m occamy_mtp.generate --base DIR --data data/sample.jsonl --out runs/selfgen.jsonl
+
+The flow, top to bottom:
+
+1. Read the conversations with `occamy_mtp.data`'s own reader and normaliser, with the
+   same exclusions (counted per reason, as `prepare_windows` counts them), and select
+   the assistant turn(s) to regenerate (`turns`, "last" by default).
+2. Render each prompt exactly as a window's context is rendered: the template up to the
+   chosen turn, `add_generation_prompt=True`, `enable_thinking=False`
+   (`data.render_turn`), tokenized on its own.
+3. Generate greedily with `greedy_generate` (batched; token-identical to decoding each
+   prompt alone with a full forward per step, see there), until an end-of-turn token or
+   `max_new_tokens`.
+4. Write one JSONL record per regenerated turn, in input order:
+       {"messages": [...prompt messages..., {"role": "assistant", "content": text}],
+        "meta": {"source": "file:line", "source_hash", "turn_index", "prompt_tokens",
+                 "generated_tokens", "generated_token_ids", "finished", "roundtrip"}}
+   The prompt messages are the NORMALISED originals (OpenAI style, string content:
+   ShareGPT input comes out as role/content). Messages after the regenerated turn are
+   dropped: they answered an assistant turn the base did not write. With turns="every"
+   each assistant turn gives its own record whose prompt holds the ORIGINAL earlier
+   answers. Read the output with `prepare_windows(..., turns="last")`: that window is
+   the generated turn.
+   `generated_token_ids` are the base's tokens, ending with the end-of-turn token when
+   `finished`; `text` is their decoding without it. `generated_tokens` counts them.
+
+Round trip. Training and evaluation re-tokenize the text through the chat template
+(`data.tokenize_turn`). That gives back exactly `generated_token_ids` (plus the
+template's `<|im_end|>` when unfinished, which a window of `answer_tokens <=
+max_new_tokens` never reaches) unless one of these holds, checked in this order and
+recorded per record in `meta.roundtrip` and counted in the sidecar:
+  - "different_end_token": generation stopped on an end token other than the template's
+    (e.g. `<|endoftext|>`); the template closes the turn with its own.
+  - "lossy_decode": the tokens are not valid UTF-8 as a whole (typically a multi-byte
+    character cut by `max_new_tokens`), so the text holds U+FFFD.
+  - "special_token_in_text": the base wrote a special token mid-answer; `prepare_windows`
+    excludes such a record (SPECIAL_TOKEN_IN_TEXT), as it does for original data.
+  - "template_rewrote_text": the template changes the text (Qwen's trims leading and
+    trailing whitespace, and splits content at `</think>`).
+  - "retokenized": the text's canonical BPE tokenization differs from the tokens the
+    base produced (a model may emit "he" + "llo" where the tokenizer merges "hello").
+  Otherwise "exact". For the non-exact ones, evaluation that needs the base's exact
+  tokens uses `meta.generated_token_ids`.
+
+Resume. The output is append-only: one line per finished record, written and flushed
+once its batch is done (fsync per batch). On restart the existing lines are read, the
+records already there (by `source_hash` and `turn_index`) are skipped, and good lines
+are never rewritten. A last line without its newline (a kill mid-write) is cut off and
+reported (`torn_lines_dropped`); any other unreadable line is an error. Batches are
+fixed chunks of the full prompt list, and a batch with any record missing is generated
+whole (only the missing records are written), so a resumed run computes every record
+in the same batch as an uninterrupted one and writes the same file byte for byte.
+
+A sidecar `<out>.meta.json` (written atomically) holds the settings, the base's and
+tokenizer's identity and the counts. Resuming onto an output made with a different
+base, tokenizer/template or content setting (`COMPARED_SETTINGS`) is refused. Batch
+size and device are recorded per run but not compared: they change only floating-point
+near-ties (see `greedy_generate`), not what the text is.
+
+Train/heldout: `prepare_windows` splits by the hash of the whole conversation, which
+includes the generated answer, so the split of a regenerated file is not the split of
+its source. Use the regenerated file for both sides, or keep the heldout prompts out of
+the regeneration, rather than mixing a regenerated train side with an original heldout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from occamy_mtp import __version__
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import data as D
+
+# ---------------------------------------------------------------------------- settings
+
+DEFAULT_MAX_NEW_TOKENS = D.DEFAULT_ANSWER_TOKENS  # a window scores at most this many answer tokens
+DEFAULT_BATCH_SIZE = 8
+SIDECAR_SUFFIX = ".meta.json"
+SIDECAR_FORMAT = 1
+# Any id works for padding: padded positions are masked out of every layer (see _greedy_batch).
+PAD_INPUT_ID = 0
+# Weights fingerprint: blocks read from each safetensors file, evenly spaced.
+FINGERPRINT_BLOCKS_PER_FILE = 16
+FINGERPRINT_BLOCK_BYTES = 64 * 1024
+# Settings that change what the generated text is: a resume must match them.
+COMPARED_SETTINGS = ("turns", "max_new_tokens", "eos_token_ids", "enable_thinking", "dtype", "exclude", "skip_bad_records")
+# Tokenizer fields that change the rendering (its path may differ between runs).
+COMPARED_TOKENIZER_FIELDS = ("vocab_size", "eos_token", "chat_template_sha256")
+COMPARED_BASE_FIELDS = ("config_sha256", "weights_sample_sha256")
+
+# meta.roundtrip values, in the order they are checked (see the module docstring).
+ROUNDTRIP_EXACT = "exact"
+DIFFERENT_END_TOKEN = "different_end_token"
+LOSSY_DECODE = "lossy_decode"
+SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"
+TEMPLATE_REWROTE_TEXT = "template_rewrote_text"
+RETOKENIZED = "retokenized"
+ROUNDTRIP_OUTCOMES = (ROUNDTRIP_EXACT, DIFFERENT_END_TOKEN, LOSSY_DECODE, SPECIAL_TOKEN_IN_TEXT, TEMPLATE_REWROTE_TEXT, RETOKENIZED)
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+class GenerateError(ValueError):
+    """An output that cannot be resumed, or an argument that cannot work; says which and why."""
+
+
+# ---------------------------------------------------------------------------- greedy decoding
+
+
+@torch.no_grad()
+def greedy_generate(
+    base,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    batch_size: int,
+) -> list[list[int]]:
+    """Greedy continuations of `prompts` by the frozen base, `batch_size` prompts at a time.
+
+    `base` is a transformers Qwen3.5-MoE / Qwen3-Next causal LM (`checkpoint.load_base`)
+    on any device. Returns, per prompt and in order, the generated token ids: up to
+    `max_new_tokens` of them, ending with the first token in `eos_token_ids` when one is
+    generated (it is included; a continuation is finished iff its last id is in the set).
+
+    Equal to decoding each prompt alone with a full forward per step (no cache, no
+    padding): checked token for token by the tests on tiny fp32 models, with prompts of
+    different lengths in one batch. "Equal" is up to floating point: the batched cached
+    path sums in a different order (recurrent vs chunked delta rule, padded chunk
+    alignment, batch-dependent matmul blocking), so a near-tie between the top two
+    logits can in principle resolve differently; in bf16 on a GPU such ties are real.
+    The same prompts in the same batches on the same machine give the same tokens.
+
+    Why not `base.generate`: it would apply the checkpoint's generation_config
+    (repetition penalty, top-k...) unless every field is overridden, and its handling of
+    the hybrid model's padding is not ours to pin. Here, rows are left-padded; the
+    attention mask removes padded keys from full attention, transformers'
+    `apply_mask_to_padding_states` zeroes padded inputs of the Gated DeltaNet layers
+    (zero inputs leave their conv and recurrent states at zero, as if the row started at
+    its first real token), and position ids count from each row's first real token.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
+    eos = frozenset(int(token) for token in eos_token_ids)
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        out.extend(_greedy_batch(base, [list(p) for p in prompts[start : start + batch_size]], max_new_tokens, eos))
+    return out
+
+
+def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
+    from transformers import DynamicCache
+
+    device = base.lm_head.weight.device
+    rows, longest = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((rows, longest), PAD_INPUT_ID, dtype=torch.long)
+    attention_mask = torch.zeros((rows, longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding: every row's next token is at the end
+        input_ids[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, longest - len(prompt) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
+    cache = DynamicCache(config=base.config)
+
+    generated: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * rows
+    step_ids, step_positions = input_ids, position_ids
+    for _ in range(max_new_tokens):
+        logits = base(
+            input_ids=step_ids,
+            attention_mask=attention_mask,
+            position_ids=step_positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{_cache_argument(base): cache},
+        ).logits[:, -1]  # (B, V)
+        next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
+        for row, token in enumerate(next_ids.tolist()):
+            if not finished[row]:
+                generated[row].append(token)
+                finished[row] = token in eos
+        if all(finished):
+            break
+        # Finished rows keep decoding (their tokens are discarded) so the batch keeps its shape.
+        step_ids = next_ids[:, None]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
+        step_positions = step_positions[:, -1:] + 1
+    return generated
+
+
+def _cache_argument(base) -> str:
+    """transformers 5.2x renamed `past_key_values` to `cache`; accept both."""
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def default_eos_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[int]:
+    """The tokenizer's eos, the template's end of turn, and the base's generation_config eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    end_of_turn = template_end_of_turn_id(tokenizer)
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
+    path = Path(base_dir) / "generation_config.json" if base_dir is not None else None
+    if path is not None and path.is_file():
+        configured = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(int(t) for t in (configured if isinstance(configured, list) else [configured]) if t is not None)
+    return ids
+
+
+def template_end_of_turn_id(tokenizer) -> int | None:
+    """The special token that closes an assistant turn in the chat template (Qwen: <|im_end|>)."""
+    messages = [D.Message("user", "Hi"), D.Message("assistant", "Hello")]
+    rendered = D.render_turn(tokenizer, messages, 1)
+    if isinstance(rendered, D.Excluded):
+        return None
+    span_ids = D.tokenize_turn(tokenizer, *rendered).span_ids
+    special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return span_ids[-1] if span_ids and span_ids[-1] in special else None
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One assistant turn to regenerate: the messages before it, rendered and tokenized."""
+
+    conversation: D.Conversation
+    turn_index: int  # index of the regenerated assistant message in conversation.messages
+    prompt_ids: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.conversation.content_hash, self.turn_index
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompts of some chat files and the conversations left out, per reason."""
+
+    prompts: list[Prompt]
+    files: list[dict[str, Any]]
+    conversations_read: int
+    excluded: dict[str, int]
+    excluded_examples: dict[str, list[str]]
+
+
+def read_prompts(
+    paths: Iterable[str | Path],
+    tokenizer,
+    *,
+    turns: str = "last",
+    exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
+    skip_bad_records: bool = False,
+) -> Prompts:
+    """The prompts of the selected assistant turns, in file order, with data.py's exclusions.
+
+    A conversation is kept iff `prepare_windows` would build windows from it with the
+    same `turns` and `exclude` (the same reasons, counted the same way, duplicates
+    included); its prompt is the window's context before truncation.
+    """
+    if turns not in D.TURN_CHOICES:
+        raise ValueError(f"turns must be {' or '.join(D.TURN_CHOICES)}, got {turns!r}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise D.DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    excluded: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+
+    def count(reason: str, location: str, detail: str = "") -> None:
+        excluded[reason] = excluded.get(reason, 0) + 1
+        kept = examples.setdefault(reason, [])
+        if len(kept) < D.EXAMPLE_LOCATIONS_KEPT:
+            kept.append(f"{location}: {detail}" if detail else location)
+
+    prompts: list[Prompt] = []
+    files: list[dict[str, Any]] = []
+    first_location: dict[str, str] = {}
+    conversations_read = 0
+    for path in (Path(p) for p in paths):
+        records = 0
+        for location, record in D.read_records(path):
+            records += 1
+            conversations_read += 1
+            try:
+                conversation = D.normalise_record(record, location, drop_non_text=D.NON_TEXT_CONTENT not in exclude)
+            except D.DataError as err:
+                if not skip_bad_records:
+                    raise
+                count(D.BAD_RECORD, location, str(err).removeprefix(f"{location}: "))
+                continue
+            if isinstance(conversation, D.Excluded):
+                count(conversation.reason, location, conversation.detail)
+                continue
+            if conversation.content_hash in first_location:
+                count(D.DUPLICATE_CONVERSATION, location, f"same as {first_location[conversation.content_hash]}")
+                continue
+            first_location[conversation.content_hash] = location
+            # The window builder is the judge of what is kept, so both modules exclude alike.
+            built = D.conversation_windows(tokenizer, conversation, turns=turns, exclude=exclude)
+            if isinstance(built, D.Excluded):
+                count(built.reason, location, built.detail)
+                continue
+            for turn_index in D.selected_turns(conversation, turns):
+                prompt_text, _ = D.render_turn(tokenizer, conversation.messages, turn_index)
+                prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+                prompts.append(Prompt(conversation, turn_index, prompt_ids))
+        files.append({"path": str(path), "sha256": D.file_sha256(path), "bytes": path.stat().st_size, "records": records})
+    order = {reason: i for i, reason in enumerate(D.EXCLUSION_REASONS)}
+    return Prompts(
+        prompts=prompts,
+        files=files,
+        conversations_read=conversations_read,
+        excluded={r: excluded[r] for r in sorted(excluded, key=order.__getitem__)},
+        excluded_examples={r: examples[r] for r in sorted(examples, key=order.__getitem__)},
+    )
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def roundtrip_outcome(
+    tokenizer, messages: Sequence[D.Message], generated_ids: Sequence[int], finished: bool, end_of_turn_id: int | None
+) -> str:
+    """Whether chat template + tokenizer turn the record's text back into `generated_ids`.
+
+    `messages` end with the generated assistant turn (its text); `end_of_turn_id` is
+    `template_end_of_turn_id(tokenizer)`. See the module docstring for the outcomes,
+    checked in ROUNDTRIP_OUTCOMES order.
+    """
+    text = messages[-1].content
+    content_ids = list(generated_ids[:-1] if finished else generated_ids)
+    if finished and generated_ids[-1] != end_of_turn_id:
+        return DIFFERENT_END_TOKEN
+    if not _spells_valid_utf8(tokenizer, content_ids, text):
+        return LOSSY_DECODE
+    if any(token in text for token in _special_token_texts(tokenizer)):
+        return SPECIAL_TOKEN_IN_TEXT
+    rendered = D.render_turn(tokenizer, messages, len(messages) - 1)
+    end_text = "" if end_of_turn_id is None else _decode(tokenizer, [end_of_turn_id])
+    if isinstance(rendered, D.Excluded) or not rendered[1].startswith(text + end_text):
+        return TEMPLATE_REWROTE_TEXT
+    span_ids = D.tokenize_turn(tokenizer, *rendered).span_ids
+    expected = content_ids + ([] if end_of_turn_id is None else [end_of_turn_id])
+    return ROUNDTRIP_EXACT if span_ids[: len(expected)] == expected else RETOKENIZED
+
+
+def _decode(tokenizer, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _special_token_texts(tokenizer) -> list[str]:
+    """The tokenizer's special added tokens, as data.py's SPECIAL_TOKEN_IN_TEXT check defines them."""
+    return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 / Qwen byte-level BPE: the printable character that stands for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _spells_valid_utf8(tokenizer, ids: Sequence[int], text: str) -> bool:
+    """False iff the tokens' bytes are not valid UTF-8 (their decoding then holds U+FFFD).
+
+    For byte-level BPE the bytes are read from the tokens themselves, so that a U+FFFD
+    the base really wrote is not mistaken for a broken character; for other tokenizers
+    any U+FFFD in the text counts as lossy.
+    """
+    if REPLACEMENT_CHARACTER not in text:
+        return True
+    alphabet = _byte_level_alphabet()
+    added = {token.content for token in tokenizer.added_tokens_decoder.values()}
+    raw = bytearray()
+    for token in tokenizer.convert_ids_to_tokens(list(ids)):
+        if token in added:
+            raw.extend(token.encode("utf-8"))
+        elif all(char in alphabet for char in token):
+            raw.extend(alphabet[char] for char in token)
+        else:  # not byte-level BPE
+            return False
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def make_record(
+    tokenizer, prompt: Prompt, generated_ids: Sequence[int], eos_token_ids: Collection[int], end_of_turn_id: int | None
+) -> dict[str, Any]:
+    """The JSONL record of one regenerated turn (see the module docstring)."""
+    generated_ids = [int(t) for t in generated_ids]
+    finished = bool(generated_ids) and generated_ids[-1] in eos_token_ids
+    text = _decode(tokenizer, generated_ids[:-1] if finished else generated_ids)
+    messages = list(prompt.conversation.messages[: prompt.turn_index]) + [D.Message("assistant", text)]
+    return {
+        "messages": [{"role": m.role, "content": m.content} for m in messages],
+        "meta": {
+            "source": prompt.conversation.location,
+            "source_hash": prompt.conversation.content_hash,
+            "turn_index": prompt.turn_index,
+            "prompt_tokens": len(prompt.prompt_ids),
+            "generated_tokens": len(generated_ids),
+            "finished": finished,
+            "roundtrip": roundtrip_outcome(tokenizer, messages, generated_ids, finished, end_of_turn_id),
+            "generated_token_ids": generated_ids,
+        },
+    }
+
+
+def record_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+# ---------------------------------------------------------------------------- output file
+
+
+@dataclass(frozen=True)
+class ExistingOutput:
+    """What an earlier run left in the output file."""
+
+    metas: list[dict[str, Any]]  # meta of every good record, in file order
+    good_bytes: int  # length of the file up to the end of its last good line
+    torn_bytes: int  # bytes after it (a line cut by a kill), 0 if none
+
+    @property
+    def keys(self) -> set[tuple[str, int]]:
+        return {(m["source_hash"], m["turn_index"]) for m in self.metas}
+
+
+# The meta fields a resume reads back, and their types.
+_META_TYPES = {"source_hash": str, "turn_index": int, "finished": bool, "generated_tokens": int, "roundtrip": str}
+
+
+def read_existing_output(path: Path) -> ExistingOutput:
+    """Parse an output file; a last line without its newline is torn, any other bad line an error."""
+    if not path.exists():
+        return ExistingOutput([], 0, 0)
+    raw = path.read_bytes()
+    good_bytes = raw.rfind(b"\n") + 1  # 0 when there is no complete line
+    metas: list[dict[str, Any]] = []
+    for line_number, line in enumerate(raw[:good_bytes].splitlines(), start=1):
+        try:
+            record = json.loads(line)
+            meta = record["meta"]
+            ours = isinstance(record["messages"], list) and all(isinstance(meta[k], t) for k, t in _META_TYPES.items())
+        except (ValueError, KeyError, TypeError):
+            ours = False
+        if not ours:
+            raise GenerateError(
+                f"{path}:{line_number}: not a record written by occamy_mtp.generate; "
+                "only a torn LAST line is repaired on resume: fix the file or choose another --out"
+            ) from None
+        metas.append(meta)
+    return ExistingOutput(metas, good_bytes, len(raw) - good_bytes)
+
+
+def sidecar_path(out_path: Path) -> Path:
+    return out_path.with_name(out_path.name + SIDECAR_SUFFIX)
+
+
+def checkpoint_fingerprint(directory: str | Path) -> dict[str, Any]:
+    """Identity of a base checkpoint that is cheap at 67 GB: config sha256 and a weights sample.
+
+    `weights_sample_sha256` hashes each safetensors file's name, size, header and
+    FINGERPRINT_BLOCKS_PER_FILE evenly spaced blocks. A fine-tune changes every weight,
+    so another checkpoint of the same architecture is told apart with near certainty;
+    it is a resume guard, not a content hash (TRAINING.json records full sha256s).
+    """
+    directory = Path(directory)
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ckpt_io.CheckpointError(f"{directory}: no config.json; not a checkpoint directory")
+    digest = hashlib.sha256()
+    files = ckpt_io.SafetensorsCheckpoint(directory).files()
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as handle:
+            header_bytes = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_bytes, size - 8)))
+            for block in range(FINGERPRINT_BLOCKS_PER_FILE):
+                handle.seek(size * block // FINGERPRINT_BLOCKS_PER_FILE)
+                digest.update(handle.read(FINGERPRINT_BLOCK_BYTES))
+    return {
+        "path": str(directory.resolve()),
+        "config_sha256": D.file_sha256(config),
+        "weights_sample_sha256": digest.hexdigest(),
+        "safetensors_files": len(files),
+        "safetensors_bytes": total,
+    }
+
+
+def _differences(existing: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Where an existing output's sidecar disagrees with this run, as 'what: then vs now'."""
+    differences = []
+    for section, names in (("settings", COMPARED_SETTINGS), ("base", COMPARED_BASE_FIELDS), ("tokenizer", COMPARED_TOKENIZER_FIELDS)):
+        for name in names:
+            then, now = existing.get(section, {}).get(name), current[section][name]
+            if then != now:
+                differences.append(f"{section}.{name}: {then!r} in the existing output, {now!r} now")
+    return differences
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class GenerateReport:
+    """What a run did and what the whole output file now holds (the sidecar's counts)."""
+
+    out_path: str
+    conversations_read: int
+    excluded: dict[str, int]
+    excluded_examples: dict[str, list[str]]
+    prompts_total: int  # regenerable turns in the data
+    prompts_selected: int  # after `limit`
+    skipped_done: int  # selected prompts already in the output
+    generated_now: int  # records written by this run
+    regenerated_for_batching: int  # records computed again to keep a batch whole (not written)
+    torn_lines_dropped: int
+    records_in_file: int
+    finished: int
+    unfinished: int  # stopped at max_new_tokens
+    generated_tokens: int  # in the whole file
+    roundtrip: dict[str, int] = field(default_factory=dict)  # meta.roundtrip outcome -> records
+    complete: bool = False  # every selected prompt is in the file
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def regenerate_answers(
+    files: Iterable[str | Path],
+    tokenizer,
+    base,
+    out_path: str | Path,
+    *,
+    base_identity: dict[str, Any],
+    turns: str = "last",
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    resume: bool = True,
+    eos_token_ids: Collection[int] | None = None,
+    limit: int | None = None,
+    exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
+    skip_bad_records: bool = False,
+    progress: bool = False,
+) -> GenerateReport:
+    """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
+
+    `base_identity` is `checkpoint_fingerprint(base_dir)` (compared on resume).
+    `eos_token_ids` defaults to `default_eos_token_ids(tokenizer)`. `limit` keeps the
+    first N prompts (in file order); a later run without it continues the same file.
+    With `resume=False` an existing non-empty output is an error, never overwritten.
+    Raises DataError for bad data and GenerateError for an output it must not touch.
+    """
+    started = time.perf_counter()
+    out_path = Path(out_path)
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}")
+    eos = frozenset(int(t) for t in (default_eos_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids))
+    if not eos:
+        raise ValueError("eos_token_ids is empty: every answer would run to max_new_tokens")
+    parameter = next(base.parameters())
+    settings = {
+        "turns": turns,
+        "max_new_tokens": max_new_tokens,
+        "eos_token_ids": sorted(eos),
+        "enable_thinking": False,
+        "dtype": str(parameter.dtype).removeprefix("torch."),
+        "exclude": sorted(exclude),
+        "skip_bad_records": skip_bad_records,
+    }
+    tokenizer_identity = D.tokenizer_identity(tokenizer)
+    sidecar = {"format": SIDECAR_FORMAT, "library_version": __version__, "settings": settings, "base": dict(base_identity), "tokenizer": tokenizer_identity}
+
+    # 1. What is already there: refuse before touching anything.
+    existing = read_existing_output(out_path)
+    meta_path = sidecar_path(out_path)
+    if existing.metas or existing.torn_bytes:
+        if not resume:
+            raise GenerateError(f"{out_path} exists and resume is off: choose another output or remove it (and {meta_path.name})")
+        if not meta_path.is_file():
+            raise GenerateError(f"{out_path} has records but no {meta_path.name}: its settings cannot be checked, so it is not resumed")
+        previous = json.loads(meta_path.read_text())
+        differences = _differences(previous, sidecar)
+        if differences:
+            raise GenerateError(f"{out_path} was made with other settings; not resuming onto it:\n  " + "\n  ".join(differences))
+        runs = list(previous.get("runs", []))
+    else:
+        runs = []
+
+    # 2. The prompts (a DataError stops here, before anything is written).
+    read = read_prompts(files, tokenizer, turns=turns, exclude=exclude, skip_bad_records=skip_bad_records)
+    selected = read.prompts if limit is None else read.prompts[:limit]
+    done = existing.keys
+    missing = [p for p in selected if p.key not in done]
+
+    # 3. Repair a torn last line, then append.
+    if existing.torn_bytes:  # only the bytes after the last complete line: good lines are never touched
+        os.truncate(out_path, existing.good_bytes)
+    device = str(parameter.device)
+    runs.append({"device": device, "batch_size": batch_size, "limit": limit, "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    sidecar.update(status="running", runs=runs, data=_data_section(read, limit))
+    ckpt_io.write_json(meta_path, sidecar)
+
+    end_of_turn_id = template_end_of_turn_id(tokenizer)
+    metas = list(existing.metas)
+    regenerated = 0
+    bar = _progress_bar(len(missing), progress)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with out_path.open("a", encoding="utf-8") as stream:
+        for start in range(0, len(selected), batch_size):
+            batch = selected[start : start + batch_size]
+            todo = [p.key not in done for p in batch]
+            if not any(todo):
+                continue
+            continuations = greedy_generate(
+                base, [p.prompt_ids for p in batch], max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=len(batch)
+            )
+            for prompt, needed, generated_ids in zip(batch, todo, continuations):
+                if not needed:
+                    regenerated += 1
+                    continue
+                record = make_record(tokenizer, prompt, generated_ids, eos, end_of_turn_id)
+                stream.write(record_line(record))
+                stream.flush()
+                metas.append(record["meta"])
+                done.add(prompt.key)
+            os.fsync(stream.fileno())
+            bar.update(sum(todo))
+    bar.close()
+
+    report = GenerateReport(
+        out_path=str(out_path),
+        conversations_read=read.conversations_read,
+        excluded=read.excluded,
+        excluded_examples=read.excluded_examples,
+        prompts_total=len(read.prompts),
+        prompts_selected=len(selected),
+        skipped_done=len(selected) - len(missing),
+        generated_now=len(missing),
+        regenerated_for_batching=regenerated,
+        torn_lines_dropped=int(existing.torn_bytes > 0),
+        records_in_file=len(metas),
+        finished=sum(bool(m["finished"]) for m in metas),
+        unfinished=sum(not m["finished"] for m in metas),
+        generated_tokens=sum(int(m["generated_tokens"]) for m in metas),
+        roundtrip={o: n for o in ROUNDTRIP_OUTCOMES if (n := sum(m["roundtrip"] == o for m in metas))},
+        complete=all(p.key in done for p in read.prompts),
+        seconds=time.perf_counter() - started,
+    )
+    runs[-1].update(generated=report.generated_now, torn_lines_dropped=report.torn_lines_dropped, seconds=round(report.seconds, 3))
+    sidecar.update(status="complete" if report.complete else "partial", counts=report.to_dict())
+    ckpt_io.write_json(meta_path, sidecar)
+    return report
+
+
+def _data_section(read: Prompts, limit: int | None) -> dict[str, Any]:
+    return {
+        "files": read.files,
+        "conversations_read": read.conversations_read,
+        "excluded": read.excluded,
+        "excluded_examples": read.excluded_examples,
+        "prompts": len(read.prompts),
+        "limit": limit,
+    }
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc="generate", unit="answer", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _format_report(report: GenerateReport) -> str:
+    excluded = ", ".join(f"{reason} {n}" for reason, n in report.excluded.items()) or "none"
+    roundtrip = ", ".join(f"{outcome} {n}" for outcome, n in report.roundtrip.items()) or "none"
+    return "\n".join(
+        [
+            f"conversations: {report.conversations_read} read; excluded: {excluded}",
+            f"prompts: {report.prompts_total} in the data, {report.prompts_selected} selected, "
+            f"{report.skipped_done} already done, {report.generated_now} generated now"
+            + (f"; dropped a torn last line left by an interrupted run" if report.torn_lines_dropped else ""),
+            f"output: {report.out_path}: {report.records_in_file} records ({report.finished} finished, "
+            f"{report.unfinished} cut at max-new-tokens), {report.generated_tokens} generated tokens"
+            + ("" if report.complete else "; not complete (run again without --limit to continue)"),
+            f"round trip through the template: {roundtrip}",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m occamy_mtp.generate",
+        description="Regenerate a chat dataset's answers with the frozen base (greedy, thinking disabled, resumable).",
+    )
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory (config.json + safetensors)")
+    parser.add_argument("--data", required=True, nargs="+", type=Path, help="JSONL, JSON or parquet chat files")
+    parser.add_argument("--out", required=True, type=Path, help="output JSONL (appended to and resumed when it exists)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --base)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--turns", choices=D.TURN_CHOICES, default="last", help="which assistant turns to regenerate")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="dtype of the base")
+    parser.add_argument("--limit", type=int, help="regenerate only the first N prompts (a later run continues)")
+    parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
+    parser.add_argument("--no-resume", action="store_true", help="refuse an existing output instead of continuing it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    tokenizer_dir = args.tokenizer or args.base
+    problems = [f"--data {p}: no such file" for p in args.data if not p.is_file()]
+    if not (args.base / "config.json").is_file():
+        problems.insert(0, f"--base {args.base}: no config.json (not a checkpoint directory)")
+    if not tokenizer_dir.is_dir():
+        problems.append(f"--tokenizer {tokenizer_dir}: no such directory")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        problems.append(f"--device {args.device}: CUDA is not available on this machine")
+    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("limit", 0)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            problems.append(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    if problems:  # before the slow imports and the model load: a typo fails at once
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except (OSError, ValueError) as err:
+        print(f"error: --tokenizer {tokenizer_dir}: cannot load ({err})", file=sys.stderr)
+        return 2
+    try:
+        identity = checkpoint_fingerprint(args.base)
+        base = ckpt_io.load_base(args.base, dtype=_DTYPES[args.dtype], device=args.device)
+        report = regenerate_answers(
+            args.data,
+            tokenizer,
+            base,
+            args.out,
+            base_identity=identity,
+            turns=args.turns,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            resume=not args.no_resume,
+            eos_token_ids=default_eos_token_ids(tokenizer, args.base),
+            limit=args.limit,
+            skip_bad_records=args.skip_bad_records,
+            progress=not args.no_progress,
+        )
+    except (D.DataError, GenerateError, ckpt_io.CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(_format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
