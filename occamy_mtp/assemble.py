@@ -82,6 +82,7 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.head import MTPHead
 
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
@@ -210,7 +211,9 @@ def _resolve(path: Path) -> Path:
 
 
 def check_paths(base_dir: Path, head_file: Path, out_dir: Path, force: bool) -> tuple[Path, Path, Path]:
-    base, head, out = _resolve(base_dir), _resolve(head_file), _resolve(out_dir)
+    # The head keeps the name it was given (a symlink, e.g. into a hub cache, may point
+    # at a blob without the .safetensors suffix the engines look for).
+    base, head, out = _resolve(base_dir), Path(os.path.abspath(head_file)), _resolve(out_dir)
     if not base.is_dir():
         raise AssemblyError(f"--base {base_dir}: not a directory")
     if not head.is_file():
@@ -243,8 +246,6 @@ def check_head_file(head_file: Path, text_config) -> HeadCheck:
 
     Every problem is listed (tensor, file, found and expected shape), not only the first.
     """
-    from occamy_mtp.head import MTPHead
-
     try:
         ckpt = ckpt_io.SafetensorsCheckpoint(head_file)
     except ckpt_io.CheckpointError as err:

@@ -334,6 +334,19 @@ def test_reassembling_onto_an_assembled_dir(base, tmp_path):
     assert_serves_head(tmp_path / "second", base.text_config, base_tensors(second_file), second_file.name)
 
 
+def test_head_given_as_symlink_keeps_its_name(base, tmp_path):
+    blob = tmp_path / "blobs" / "3f2a9c"  # a hub-cache blob has no .safetensors suffix
+    blob.parent.mkdir()
+    head = write_head(base.path, blob)
+    link = tmp_path / "mtp-trained.safetensors"
+    link.symlink_to(blob)
+
+    report = asm.assemble(base.path, link, tmp_path / "serve")
+
+    assert report.head_file == link.name
+    assert_serves_head(tmp_path / "serve", base.text_config, head, link.name)
+
+
 def test_head_name_clashing_with_a_base_file(base, tmp_path):
     head_file = tmp_path / "model-00001-of-00003.safetensors"
     write_head(base.path, head_file)
