@@ -219,6 +219,8 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir."""
     output_dir = Path(config.output.dir)
     accelerator = Accelerator(
+        # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
+        cpu=not torch.cuda.is_available(),
         log_with=None if config.train.tracker == "none" else config.train.tracker,
         project_dir=str(output_dir),
     )

@@ -1,0 +1,174 @@
+"""The real entry points on a tiny config: train.py, export.py, assemble_head.py.
+
+Checks the output files, that only fc and the two pre-fc norms changed, that every other
+exported tensor is bit-identical to the donor's, that TRAINING.json fits its schema and
+its metrics equal a recomputation, that a run killed midway and resumed ends with the
+identical head, and that a 2-process CPU run (gloo) works through accelerate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.record import validate_record
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+TRAINED = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e-models")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    donor = build_tiny_checkpoint(root / "donor", layout="fused", multimodal=False, seed=1, tokenizer_dir=tokenizer)
+    base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2, tokenizer_dir=tokenizer)
+    return {"base": base.path, "donor": donor.path, "tokenizer": tokenizer}
+
+
+def write_config(path: Path, models: dict, output: Path, **train) -> Path:
+    train_lines = "\n".join(f"  {k}: {v}" for k, v in {
+        "epochs": 2, "windows_per_step": 2, "lr": 1.0e-2, "lr_warmup_steps": 2,
+        "checkpoint_every_steps": 2, "log_every_steps": 2, **train}.items())
+    path.write_text(
+        "# tiny end-to-end config\n"
+        f"model:\n  base: {models['base']}\n  donor_head: {models['donor']}\n  dtype: float32\n"
+        f"data:\n  files: [{SAMPLE_DATA_PATH}]\n  context_tokens: 24\n  answer_tokens: 40\n"
+        "  train_conversations: 12\n  heldout_conversations: 4\n"
+        f"train:\n{train_lines}\n"
+        "eval:\n  draft_steps: 2\n"
+        f"output:\n  dir: {output}\n"
+    )
+    return path
+
+
+def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, models):
+    root = tmp_path_factory.mktemp("e2e-run")
+    config = write_config(root / "run.yaml", models, root / "out")
+    ok(run(["train.py", "--config", str(config)]))
+    ok(run(["export.py", "--config", str(config)]))
+    return {"config": config, "out": root / "out"}
+
+
+def test_outputs_exist_and_only_trainable_tensors_changed(trained, models):
+    out = trained["out"]
+    for name in ("mtp-trained.safetensors", "mtp_head_config.json", "TRAINING.json", "metrics.json", "config.resolved.yaml"):
+        assert (out / name).is_file(), name
+    exported = load_file(out / "mtp-trained.safetensors")
+    donor = ckpt_io.SafetensorsCheckpoint(models["donor"])
+    donor_keys = ckpt_io.head_disk_keys(donor)
+    assert set(exported) == donor_keys  # the donor's own (fused) layout, every tensor
+    for key in sorted(donor_keys):
+        same = torch.equal(exported[key].view(torch.int16), donor.get(key).view(torch.int16))
+        assert exported[key].dtype == torch.bfloat16
+        if key in TRAINED:
+            assert not same, f"{key} did not change in training"
+        else:
+            assert same, f"{key} is not trained but differs from the donor"
+
+
+def test_training_record_fits_schema_and_metrics_recompute(trained, models):
+    from transformers import AutoTokenizer
+
+    from occamy_mtp.data import prepare_windows
+    from occamy_mtp.evaluate import evaluate_head
+    from occamy_mtp.head import SharedWeights
+
+    record = json.loads((trained["out"] / "TRAINING.json").read_text())
+    assert validate_record(record) == []
+    assert record["derived"]["trainable_tensors"] == sorted(TRAINED)
+    assert record["settings"]["train"]["epochs"] == 2
+    assert record["dataset"]["windows"]["train"] == 12 and record["dataset"]["windows"]["heldout"] == 4
+    assert record["export"]["bit_identical_to_donor"] == record["export"]["tensors"] - len(TRAINED)
+    assert [f["name"] for f in record["base"]["files"]] == [p.name for p in ckpt_io.SafetensorsCheckpoint(models["base"]).files()]
+
+    # Recompute the trained head's heldout metrics from the exported file alone.
+    base = ckpt_io.load_base(models["base"], dtype=torch.float32)
+    text_config = ckpt_io.read_config(models["base"]).text_config
+    head, layout = ckpt_io.load_head(trained["out"] / "mtp-trained.safetensors", text_config,
+                                     SharedWeights(base.model.embed_tokens, base.lm_head), dtype=torch.float32)
+    assert layout == "fused"
+    tokenizer = AutoTokenizer.from_pretrained(models["tokenizer"], local_files_only=True)
+    data = prepare_windows([SAMPLE_DATA_PATH], tokenizer, context_tokens=24, answer_tokens=40,
+                           train_conversations=12, heldout_conversations=4)
+    metrics = evaluate_head(base, head, data.heldout, draft_steps=2)
+    recorded = record["metrics"]["heldout"]["trained"]
+    assert metrics.scored_positions == recorded["scored_positions"]
+    assert metrics.agreement == pytest.approx(recorded["agreement"], abs=1e-9)
+    assert metrics.data_nll == pytest.approx(recorded["data_nll"], rel=1e-6)
+    assert metrics.accepted == recorded["accepted"] and metrics.proposed == recorded["proposed"]
+
+
+def test_training_refuses_to_overwrite_and_export_refuses_foreign_tensors(trained, models, tmp_path):
+    result = run(["train.py", "--config", str(trained["config"])])
+    assert result.returncode == 2 and "--resume" in result.stdout
+    result = run(["export.py", "--config", str(trained["config"]), "train.lr=0.5"])
+    assert result.returncode == 2 and "different model/data/train settings" in result.stdout
+
+
+def test_resume_after_kill_gives_identical_head(models, tmp_path):
+    steps = {"epochs": 4, "checkpoint_every_steps": 2}
+    reference = write_config(tmp_path / "ref.yaml", models, tmp_path / "ref", **steps)
+    ok(run(["train.py", "--config", str(reference)]))
+
+    killed = write_config(tmp_path / "killed.yaml", models, tmp_path / "killed", **steps)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    process = subprocess.Popen([sys.executable, "train.py", "--config", str(killed)], cwd=REPO, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(checkpoints.glob("step-*.pt")) and process.poll() is None:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "killed" / "train-summary.json").exists(), "the run finished before it could be killed"
+    done = sorted(checkpoints.glob("step-*.pt"))
+    assert done, "no checkpoint was written before the kill"
+    total_steps = 4 * 6  # 12 windows at 2 a step, 4 epochs
+    assert int(done[-1].stem.split("-")[1]) < total_steps
+
+    ok(run(["train.py", "--config", str(killed), "--resume"]))
+    a = load_file(tmp_path / "ref" / "trained-tensors.safetensors")
+    b = load_file(tmp_path / "killed" / "trained-tensors.safetensors")
+    assert set(a) == set(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+
+
+def test_two_process_cpu_run(models, tmp_path):
+    config = write_config(tmp_path / "ddp.yaml", models, tmp_path / "ddp", epochs=1)
+    # accelerate's distributed launcher (torchrun underneath); on a machine without a GPU
+    # the Accelerator runs the processes over gloo.
+    result = run(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--config", str(config)])
+    ok(result)
+    summary = json.loads((tmp_path / "ddp" / "train-summary.json").read_text())
+    assert summary["processes"] == 2
+    assert summary["steps"] == 6  # 12 windows, 2 a step (one on each process), 1 epoch
+    tensors = load_file(tmp_path / "ddp" / "trained-tensors.safetensors")
+    assert set(tensors) == {k[len("mtp."):] for k in TRAINED}
