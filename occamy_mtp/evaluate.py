@@ -12,24 +12,44 @@ head runs the engine's K-step chain, and the metrics are:
 
 Step k >= 2 embeds the greedy token of the step before it. Where the chain is still
 accepted that is exactly the token the engine drafted, and once a step is rejected
-nothing later is counted, so the chain is the engine's. On teacher-forced data the
-hidden states come from the recorded answer rather than from the base's own greedy
-continuation, so the acceptance figure is exact only on text the base generated
-greedily (`text="self_generated"`); it is reported as an approximation otherwise.
+nothing later is counted, so the chain is the engine's.
+
+Exact or approximate. On teacher-forced data the hidden states and step-1 tokens come
+from the recorded answer, not from the base's own continuation, so the figure is exact
+only where the data token equals the base's greedy token (`data_matches_target` says how
+often it does). On text the base generated greedily itself (`self_generated_windows`,
+`--self-generated`) every data token is the greedy token, and the chain at anchor i is
+exactly what a speculative decoder drafting from anchor i proposes and verifies: the
+reference decoder's accept/reject decisions equal `chain_outcomes` at its anchors
+(tested in tests/test_decode.py). The decoder visits only the anchors where a
+verification lands, a subset that depends on earlier outcomes, so its aggregate equals
+the offline aggregate over those anchors, not over all of them.
+
+    python -m occamy_mtp.evaluate --base DIR --head FILE --donor DIR --data FILES \
+        --tokenizer DIR --steps 3 --self-generated --max-new-tokens 128 --out runs/eval
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from occamy_mtp.loss import IGNORE, chain_batch
-from occamy_mtp.target import base_outputs
+from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
 
 TEACHER_FORCED = "teacher_forced"
 SELF_GENERATED = "self_generated"
+EVALUATION_FILE = "evaluation.json"
+PLOT_FILE = "acceptance.png"
+EVALUATION_FORMAT = 1
+DEFAULT_SELF_GENERATED_TOKENS = 128  # new tokens per heldout prompt when the base writes the text
 
 
 @dataclass(frozen=True)
@@ -46,9 +66,24 @@ class Metrics:
     accept_rate: float
     text: str
     exact: bool
+    drafted: int = 0
+    """Drafted tokens (step k counted wherever its predicted position is scored): the accept-rate denominator."""
+    data_matches_target: float = 0.0
+    """Fraction of scored positions whose data token x_{i+2} equals the base's greedy token:
+    1.0 on self-generated text; where it is below 1 the acceptance figure is an approximation."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ChainOutcome:
+    """The offline chain at every anchor i of one window (anchors are positions 0..T-1)."""
+
+    scorable: tuple[int, ...]
+    """Steps k whose predicted position i+k+1 is scored (inside the window and the answer); 0: anchor not scored."""
+    accepted: tuple[int, ...]
+    """Leading steps whose argmax equals the base's greedy token (<= scorable)."""
 
 
 def acceptance_summary(proposed: list[int], accepted: list[int], drafted: int) -> tuple[list[float], float, float]:
@@ -62,7 +97,87 @@ def acceptance_summary(proposed: list[int], accepted: list[int], drafted: int) -
     return acceptance, length, rate
 
 
+def counts_from_outcomes(scorable: list[int], accepted: list[int], draft_steps: int) -> tuple[list[int], list[int], int]:
+    """(proposed_k, accepted_k, drafted) of chains that were scorable for `scorable[n]` steps and
+    accepted `accepted[n]` of them: step k is proposed when k <= accepted + 1 and k is scorable."""
+    proposed, hits, drafted = [0] * draft_steps, [0] * draft_steps, 0
+    for steps, run in zip(scorable, accepted):
+        drafted += steps
+        for k in range(min(run + 1, steps)):
+            proposed[k] += 1
+        for k in range(run):
+            hits[k] += 1
+    return proposed, hits, drafted
+
+
+# ----------------------------------------------------------------------------------
+# The offline chain
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _BatchChain:
+    """One batch through base and head: which (step, anchor) pairs are scored and accepted."""
+
+    scored: torch.Tensor  # (K, B, T) bool: step k at anchor i is scorable (step 1 scored, position inside the text)
+    hits: torch.Tensor  # (K, B, T) bool: chained acceptance (steps 1..k all accepted)
+    agree: int
+    nll_sum: float
+    data_matches: int
+    lengths: list[int]
+
+
 @torch.no_grad()
+def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
+    from occamy_mtp.train import collate  # the same batching as training
+
+    batch = collate(windows, device)
+    targets = base_outputs(base, batch.input_ids, batch.attention_mask)
+    chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps)
+    hidden = head(chain.step_token_ids, targets.hidden)  # (K, B, T, D)
+
+    valid = chain.labels != IGNORE  # (K, B, T)
+    first = valid[0]
+    h1 = hidden[0][first]  # (N, D)
+    target1 = chain.labels[0][first]
+    data1 = chain.data_labels[first]
+    agree, nll_sum = 0, 0.0
+    for start in range(0, h1.shape[0], DEFAULT_LOGITS_CHUNK_TOKENS):  # never (N x V) fp32 at once
+        stop = start + DEFAULT_LOGITS_CHUNK_TOKENS
+        logits = head.logits(h1[start:stop]).float()
+        agree += int((logits.argmax(-1) == target1[start:stop]).sum())
+        nll_sum += float(F.cross_entropy(logits, data1[start:stop], reduction="sum"))
+
+    scored = valid & first
+    hits = torch.zeros_like(scored)
+    alive = first.clone()  # anchors whose chain is still accepted
+    for k in range(draft_steps):
+        proposing = alive & scored[k]
+        if proposing.any():
+            predicted = chunked_greedy(hidden[k][proposing], head.shared.lm_head)
+            hits[k][proposing] = predicted == chain.labels[k][proposing]
+        alive = hits[k]
+    return _BatchChain(
+        scored=scored,
+        hits=hits,
+        agree=agree,
+        nll_sum=nll_sum,
+        data_matches=int((data1 == target1).sum()),
+        lengths=batch.lengths.tolist(),
+    )
+
+
+def _batches(base, head, windows, draft_steps: int, windows_per_batch: int):
+    device = next(base.parameters()).device
+    was_training = head.training
+    head.eval()
+    try:
+        for start in range(0, len(windows), windows_per_batch):
+            yield _run_batch(base, head, windows[start : start + windows_per_batch], draft_steps, device)
+    finally:
+        head.train(was_training)
+
+
 def evaluate_head(
     base,
     head,
@@ -72,48 +187,28 @@ def evaluate_head(
     text: str = TEACHER_FORCED,
 ) -> Metrics:
     """Agreement, NLL and chained acceptance of `head` on `windows` (see module docstring)."""
-    from occamy_mtp.train import collate  # the same batching as training
-
-    device = next(base.parameters()).device
-    was_training = head.training
-    head.eval()
-    scored = agree = 0
+    scored_positions = agree = data_matches = drafted = 0
     nll_sum = 0.0
     proposed = [0] * draft_steps
     accepted = [0] * draft_steps
-    drafted = 0
-    for start in range(0, len(windows), windows_per_batch):
-        batch = collate(windows[start : start + windows_per_batch], device)
-        targets = base_outputs(base, batch.input_ids, batch.attention_mask)
-        chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps)
-        hidden = head(chain.step_token_ids, targets.hidden)  # (K, B, T, D)
-
-        valid = chain.labels != IGNORE  # (K, B, T)
-        first = valid[0]
-        logits1 = head.logits(hidden[0][first]).float()
-        scored += int(first.sum())
-        agree += int((logits1.argmax(-1) == chain.labels[0][first]).sum())
-        nll_sum += float(F.cross_entropy(logits1, chain.data_labels[first], reduction="sum"))
-
-        alive = first.clone()  # anchors whose chain is still accepted
+    for result in _batches(base, head, windows, draft_steps, windows_per_batch):
+        scored_positions += int(result.scored[0].sum())
+        agree += result.agree
+        nll_sum += result.nll_sum
+        data_matches += result.data_matches
+        drafted += int(result.scored.sum())
+        previous = result.scored[0]  # step 1 is proposed wherever it is scored
         for k in range(draft_steps):
-            step_valid = valid[k]
-            drafted += int((step_valid & first).sum())
-            proposing = alive & step_valid
-            hits = torch.zeros_like(proposing)
-            if proposing.any():
-                predicted = head.logits(hidden[k][proposing]).argmax(-1)
-                hits[proposing] = predicted == chain.labels[k][proposing]
+            proposing = previous & result.scored[k]
             proposed[k] += int(proposing.sum())
-            accepted[k] += int(hits.sum())
-            alive = hits
-    head.train(was_training)
+            accepted[k] += int(result.hits[k].sum())
+            previous = result.hits[k]
     acceptance, length, rate = acceptance_summary(proposed, accepted, drafted)
     return Metrics(
         windows=len(windows),
-        scored_positions=scored,
-        agreement=agree / scored if scored else 0.0,
-        data_nll=nll_sum / scored if scored else float("nan"),
+        scored_positions=scored_positions,
+        agreement=agree / scored_positions if scored_positions else 0.0,
+        data_nll=nll_sum / scored_positions if scored_positions else float("nan"),
         draft_steps=draft_steps,
         proposed=proposed,
         accepted=accepted,
@@ -122,4 +217,221 @@ def evaluate_head(
         accept_rate=rate,
         text=text,
         exact=text == SELF_GENERATED,
+        drafted=drafted,
+        data_matches_target=data_matches / scored_positions if scored_positions else 0.0,
     )
+
+
+def chain_outcomes(base, head, windows, draft_steps: int = 3, windows_per_batch: int = 4) -> list[ChainOutcome]:
+    """Per window and anchor: how many chained steps are scorable and how many were accepted.
+
+    This is the evaluation of `evaluate_head` kept per anchor, so that it can be compared,
+    decision by decision, with a decoder that drafted from some of the anchors.
+    """
+    outcomes = []
+    for result in _batches(base, head, windows, draft_steps, windows_per_batch):
+        scorable = result.scored.sum(0)  # (B, T)
+        accepted = result.hits.sum(0)
+        for row, length in enumerate(result.lengths):
+            outcomes.append(ChainOutcome(tuple(scorable[row, :length].tolist()), tuple(accepted[row, :length].tolist())))
+    return outcomes
+
+
+# ----------------------------------------------------------------------------------
+# Self-generated heldout text
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SelfGenerated:
+    windows: list
+    generated_tokens: int
+    stopped: int
+    """Continuations that ended with a stop token (the rest hit max_new_tokens)."""
+    seconds: float
+
+
+def self_generated_windows(base, windows, max_new_tokens: int, stop_token_ids) -> SelfGenerated:
+    """Each window's context (everything before its answer) continued greedily by the base.
+
+    The context already ends with the chat template's assistant header with thinking
+    disabled (see `occamy_mtp.data`). The answer span becomes the base's own greedy
+    continuation of at most `max_new_tokens` tokens, ending at the first stop token, so
+    every scored data token is the base's greedy token and the chained acceptance is
+    exact. Windows are decoded one at a time by the reference greedy decoder
+    (`occamy_mtp.decode.greedy_decode`: prefill, then one token per forward, with the
+    transformers cache).
+    """
+    from occamy_mtp.decode import greedy_decode
+
+    started = time.perf_counter()
+    out, generated, stopped = [], 0, 0
+    for window in windows:
+        prompt = list(window.input_ids[: window.answer_start])
+        result = greedy_decode(base, prompt, max_new_tokens, stop_token_ids)
+        out.append(replace(window, input_ids=tuple(prompt) + result.output_ids))
+        generated += len(result.output_ids)
+        stopped += result.finish_reason == "stop"
+    return SelfGenerated(out, generated, stopped, time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """A side-by-side table of metrics dicts (`Metrics.to_dict()`), one column per head."""
+    names = list(results)
+    first = results[names[0]]
+    rows = [
+        ("target top-1 agreement", [f"{m['agreement']:.2%}" for m in results.values()]),
+        ("data-answer NLL", [f"{m['data_nll']:.4f}" for m in results.values()]),
+    ]
+    for k in range(first["draft_steps"]):
+        rows.append((
+            f"acceptance step {k + 1}",
+            [f"{m['acceptance'][k]:.2%} ({m['accepted'][k]}/{m['proposed'][k]})" for m in results.values()],
+        ))
+    rows.append(("mean accept length", [f"{m['mean_accept_length']:.3f}" for m in results.values()]))
+    rows.append(("accept rate", [f"{m['accept_rate']:.2%}" for m in results.values()]))
+    if first["exact"]:
+        kind = "exact (the base's own greedy text)"
+    else:
+        kind = f"approximate (teacher-forced data; data token = greedy target at {first['data_matches_target']:.1%} of positions)"
+    width = max(22, *(len(v) for _, values in rows for v in values)) + 2
+    lines = [
+        f"{first['windows']} windows, {first['scored_positions']} scored positions, {first['draft_steps']} chained steps",
+        f"acceptance is {kind}",
+        f"{'metric':<24}" + "".join(f"{name:>{width}}" for name in names),
+    ]
+    lines += [f"{label:<24}" + "".join(f"{v:>{width}}" for v in values) for label, values in rows]
+    return "\n".join(lines)
+
+
+def run_evaluation(
+    base,
+    heads: dict,
+    windows,
+    draft_steps: int,
+    out_dir: Path,
+    windows_per_batch: int = 4,
+    text: str = TEACHER_FORCED,
+    extra: dict | None = None,
+) -> dict:
+    """Evaluate each named head on the same windows; write evaluation.json and acceptance.png."""
+    from occamy_mtp.plot import plot_acceptance
+
+    started = time.perf_counter()
+    results = {name: evaluate_head(base, head, windows, draft_steps, windows_per_batch, text).to_dict() for name, head in heads.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_acceptance(results, out_dir / PLOT_FILE, title=f"chained acceptance ({'exact' if text == SELF_GENERATED else 'teacher-forced, approximate'})")
+    report = {
+        "format": EVALUATION_FORMAT,
+        "text": text,
+        "exact": text == SELF_GENERATED,
+        "draft_steps": draft_steps,
+        "heads": results,
+        "eval_seconds": time.perf_counter() - started,
+        "plot": PLOT_FILE,
+        **(extra or {}),
+    }
+    from occamy_mtp.checkpoint import write_json
+
+    write_json(out_dir / EVALUATION_FILE, report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from occamy_mtp import data as data_module
+
+    parser = argparse.ArgumentParser(
+        prog="python -m occamy_mtp.evaluate",
+        description="Offline chained acceptance, agreement and NLL of MTP heads against the frozen base, side by side.",
+    )
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
+    parser.add_argument("--head", required=True, type=Path, help="trained head: safetensors file or checkpoint directory")
+    parser.add_argument("--donor", type=Path, help="donor head (file or directory) to show beside the trained one")
+    parser.add_argument("--data", required=True, nargs="+", type=Path, help="chat data files (the heldout split is evaluated)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --base)")
+    parser.add_argument("--steps", type=int, default=3, help="chained draft steps K")
+    parser.add_argument("--self-generated", action="store_true", help="evaluate on the base's own greedy continuation of each heldout prompt (exact)")
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_SELF_GENERATED_TOKENS, help="bound of each self-generated continuation")
+    parser.add_argument("--context-tokens", type=int, default=data_module.DEFAULT_CONTEXT_TOKENS)
+    parser.add_argument("--answer-tokens", type=int, default=data_module.DEFAULT_ANSWER_TOKENS)
+    parser.add_argument("--train-conversations", type=int, default=data_module.DEFAULT_TRAIN_CONVERSATIONS, help="as in training, so the split is the same")
+    parser.add_argument("--heldout-conversations", type=int, default=data_module.DEFAULT_HELDOUT_CONVERSATIONS)
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--windows-per-batch", type=int, default=4)
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True, type=Path, help="directory for evaluation.json and acceptance.png")
+    args = parser.parse_args(argv)
+
+    for flag, path in (("--base", args.base), ("--head", args.head), ("--donor", args.donor), ("--tokenizer", args.tokenizer)):
+        if path is not None and not path.exists():
+            print(f"error: {flag} {path}: no such file or directory", file=sys.stderr)
+            return 2
+    if args.steps < 1 or args.max_new_tokens < 1:
+        print("error: --steps and --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from occamy_mtp import checkpoint as ckpt_io
+    from occamy_mtp.head import SharedWeights
+    from occamy_mtp.train import DTYPES
+
+    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.base), local_files_only=True)
+        data = data_module.prepare_windows(
+            args.data,
+            tokenizer,
+            context_tokens=args.context_tokens,
+            answer_tokens=args.answer_tokens,
+            train_conversations=args.train_conversations,
+            heldout_conversations=args.heldout_conversations,
+            split_seed=args.split_seed,
+        )
+        base = ckpt_io.load_base(args.base, dtype=dtype, device=device)
+        text_config = ckpt_io.read_config(args.base).text_config
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+        heads = {}
+        if args.donor is not None:
+            heads["donor"] = ckpt_io.load_head(args.donor, text_config, shared, dtype=dtype, device=device)[0]
+        heads["trained"] = ckpt_io.load_head(args.head, text_config, shared, dtype=dtype, device=device)[0]
+    except (ckpt_io.CheckpointError, data_module.DataError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if not data.heldout:
+        print("error: no heldout windows; check --data and --heldout-conversations", file=sys.stderr)
+        return 2
+
+    windows, text = data.heldout, TEACHER_FORCED
+    extra = {
+        "inputs": {"base": str(args.base), "head": str(args.head), "donor": None if args.donor is None else str(args.donor),
+                   "data": [str(p) for p in args.data], "dtype": args.dtype, "device": str(device)},
+        "dataset": {k: v for k, v in data.provenance().items() if k in ("files", "windows", "settings")},
+    }
+    if args.self_generated:
+        stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        generated = self_generated_windows(base, windows, args.max_new_tokens, stop)
+        windows, text = generated.windows, SELF_GENERATED
+        extra["self_generated"] = {
+            "max_new_tokens": args.max_new_tokens,
+            "stop_token_ids": sorted(stop),
+            "windows": len(windows),
+            "generated_tokens": generated.generated_tokens,
+            "stopped": generated.stopped,
+            "seconds": generated.seconds,
+            "decoder": "occamy_mtp.decode.greedy_decode (one window at a time)",
+        }
+    report = run_evaluation(base, heads, windows, args.steps, args.out, args.windows_per_batch, text, extra)
+    print(format_table(report["heads"]))
+    print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

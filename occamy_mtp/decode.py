@@ -1,0 +1,409 @@
+"""Reference decoding in plain PyTorch: greedy with the base alone, and speculative with the MTP head.
+
+`greedy_decode` is the oracle: the frozen base, one token at a time, argmax.
+`speculative_decode` drafts 1..K tokens with the head (top-1) and verifies them with one
+base forward, as SGLang's NEXTN / EAGLE worker does; it must return exactly the tokens of
+`greedy_decode` (the tests check that on many prompts, with rejections forced at every
+draft position).
+
+One round, when the text is x_0..x_{n-1} (x_{n-1} emitted but not yet seen by the base)
+and the head holds step-1 keys/values for anchors 0..n-2 (anchor i: H_i and x_{i+1}):
+
+1. draft. The chain is anchored at a = n-2. Step 1's output g1_a (computed when x_{n-1}
+   was accepted) gives d_1 = argmax(W g1_a), the draft for x_n. Step k >= 2 embeds
+   d_{k-1}, feeds g(k-1)_a back, sits at rotary position a+k-1 and attends over all
+   step-1 entries plus its own chain (SPEC section 2). The chain's keys/values are then
+   dropped again: the head cache keeps only step-1 entries of accepted text.
+2. verify. The base runs [x_{n-1}, d_1..d_k] at positions n-1..n-1+k and gives its
+   greedy y_0..y_k. d_j is accepted while d_j == y_{j-1}; with j drafts accepted the
+   round emits d_1..d_j and the bonus token y_j.
+3. roll back. Attention caches are cropped. Gated DeltaNet conv and recurrent states
+   have no per-position history (transformers can only crop conv states), so they are
+   snapshotted before the verify pass; on a rejection they are restored, the attention
+   caches cropped to n-1, and the accepted tokens [x_{n-1}, d_1..d_j] re-run (simple and
+   correct; an engine keeps per-position states instead).
+4. extend the head. Step 1 runs on the verified hidden states H_{n-1}..H_{n-1+j} with the
+   emitted tokens x_n..x_{n+j}: the head cache now holds step-1 entries of every accepted
+   position (as SGLang keeps the draft model's KV for accepted tokens), and the last
+   output anchors the next chain.
+
+Counting (SPEC section 4): step k of a round is proposed only when steps 1..k-1 were
+accepted; the round's drafted tokens are counted towards the accept rate. Steps whose
+predicted position lies beyond the end of the final text (after a stop token, or past
+`max_new_tokens`) are not counted: no text exists there to score them, offline or
+served. Drafts are capped at the tokens left in the budget, so that only a stop token
+can end the text inside a round. With that rule the counts equal the offline chained
+evaluation at the anchors the decoder drafted from (`occamy_mtp.evaluate.chain_outcomes`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+from occamy_mtp.evaluate import acceptance_summary, counts_from_outcomes
+
+# (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
+# position a+k+1. Tests use it to force rejections at chosen draft positions; None drafts
+# with the head unchanged.
+DraftOverride = Callable[[int, int, int], int]
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.2x); pass whichever the model takes."""
+    parameters = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+# ----------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """One draft-and-verify round of the speculative decoder."""
+
+    anchor: int
+    """Position a of the base hidden state H_a the chain started from (step 1 embeds x_{a+1})."""
+    drafted: tuple[int, ...]
+    """The proposed tokens d_1..d_k (k <= draft_steps: fewer near the end of the budget)."""
+    accepted: int
+    """Leading drafted tokens the base confirmed (and that lie inside the final text)."""
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """The output of one prompt; `rounds` and the counts are empty for greedy decoding."""
+
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """The base's log-probability of each output token, from the pass that chose it."""
+    finish_reason: str
+    """"stop" (a stop token was emitted, and is the last output token) or "length"."""
+    draft_steps: int = 0
+    rounds: tuple[DraftRound, ...] = ()
+    proposed: tuple[int, ...] = ()
+    """Per step k: rounds in which step k was proposed (steps 1..k-1 accepted), inside the text."""
+    accepted: tuple[int, ...] = ()
+    """Per step k: rounds in which steps 1..k were all accepted."""
+    drafted: int = 0
+    """Drafted tokens whose predicted position lies inside the text (the accept-rate denominator)."""
+
+    @property
+    def text_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def verify_passes(self) -> int:
+        return len(self.rounds)
+
+    def summary(self) -> dict:
+        """Measured acceptance: acc_k, SPEC's mean accept length and accept rate, and the
+        measured tokens per verify pass (the bonus token included)."""
+        acceptance, length, rate = acceptance_summary(list(self.proposed), list(self.accepted), self.drafted)
+        emitted_in_rounds = sum(r.accepted + 1 for r in self.rounds)
+        return {
+            "draft_steps": self.draft_steps,
+            "verify_passes": self.verify_passes,
+            "proposed": list(self.proposed),
+            "accepted": list(self.accepted),
+            "drafted": self.drafted,
+            "acceptance": acceptance,
+            "mean_accept_length": length,
+            "accept_rate": rate,
+            "tokens_per_verify_pass": emitted_in_rounds / self.verify_passes if self.rounds else 0.0,
+        }
+
+
+# ----------------------------------------------------------------------------------
+# The base, incrementally
+# ----------------------------------------------------------------------------------
+
+
+class BaseRunner:
+    """The frozen base over one growing sequence, with its transformers cache.
+
+    `forward(tokens)` runs the next tokens at positions seen..seen+m-1 and returns their
+    post-norm hidden states and fp32 logits. `snapshot()`/`restore()` put the cache back
+    to an earlier length: attention layers are cropped; Gated DeltaNet conv and
+    recurrent states are copied back from the snapshot.
+    """
+
+    def __init__(self, base):
+        self.base = base
+        self.device = next(base.parameters()).device
+        self.cache = DynamicCache(config=base.config)
+        self.seen = 0  # tokens the cache holds
+        self._cache_kwarg = _cache_kwarg(base.model)
+
+    def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, m)
+        positions = torch.arange(self.seen, self.seen + len(tokens), device=self.device)[None]
+        out = self.base.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache})
+        self.seen += len(tokens)
+        hidden = out.last_hidden_state[0]  # (m, D)
+        return hidden, self.base.lm_head(hidden).float()  # (m, D), (m, V)
+
+    def snapshot(self) -> dict:
+        linear, lengths = {}, {}
+        for index, layer in enumerate(self.cache.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):
+                linear[index] = (
+                    {i: t.clone() for i, t in layer.conv_states.items() if t is not None},
+                    {i: t.clone() for i, t in layer.recurrent_states.items() if t is not None},
+                )
+            if isinstance(layer, DynamicLayer):
+                lengths[index] = layer.get_seq_length()
+        return {"seen": self.seen, "linear": linear, "lengths": lengths}
+
+    def restore(self, snapshot: dict) -> None:
+        for index, (conv, recurrent) in snapshot["linear"].items():
+            layer = self.cache.layers[index]
+            for i, tensor in conv.items():
+                layer.conv_states[i].copy_(tensor)  # in place: the layer keeps its buffers
+            for i, tensor in recurrent.items():
+                layer.recurrent_states[i].copy_(tensor)
+        for index, length in snapshot["lengths"].items():
+            layer = self.cache.layers[index]
+            extra = layer.get_seq_length() - length
+            if extra:
+                DynamicLayer.crop(layer, -extra)
+        self.seen = snapshot["seen"]
+
+
+# ----------------------------------------------------------------------------------
+# The head, incrementally
+# ----------------------------------------------------------------------------------
+
+
+class HeadKV:
+    """The head's attention cache while decoding: committed step-1 keys/values of every
+    accepted position, followed by the current chain's (dropped by `rollback`).
+
+    Implements the `update` that transformers' attention calls (keys/values are
+    (1, kv_heads, S, head_dim)).
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.committed = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if self.keys is None:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def commit(self) -> None:
+        self.committed = self.get_seq_length()
+
+    def rollback(self) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[..., : self.committed, :]
+            self.values = self.values[..., : self.committed, :]
+
+
+def _prefix_mask(queries: int, cached: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask (1, 1, queries, cached + queries): query q sees every cached key and
+    the new keys up to itself (causal over "accepted prefix + these positions")."""
+    keys = torch.arange(cached + queries, device=device)
+    allowed = keys[None, :] <= (cached + torch.arange(queries, device=device))[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class HeadRunner:
+    """The MTP head over one growing sequence: step-1 extension and K-step chains."""
+
+    def __init__(self, head):
+        self.head = head
+        self.kv = HeadKV()
+        self.anchors = 0  # step-1 entries held (anchors 0..anchors-1)
+
+    def extend(self, next_tokens: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Step 1 at anchors anchors..anchors+m-1: embeds x_{i+1} (`next_tokens`), sees H_i
+        (`hidden`, (m, D)); returns the post-norm outputs (m, D) and commits their keys/values."""
+        m = len(next_tokens)
+        ids = torch.tensor([list(next_tokens)], dtype=torch.long, device=hidden.device)
+        projected = self.head.project(ids, hidden[None])  # (1, m, D)
+        positions = torch.arange(self.anchors, self.anchors + m, device=hidden.device)[None]
+        mask = _prefix_mask(m, self.kv.get_seq_length(), projected.dtype, hidden.device)
+        out = self.head.backbone(projected, positions, mask, self.kv)[0]  # (m, D)
+        self.kv.commit()
+        self.anchors += m
+        return out
+
+    def chain(
+        self, first: torch.Tensor, steps: int, override: Callable[[int, int], int] | None = None
+    ) -> tuple[list[int], torch.Tensor]:
+        """Draft `steps` tokens from step 1's output `first` (D,) at the last anchor.
+
+        Step k >= 2 embeds the token drafted at step k-1, feeds back step k-1's post-norm
+        output and sits at rotary position anchor + k - 1. The chain's keys/values are
+        rolled back afterwards. Returns the drafted tokens and the post-norm outputs
+        g1..gk (k, D).
+        """
+        anchor = self.anchors - 1
+        drafted: list[int] = []
+        outputs = [first]
+        for step in range(1, steps + 1):
+            if step > 1:
+                ids = torch.tensor([[drafted[-1]]], dtype=torch.long, device=first.device)
+                projected = self.head.project(ids, outputs[-1][None, None])
+                position = torch.tensor([[anchor + step - 1]], device=first.device)
+                mask = _prefix_mask(1, self.kv.get_seq_length(), projected.dtype, first.device)
+                outputs.append(self.head.backbone(projected, position, mask, self.kv)[0, 0])
+            token = int(self.head.logits(outputs[-1]).argmax(-1))
+            drafted.append(override(step, token) if override is not None else token)
+        self.kv.rollback()
+        return drafted, torch.stack(outputs)
+
+
+# ----------------------------------------------------------------------------------
+# Decoders
+# ----------------------------------------------------------------------------------
+
+
+def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty: the base needs at least one token to continue")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+@torch.no_grad()
+def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()) -> DecodeResult:
+    """Plain greedy decoding with the base: prefill, then one token per forward."""
+    _check_prompt(prompt_ids, max_new_tokens)
+    runner = BaseRunner(base)
+    _, logits = runner.forward(prompt_ids)
+    output, logprobs = [], []
+    while True:
+        scores = logits[-1]
+        token = int(scores.argmax())
+        output.append(token)
+        logprobs.append(float(F.log_softmax(scores, dim=-1)[token]))
+        if token in stop_token_ids:
+            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), "stop")
+        if len(output) == max_new_tokens:
+            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), "length")
+        _, logits = runner.forward([token])
+
+
+@dataclass
+class _Round:
+    anchor: int
+    drafted: list[int]
+    accepted: int
+
+
+@torch.no_grad()
+def speculative_decode(
+    base,
+    head,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    draft_steps: int = 3,
+    stop_token_ids: Collection[int] = (),
+    draft_override: DraftOverride | None = None,
+) -> DecodeResult:
+    """Greedy decoding of the base, accelerated by drafting `draft_steps` tokens with the head.
+
+    The output is token-identical to `greedy_decode` by construction (every emitted token
+    is the base's argmax given the accepted text); see the module docstring for the
+    round, the cache rollback and how acceptance is counted. `draft_override` replaces
+    drafted tokens (tests force rejections with it).
+    """
+    _check_prompt(prompt_ids, max_new_tokens)
+    if draft_steps < 1:
+        raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
+    prompt = list(prompt_ids)
+    base_runner, head_runner = BaseRunner(base), HeadRunner(head)
+
+    # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
+    hidden, logits = base_runner.forward(prompt)
+    first_token = int(logits[-1].argmax())
+    output = [first_token]
+    logprobs = [float(F.log_softmax(logits[-1], dim=-1)[first_token])]
+    rounds: list[_Round] = []
+    finish = "stop" if first_token in stop_token_ids else None
+    if finish is None and len(output) < max_new_tokens:
+        step1 = head_runner.extend(prompt[1:] + [first_token], hidden)[-1]
+
+    while finish is None and len(output) < max_new_tokens:
+        text_length = len(prompt) + len(output)  # n; x_{n-1} is output[-1]
+        steps = min(draft_steps, max_new_tokens - len(output) - 1)
+        if steps == 0:  # one token left: a plain base step, no draft
+            hidden, logits = base_runner.forward([output[-1]])
+            token = int(logits[-1].argmax())
+            output.append(token)
+            logprobs.append(float(F.log_softmax(logits[-1], dim=-1)[token]))
+            finish = "stop" if token in stop_token_ids else None
+            break
+
+        anchor = text_length - 2
+        override = None if draft_override is None else (lambda step, token: draft_override(anchor, step, token))
+        drafted, _ = head_runner.chain(step1, steps, override)
+
+        # Verify all drafts in one base pass; keep a snapshot for the rollback.
+        snapshot = base_runner.snapshot()
+        hidden, logits = base_runner.forward([output[-1]] + drafted)  # (1+k, D), (1+k, V)
+        greedy = logits.argmax(-1).tolist()  # y_0..y_k
+        accepted = 0
+        while accepted < steps and drafted[accepted] == greedy[accepted]:
+            accepted += 1
+        emitted = drafted[:accepted] + [greedy[accepted]]
+        for j, token in enumerate(emitted):  # a stop token ends the text there
+            if token in stop_token_ids:
+                emitted, accepted, finish = emitted[: j + 1], min(accepted, j + 1), "stop"
+                break
+        log_probs = F.log_softmax(logits[: len(emitted)], dim=-1)
+        output += emitted
+        logprobs += [float(log_probs[j, t]) for j, t in enumerate(emitted)]
+        rounds.append(_Round(anchor=anchor, drafted=drafted, accepted=accepted))
+
+        if finish is not None or len(output) == max_new_tokens:
+            break
+        if accepted < steps:  # roll back the rejected drafts, re-run what was accepted
+            base_runner.restore(snapshot)
+            base_runner.forward([output[-1 - len(emitted)]] + drafted[:accepted])
+        # Step 1 at anchors n-1..n-1+j on the verified hidden states (the engine's draft extend).
+        step1 = head_runner.extend(emitted, hidden[: len(emitted)])[-1]
+
+    finish = finish or "length"
+    return _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds)
+
+
+def _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds: list[_Round]) -> DecodeResult:
+    """Count proposals and acceptances only at predicted positions inside the final text."""
+    text_length = len(prompt) + len(output)
+    # Step k at anchor a predicts position a+k+1, which must be < text_length.
+    in_text = [min(len(r.drafted), text_length - 2 - r.anchor) for r in rounds]
+    hits = [min(r.accepted, steps) for r, steps in zip(rounds, in_text)]
+    proposed, accepted, drafted = counts_from_outcomes(in_text, hits, draft_steps)
+    return DecodeResult(
+        prompt_ids=tuple(prompt),
+        output_ids=tuple(output),
+        logprobs=tuple(logprobs),
+        finish_reason=finish,
+        draft_steps=draft_steps,
+        rounds=tuple(DraftRound(r.anchor, tuple(r.drafted), h) for r, h in zip(rounds, hits)),
+        proposed=tuple(proposed),
+        accepted=tuple(accepted),
+        drafted=drafted,
+    )

@@ -1,0 +1,228 @@
+"""The reference speculative decoder against plain greedy decoding and the offline chain.
+
+Models are tiny fp32 Qwen3.5-MoE (3 Gated DeltaNet layers + 1 full attention) and, once,
+Qwen3-Next. A random head almost never agrees with a random base, so the acceptance tests
+use an "agreeable" head: fc passes the embedding half through (plus a random share of
+the hidden half), so the head predicts roughly the base's bigram-like next token and
+accepts 30-50% of drafts at every step while its decoder layer and attention still shape
+every logit. Rejections at chosen draft positions are forced with `draft_override`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from occamy_mtp.data import Window
+from occamy_mtp.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
+from occamy_mtp.evaluate import SELF_GENERATED, chain_outcomes, counts_from_outcomes, evaluate_head
+from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+
+HIDDEN_SHARE = 0.3  # scale of the agreeable head's random fc columns on the hidden half
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The machine is shared: a tiny model is fastest on one thread anyway."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def agreeable_models(seed: int = 0, family: str = "qwen3_5_moe_text"):
+    """A random fp32 base and a head that agrees with it on a fair share of positions."""
+    config = tiny_text_config(family)
+    base, head = random_models(config, seed)
+    base.float().eval()
+    head.float().eval()
+    hidden = config.hidden_size
+    generator = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        fc = torch.zeros(hidden, 2 * hidden)
+        fc[:, :hidden] = torch.eye(hidden)
+        fc[:, hidden:] = torch.randn(hidden, hidden, generator=generator) * HIDDEN_SHARE / hidden**0.5
+        head.fc.weight.copy_(fc)
+        head.pre_fc_norm_embedding.weight.zero_()
+        head.norm.weight.copy_(base.model.norm.weight)
+    return base, head
+
+
+@pytest.fixture(scope="module")
+def models():
+    return agreeable_models()
+
+
+def random_prompt(length: int, seed: int, vocab: int = 1000) -> list[int]:
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ----------------------------------------------------------------------------------
+# Token identity
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_length,seed", [(1, 0), (6, 1), (19, 2)])
+def test_speculative_output_is_greedy_output(models, prompt_length, seed):
+    base, head = models
+    prompt = random_prompt(prompt_length, seed)
+    reference = greedy_decode(base, prompt, 16)
+    assert reference.finish_reason == "length" and len(reference.output_ids) == 16
+    for draft_steps, max_new in ((1, 16), (3, 16), (2, 5)):
+        result = speculative_decode(base, head, prompt, max_new, draft_steps)
+        assert result.output_ids == reference.output_ids[:max_new], (draft_steps, max_new)
+        assert result.finish_reason == "length"
+        # The same token's logprob from a multi-token verify pass vs a one-token step: fp32 noise only.
+        assert max(abs(a - b) for a, b in zip(result.logprobs, reference.logprobs)) < 1e-4
+        assert sum(r.accepted + 1 for r in result.rounds) <= max_new  # every round emits accepted + bonus
+    assert speculative_decode(base, head, prompt, 1, 3).output_ids == reference.output_ids[:1]
+
+
+@pytest.mark.parametrize("reject_at", [1, 2, 3, 4])
+def test_forced_rejection_at_each_draft_position(models, reject_at):
+    """Drafts correct before position `reject_at`, wrong at it (4: all three correct)."""
+    base, head = models
+    prompt = random_prompt(7, 11)
+    reference = greedy_decode(base, prompt, 14)
+    text = reference.text_ids
+
+    def override(anchor: int, step: int, token: int) -> int:
+        position = anchor + step + 1  # the position this draft proposes a token for
+        if position >= len(text):
+            return token
+        if step < reject_at:
+            return text[position]
+        return (text[position] + 1) % 1000 if step == reject_at else token
+
+    result = speculative_decode(base, head, prompt, 14, 3, draft_override=override)
+    assert result.output_ids == reference.output_ids
+    full_rounds = [r for r in result.rounds if len(r.drafted) == 3 and r.anchor + 4 < len(text)]
+    assert len(full_rounds) >= 2
+    assert all(r.accepted == reject_at - 1 for r in full_rounds)
+    if reject_at <= 3:
+        assert result.accepted[reject_at - 1] == 0 and result.proposed[reject_at - 1] == len(result.rounds)
+
+
+def test_stop_token_ends_both_decoders_at_the_same_place(models):
+    base, head = models
+    prompt = random_prompt(5, 3)
+    reference = greedy_decode(base, prompt, 16)
+    stop = reference.output_ids[9]
+    first = reference.output_ids.index(stop)
+    greedy = greedy_decode(base, prompt, 16, stop_token_ids={stop})
+    assert greedy.output_ids == reference.output_ids[: first + 1] and greedy.finish_reason == "stop"
+    for draft_steps in (1, 3):
+        result = speculative_decode(base, head, prompt, 16, draft_steps, stop_token_ids={stop})
+        assert result.output_ids == greedy.output_ids and result.finish_reason == "stop"
+        # Nothing is counted beyond the stop token: every counted draft predicts a position in the text.
+        assert all(r.anchor + 1 + min(len(r.drafted), r.accepted + 1) < len(result.text_ids) for r in result.rounds)
+
+
+def test_qwen3_next_family_decodes_identically():
+    base, head = agreeable_models(seed=3, family="qwen3_next")
+    prompt = random_prompt(6, 4)
+    reference = greedy_decode(base, prompt, 12)
+    assert speculative_decode(base, head, prompt, 12, 3).output_ids == reference.output_ids
+
+
+def test_bad_arguments_are_refused(models):
+    base, head = models
+    with pytest.raises(ValueError, match="empty"):
+        greedy_decode(base, [], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_decode(base, head, [1, 2], 0)
+    with pytest.raises(ValueError, match="draft_steps"):
+        speculative_decode(base, head, [1, 2], 4, draft_steps=0)
+
+
+# ----------------------------------------------------------------------------------
+# Caches
+# ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_base_snapshot_restore_undoes_a_verify_pass(models):
+    """Gated DeltaNet conv/recurrent states and attention KV come back exactly."""
+    base, _ = models
+    tokens = random_prompt(14, 5)
+    runner = BaseRunner(base)
+    runner.forward(tokens[:9])
+    snapshot = runner.snapshot()
+    runner.forward([7, 8, 9, 10])  # a rejected verify pass
+    runner.restore(snapshot)
+    hidden, _ = runner.forward(tokens[9:])
+    full = base.model(input_ids=torch.tensor([tokens]), use_cache=False).last_hidden_state[0]
+    torch.testing.assert_close(hidden, full[9:], rtol=0, atol=1e-5)
+    assert runner.seen == len(tokens)
+
+
+@torch.no_grad()
+def test_head_chain_matches_the_offline_chain_hidden_states(models):
+    """The decoder's head cache (step-1 entries of the accepted text + its own chain) gives
+    the same g1..g3 as MTPHead.forward's masked all-anchor chain, at every anchor."""
+    base, head = models
+    text = greedy_decode(base, random_prompt(6, 6), 14).text_ids
+    ids = torch.tensor([text])
+    hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state  # (1, L, D)
+    greedy = base.lm_head(hidden).argmax(-1)[0]  # greedy[t] = x_{t+1} on greedy text
+    steps, length = 3, len(text)
+    step_tokens = torch.zeros(steps, 1, length, dtype=torch.long)
+    step_tokens[0, 0, :-1] = ids[0, 1:]
+    for k in range(1, steps):
+        step_tokens[k, 0, : length - k] = greedy[k:]
+    offline = head(step_tokens, hidden)  # (K, 1, L, D)
+
+    runner = HeadRunner(head)
+    runner.extend(list(text[1:4]), hidden[0, :3])  # anchors 0..2 in one piece
+    for anchor in range(3, length - steps - 1):
+        first = runner.extend([text[anchor + 1]], hidden[0, anchor : anchor + 1])[-1]
+        # Feed the chain the offline chain's tokens (greedy), whatever the head drafts.
+        drafted, outputs = runner.chain(first, steps, lambda step, token: int(greedy[anchor + step]))
+        assert drafted == [int(greedy[anchor + k]) for k in range(1, steps + 1)]
+        torch.testing.assert_close(outputs, offline[:, 0, anchor], rtol=0, atol=1e-5)
+        assert runner.kv.get_seq_length() == anchor + 1  # the chain's entries were rolled back
+
+
+# ----------------------------------------------------------------------------------
+# Measured acceptance == offline chained acceptance on the same self-generated text
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_steps", [1, 3])
+def test_decoder_acceptance_equals_offline_chain_at_its_anchors(models, draft_steps):
+    """On greedy self-generated text the offline chain at anchor a is exactly what the
+    decoder drafts from a: every accept/reject decision agrees, hence the aggregate.
+
+    The decoder drafts only from anchors where a verification lands (a subset chosen by
+    earlier outcomes); the offline figure over all anchors is a different sample, so it
+    is reported beside, not asserted equal.
+    """
+    base, head = models
+    totals = {"decoder": [[0] * draft_steps, [0] * draft_steps, 0], "offline": [[0] * draft_steps, [0] * draft_steps, 0]}
+    checked = 0
+    for seed in (21, 22):
+        prompt = random_prompt(8, seed)
+        result = speculative_decode(base, head, prompt, 26, draft_steps)
+        window = Window("self-generated", 0, result.text_ids, len(prompt))
+        outcome = chain_outcomes(base, head, [window], draft_steps)[0]
+        scorable, accepted = [], []
+        for r in result.rounds:
+            steps = min(len(r.drafted), outcome.scorable[r.anchor])
+            scorable.append(steps)
+            accepted.append(min(outcome.accepted[r.anchor], steps))
+            assert accepted[-1] == r.accepted, f"anchor {r.anchor}: offline accepted {accepted[-1]}, decoder {r.accepted}"
+            checked += 1
+        offline = counts_from_outcomes(scorable, accepted, draft_steps)
+        assert offline == (list(result.proposed), list(result.accepted), result.drafted)
+        for key, (p, a, d) in (("decoder", (result.proposed, result.accepted, result.drafted)), ("offline", offline)):
+            totals[key][0] = [x + y for x, y in zip(totals[key][0], p)]
+            totals[key][1] = [x + y for x, y in zip(totals[key][1], a)]
+            totals[key][2] += d
+        metrics = evaluate_head(base, head, [window], draft_steps, text=SELF_GENERATED)
+        assert metrics.exact and metrics.data_matches_target == 1.0
+    assert totals["decoder"] == totals["offline"]
+    proposed, accepted, _ = totals["decoder"]
+    assert checked >= 20
+    assert 0 < accepted[0] < proposed[0], "the agreeable head should accept some drafts, not all"
+    if draft_steps == 3:
+        assert accepted[2] > 0, "the chain should reach step 3 sometimes"
