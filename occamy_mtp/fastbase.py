@@ -1,0 +1,432 @@
+"""The fast frozen-base pass: packed windows, fla kernels, chunked greedy (issue 6).
+
+`occamy_mtp.target.base_outputs` is the plain reference: one transformers forward over a
+right-padded (B, T) batch. At real size the frozen base dominates the cost of training,
+so this module computes the same thing faster:
+
+* **Packing.** Windows of different lengths are concatenated into one row of at most
+  `max_tokens_per_batch` tokens, with no padding. Every token-wise part of the model
+  (embedding, norms, projections, the MoE block, lm_head) runs on the packed tokens.
+  The two token mixers keep windows apart: Gated DeltaNet restarts its conv and
+  recurrent state at each window start (`cu_seqlens` for fla's varlen kernels), and
+  full attention runs causal over each window (the windows are laid out as the rows of
+  a right-padded (W, L) grid just for the attention core).
+* **fla kernels** (`pip install flash-linear-attention fla-core`): Triton causal conv1d
+  and chunked gated delta rule that read the packed layout directly, and fused
+  (residual +) RMSNorm kernels. Without fla the pass still works with transformers'
+  own PyTorch functions, and warns.
+* **Chunked lm_head + argmax** (`target.chunked_greedy`): full-vocabulary logits are
+  never materialised for a whole batch.
+* **CUDA graphs** (optional) for batches whose windows all have one length: small
+  batches are held back by kernel-launch overhead, and a replayed graph has none.
+
+Everything reuses the base's own modules and weights (transformers' decoder layers,
+attention, MoE block, norms). The one thing composed here is the Gated DeltaNet token
+mixer's forward, because transformers' forward cannot restart the conv state at window
+starts inside a packed row; it calls the module's own projections, norm and parameters
+in the same order as transformers does (`_gated_deltanet`). tests/test_fastbase.py
+checks the whole pass against the plain per-window forward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
+
+FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
+
+# Attention implementations for which `attention_mask=None` means causal (transformers'
+# sdpa passes is_causal; flash kernels are causal by default). Under "eager" a None mask
+# is NOT causal (SPEC section 2), so an explicit mask is built for every other one.
+_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass(frozen=True)
+class WindowOutputs:
+    """The frozen base's outputs for one window of T_w tokens."""
+
+    hidden: torch.Tensor  # (T_w, D) post-final-norm hidden states, base dtype
+    greedy: torch.Tensor  # (T_w,) long, argmax(W @ hidden): the base's choice for t+1
+
+
+# -- layout -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where each window's tokens sit in one packed batch.
+
+    Packed batches are one row (1, N) of concatenated windows. When every window has
+    the same length the batch is instead (W, T), one window a row, so that nothing
+    needs `cu_seqlens` or a gather (and the forward can be captured in a CUDA graph).
+    """
+
+    lengths: tuple[int, ...]  # tokens of each window, in packed order
+    cu_seqlens: torch.Tensor | None  # (W+1,) int32 window starts in the packed row; None when uniform
+    grid_index: torch.Tensor | None  # (N,) long: packed token -> slot in the (W * L) right-padded grid
+
+    @property
+    def uniform(self) -> bool:
+        return self.cu_seqlens is None
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N, ...) packed or (W, T, ...) uniform -> (W, L, ...) right-padded windows."""
+        if self.uniform:
+            return x
+        grid = x.new_zeros(self.num_windows * self.max_length, *x.shape[2:])
+        grid[self.grid_index] = x[0]
+        return grid.view(self.num_windows, self.max_length, *x.shape[2:])
+
+    def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """Inverse of `to_grid`: drop the padding slots."""
+        if self.uniform:
+            return grid
+        return grid.reshape(-1, *grid.shape[2:])[self.grid_index][None]
+
+
+def make_layout(lengths: Sequence[int], device: torch.device) -> PackLayout:
+    lengths = tuple(int(n) for n in lengths)
+    if min(lengths) < 1:
+        raise ValueError(f"every window needs at least one token, got lengths {lengths}")
+    if len(set(lengths)) == 1:
+        return PackLayout(lengths, None, None)
+    starts = torch.tensor((0,) + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    longest = max(lengths)
+    grid_index = torch.cat([torch.arange(n) + w * longest for w, n in enumerate(lengths)])
+    return PackLayout(lengths, starts.to(device), grid_index.to(device))
+
+
+def plan_batches(lengths: Sequence[int], max_tokens_per_batch: int) -> list[list[int]]:
+    """Split window indices, in order, into batches of at most `max_tokens_per_batch` tokens."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, length in enumerate(lengths):
+        if length > max_tokens_per_batch:
+            raise ValueError(
+                f"window {index} has {length} tokens, more than max_tokens_per_batch={max_tokens_per_batch}"
+            )
+        if current and used + length > max_tokens_per_batch:
+            batches.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        batches.append(current)
+    return batches
+
+
+# -- kernels ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The implementations the pass calls for the parts transformers' modules cannot pack.
+
+    causal_conv1d(x (B, T, C), weight (C, K), bias, activation, layout) -> (B, T, C)
+    chunk_gated_delta_rule(q, k (B, T, H, dk), v (B, T, HV, dv), g, beta (B, T, HV), layout)
+        -> (B, T, HV, dv), q and k L2-normalised inside, scale dk ** -0.5
+    rms_norm(x, weight, eps, residual) -> (normed, residual + x): zero-centred
+        `x * rsqrt(mean(x^2) + eps) * (1 + weight)` of the residual sum; None: the modules'.
+    rms_norm_gated(x, gate, weight, eps) -> norm(x) * weight * silu(gate); None: the module's.
+    """
+
+    name: str
+    causal_conv1d: Callable
+    chunk_gated_delta_rule: Callable
+    rms_norm: Callable | None = None
+    rms_norm_gated: Callable | None = None
+
+
+def _torch_causal_conv1d(x, weight, bias, activation, layout: PackLayout):
+    """transformers' PyTorch causal conv1d, each window its own row of the padded grid."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    conv = getattr(qwen.causal_conv1d_fn, "__wrapped__", qwen.causal_conv1d_fn)  # the torch function itself
+    grid = layout.to_grid(x)  # (W, L, C); right padding never reaches a real position
+    out = conv(grid.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+    return layout.from_grid(out)
+
+
+def _torch_chunk_gated_delta_rule(q, k, v, g, beta, layout: PackLayout):
+    """transformers' PyTorch chunked gated delta rule over the padded grid of windows."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    rule = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:  # value heads share query/key heads; older transformers repeat them before the call
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    grid = [layout.to_grid(t) for t in (q, k, v, g, beta)]
+    out, _ = rule(*grid[:3], g=grid[3], beta=grid[4], initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=True)
+    return layout.from_grid(out)
+
+
+def torch_kernels() -> Kernels:
+    """transformers' own PyTorch implementations (exact, slow): the fallback and the test oracle."""
+    return Kernels("torch", _torch_causal_conv1d, _torch_chunk_gated_delta_rule)
+
+
+def fla_kernels(fused_norms: bool = True) -> Kernels:
+    """fla's Triton kernels. Raises ImportError when fla (or Triton) is missing."""
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.modules.norm.layernorm import rms_norm
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def conv(x, weight, bias, activation, layout: PackLayout):
+        out, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=layout.cu_seqlens)
+        return out
+
+    def rule(q, k, v, g, beta, layout: PackLayout):
+        out, _ = chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=True, cu_seqlens=layout.cu_seqlens,
+        )
+        return out
+
+    def norm(x, weight, eps, residual):
+        # Zero-centred weights: the kernel multiplies by the weight, so hand it 1 + w in fp32.
+        if residual is None:
+            return rms_norm(x, 1.0 + weight.float(), None, eps=eps), x
+        return rms_norm(x, 1.0 + weight.float(), None, residual=residual, eps=eps, prenorm=True)
+
+    def norm_gated(x, gate, weight, eps):
+        return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+
+    if not fused_norms:
+        return Kernels("fla", conv, rule)
+    return Kernels("fla+fused-norms", conv, rule, norm, norm_gated)
+
+
+def default_kernels(device: torch.device, fused_norms: bool = True) -> Kernels:
+    """fla's kernels on CUDA when importable; otherwise transformers' PyTorch ones, with a warning."""
+    if torch.device(device).type != "cuda":
+        return torch_kernels()
+    try:
+        return fla_kernels(fused_norms)
+    except ImportError as error:
+        warnings.warn(
+            f"fla kernels are not importable ({error}); the frozen-base pass falls back to transformers' "
+            f"PyTorch Gated DeltaNet, which is correct but much slower. Install them with: {FLA_INSTALL_HINT}",
+            stacklevel=2,
+        )
+        return torch_kernels()
+
+
+# -- the forward --------------------------------------------------------------------
+
+
+def _gated_deltanet(mixer, x: torch.Tensor, layout: PackLayout, kernels: Kernels) -> torch.Tensor:
+    """transformers' Qwen3.5 Gated DeltaNet forward (no cache), with window-aware kernels.
+
+    Same modules and the same order of operations as `Qwen3_5MoeGatedDeltaNet.forward`;
+    only the conv and the delta rule are the `kernels`' window-aware versions.
+    x: (B, T, D) -> (B, T, D).
+    """
+    batch, length, _ = x.shape
+    mixed_qkv = mixer.in_proj_qkv(x)  # (B, T, 2 * key_dim + value_dim)
+    z = mixer.in_proj_z(x).reshape(batch, length, -1, mixer.head_v_dim)
+    b = mixer.in_proj_b(x)
+    a = mixer.in_proj_a(x)
+    mixed_qkv = kernels.causal_conv1d(mixed_qkv, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation, layout)
+    query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    query = query.reshape(batch, length, -1, mixer.head_k_dim)
+    key = key.reshape(batch, length, -1, mixer.head_k_dim)
+    value = value.reshape(batch, length, -1, mixer.head_v_dim)
+    beta = b.sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)  # (B, T, HV) log decay
+    core = kernels.chunk_gated_delta_rule(query, key, value, g, beta, layout)  # (B, T, HV, dv)
+    core, z = core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim)
+    if kernels.rms_norm_gated is not None:
+        core = kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
+    else:
+        core = mixer.norm(core, z)
+    return mixer.out_proj(core.reshape(batch, length, -1))
+
+
+def _attention(attn, x: torch.Tensor, position_embeddings, mask, layout: PackLayout) -> torch.Tensor:
+    """The base's own attention module, causal within each window (rows of the padded grid)."""
+    out, _ = attn(hidden_states=layout.to_grid(x), position_embeddings=position_embeddings, attention_mask=mask)
+    return layout.from_grid(out)
+
+
+def _causal_mask(attn_implementation: str, length: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    if attn_implementation in _CAUSAL_WITHOUT_MASK:
+        return None
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]  # (1, 1, L, L), broadcast over windows and heads
+
+
+def _norm(module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels):
+    """(norm(residual + x), residual + x), as the decoder layer computes it."""
+    if kernels.rms_norm is not None:
+        return kernels.rms_norm(x, module.weight, module.eps, residual)
+    summed = x if residual is None else residual + x
+    return module(summed), summed
+
+
+@torch.no_grad()
+def packed_hidden(base, input_ids: torch.Tensor, layout: PackLayout, kernels: Kernels) -> torch.Tensor:
+    """Post-final-norm hidden states of a packed batch: (1, N) or uniform (W, T) ids -> (..., D).
+
+    The decoder layer of transformers, unrolled so that each token mixer sees the
+    layout: residual -> input_layernorm -> mixer -> residual -> post_attention_layernorm
+    -> MoE block -> residual. Positions restart at 0 in every window.
+    """
+    model = base.model
+    config = base.config
+    hidden = model.embed_tokens(input_ids)
+    grid_positions = torch.arange(layout.max_length, device=input_ids.device).expand(layout.num_windows, -1)
+    # Text M-RoPE: three equal position rows, shape (3, W, L).
+    position_embeddings = model.rotary_emb(hidden, grid_positions[None].expand(3, -1, -1))
+    mask = _causal_mask(config._attn_implementation, layout.max_length, hidden.dtype, hidden.device)
+
+    residual = None
+    for layer in model.layers[: config.num_hidden_layers]:
+        normed, residual = _norm(layer.input_layernorm, hidden, residual, kernels)
+        if layer.block_type == "linear_attention":
+            hidden = _gated_deltanet(layer.linear_attn, normed, layout, kernels)
+        else:
+            hidden = _attention(layer.self_attn, normed, position_embeddings, mask, layout)
+        normed, residual = _norm(layer.post_attention_layernorm, hidden, residual, kernels)
+        hidden = layer.mlp(normed)
+        if isinstance(hidden, tuple):  # some versions also return router logits
+            hidden = hidden[0]
+    normed, _ = _norm(model.norm, hidden, residual, kernels)
+    return normed
+
+
+class FastBasePass:
+    """The frozen base's hidden states and greedy targets for lists of windows, fast.
+
+    pass_ = FastBasePass(base, max_tokens_per_batch=65536)
+    outputs = pass_(windows)   # list of WindowOutputs, one per window, in order
+
+    Args:
+        base: a transformers Qwen3.5-MoE (or Qwen3-Next) causal LM, frozen.
+        max_tokens_per_batch: tokens packed into one forward. Large batches keep the GPU
+            busy (small ones are held back by kernel-launch overhead); memory grows with it.
+        logits_chunk_tokens: positions per lm_head + argmax chunk.
+        kernels: see `Kernels`; default fla's on CUDA when importable, else transformers' own.
+        cuda_graphs: capture and replay one CUDA graph per batch shape whose windows
+            all have one length (others run eagerly). Each graph keeps its activations'
+            memory; `max_graphs` bounds how many are kept.
+    """
+
+    def __init__(
+        self,
+        base,
+        *,
+        max_tokens_per_batch: int,
+        logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+        kernels: Kernels | None = None,
+        cuda_graphs: bool = False,
+        max_graphs: int = 2,
+    ):
+        if base.config.model_type != "qwen3_5_moe_text":
+            raise ValueError(
+                f"FastBasePass supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}; "
+                "use occamy_mtp.target.base_outputs for other bases"
+            )
+        self.base = base
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.logits_chunk_tokens = logits_chunk_tokens
+        self.device = base.lm_head.weight.device
+        self.kernels = kernels if kernels is not None else default_kernels(self.device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple[int, int], _CapturedForward] = OrderedDict()
+
+    def forward_batch(self, windows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, PackLayout]:
+        """One packed forward: (hidden (N, D), greedy (N,), layout) for windows of <= max tokens in all."""
+        layout = make_layout([len(w) for w in windows], self.device)
+        rows = [torch.as_tensor(w, dtype=torch.long) for w in windows]
+        input_ids = (torch.stack(rows) if layout.uniform else torch.cat(rows)[None]).to(self.device)
+        if self.cuda_graphs and layout.uniform:
+            hidden, greedy = self._graph(input_ids.shape).run(input_ids)
+        else:
+            hidden, greedy = self._eager(input_ids, layout)
+        return hidden, greedy, layout
+
+    def _eager(self, input_ids: torch.Tensor, layout: PackLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = packed_hidden(self.base, input_ids, layout, self.kernels)
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
+        return hidden, chunked_greedy(hidden, self.base.lm_head, self.logits_chunk_tokens)
+
+    def _graph(self, shape: torch.Size) -> _CapturedForward:
+        key = (shape[0], shape[1])
+        if key in self._graphs:
+            self._graphs.move_to_end(key)
+            return self._graphs[key]
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        layout = make_layout([shape[1]] * shape[0], self.device)
+        captured = _CapturedForward(lambda ids: self._eager(ids, layout), shape, self.device)
+        self._graphs[key] = captured
+        return captured
+
+    @torch.no_grad()
+    def __call__(self, windows: Sequence[Sequence[int]]) -> list[WindowOutputs]:
+        outputs: list[WindowOutputs | None] = [None] * len(windows)
+        for indices in plan_batches([len(w) for w in windows], self.max_tokens_per_batch):
+            hidden, greedy, layout = self.forward_batch([windows[i] for i in indices])
+            start = 0
+            for index, length in zip(indices, layout.lengths):
+                outputs[index] = WindowOutputs(hidden[start : start + length], greedy[start : start + length])
+                start += length
+        return outputs  # type: ignore[return-value]
+
+
+class _CapturedForward:
+    """One forward of a fixed input shape, captured as a CUDA graph; replays copy the outputs out."""
+
+    def __init__(self, forward: Callable, shape: torch.Size, device: torch.device):
+        self.input_ids = torch.zeros(shape, dtype=torch.long, device=device)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):  # warm-up: autotuning and lazy allocations happen outside the graph
+            forward(self.input_ids)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = forward(self.input_ids)
+
+    def run(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        return tuple(t.clone() for t in self.outputs)
+
+
+def packed_base_outputs(
+    base,
+    windows: Sequence[Sequence[int]],
+    *,
+    max_tokens_per_batch: int,
+    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    kernels: Kernels | None = None,
+) -> list[WindowOutputs]:
+    """One-shot form of `FastBasePass`: per-window hidden states and greedy targets."""
+    return FastBasePass(
+        base, max_tokens_per_batch=max_tokens_per_batch, logits_chunk_tokens=logits_chunk_tokens, kernels=kernels
+    )(windows)
