@@ -32,8 +32,8 @@ run expects, naming which parts differ and how:
 * base: sha256 of config.json and of the index, each safetensors file's name and
   size, and a sampled fingerprint of each file: the sha256 of its header (every
   tensor's name, dtype, shape and offsets) and of the first, middle and last
-  `FINGERPRINT_BLOCK_BYTES` of every tensor's data. It reads a few MB instead of
-  hashing 67 GB. It detects any change to the config, to the file set, to a tensor's
+  `FINGERPRINT_BLOCK_BYTES` of every tensor's data. At real size it reads ~100 MB in
+  ~100k small reads (per-expert layout; far fewer fused) instead of hashing 67 GB. It detects any change to the config, to the file set, to a tensor's
   name, dtype or shape, and any change of a tensor's values that touches one of the
   sampled blocks, which every fine-tune, merged adapter, re-cast or re-quantisation
   does (they change nearly every element of each matrix they touch). It does not
@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import struct
 import time
 from collections.abc import Callable, Sequence
@@ -84,13 +83,12 @@ SHARD_NAME = "targets-{number:05d}-of-{count:05d}.safetensors"
 # ~1 minute of base forwards, and a 288-window cache is three files.
 DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
 # Bytes hashed at the start, middle and end of every tensor for the base fingerprint.
-FINGERPRINT_BLOCK_BYTES = 4096
+FINGERPRINT_BLOCK_BYTES = 1024  # 512 bf16 values: a changed matrix cannot keep them all
 FINGERPRINT_METHOD = f"safetensors header + first/middle/last {FINGERPRINT_BLOCK_BYTES} bytes of every tensor"
 # int32 ids and int32 greedy choices stored per token, beside the hidden state.
 _ID_BYTES_PER_TOKEN = 8
 _HASH_BLOCK_BYTES = 16 * 1024 * 1024
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 
 class WindowTargets(Protocol):
@@ -428,6 +426,9 @@ def build_cache(
             if problem is None:
                 continue
             log(f"recomputing {shard['file']}: {problem}")
+            shard.update(bytes=None, sha256=None)  # no longer referenced as done, should this pass die too
+            manifest["complete"] = False
+            ckpt_io.write_json(manifest_path, manifest)
         missing = [d for d in shard["windows"] if d not in by_digest]
         if missing:  # cannot happen with an equal key; guards the plan against a bug
             raise CacheError(f"{directory}: {shard['file']} lists a window that is not among the windows given")
@@ -677,22 +678,29 @@ def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat1
 # ----------------------------------------------------------------------------------
 
 
+def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int = 0) -> tuple[ComputeOutputs, str]:
+    """(compute, its name): the plain pass, or `fastbase.FastBasePass` when `fastbase_tokens` > 0."""
+    if fastbase_tokens > 0:
+        from occamy_mtp.fastbase import FastBasePass
+
+        return FastBasePass(base, max_tokens_per_batch=fastbase_tokens), f"fastbase.FastBasePass, {fastbase_tokens} tokens per forward"
+    return plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
+
+
 def build_for_config(
     config,
     directory: str | Path,
     *,
-    compute: ComputeOutputs | None = None,
-    compute_name: str | None = None,
     windows_per_batch: int = 1,
+    fastbase_tokens: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Build (or resume, or confirm) the target cache of a run config; returns the manifest.
 
-    Loads only the base (not the donor head) and the run's windows exactly as training
-    builds them. `compute` (with its `compute_name`) defaults to `plain_compute` on the
-    loaded base with `windows_per_batch`; a faster pass is given as e.g.
-    `compute=FastBasePass(base, max_tokens_per_batch=65536), compute_name="fastbase, 65536 tokens"`.
+    Loads only the base (not the donor head), on the GPU when there is one, and the
+    run's windows exactly as training builds them; see `make_compute` for the pass.
+    A complete cache of this identity that verifies is left as it is (the base is not loaded).
     """
     # Set-up helpers of the training stage, imported here so that the library part
     # of this module stays upstream of train.py (as evaluate.py does for collate).
@@ -707,22 +715,18 @@ def build_for_config(
             if all(_shard_problem(directory, s, identity.key) is None for s in manifest["shards"]):
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
-    hidden_size = ckpt_io.read_config(config.model.base).text_config.hidden_size
-    if compute is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        base = ckpt_io.load_base(
-            config.model.base, dtype=DTYPES[config.model.dtype], device=device, attn_implementation=config.model.attn_implementation
-        )
-        compute, compute_name = plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
-    elif compute_name is None:
-        raise ValueError("a compute given to build_for_config needs its compute_name")
-    log(f"target cache: {len(all_windows(data))} windows ({len(data.train)} train, {len(data.heldout)} heldout) -> {directory}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = ckpt_io.load_base(
+        config.model.base, dtype=DTYPES[config.model.dtype], device=device, attn_implementation=config.model.attn_implementation
+    )
+    compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens)
+    log(f"target cache: {len(all_windows(data))} windows ({len(data.train)} train, {len(data.heldout)} heldout) -> {directory} ({compute_name})")
     return build_cache(
         directory,
         identity,
         all_window_ids(data),
         compute,
-        hidden_size=hidden_size,
+        hidden_size=base.config.hidden_size,
         compute_name=compute_name,
         max_shard_bytes=max_shard_bytes,
         log=log,
@@ -736,7 +740,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/512step.yaml")
     parser.add_argument("--dir", default="", help="cache directory (default: the config's data.target_cache)")
-    parser.add_argument("--windows-per-batch", type=int, default=1, help="windows per base forward (1: the canonical per-window targets)")
+    parser.add_argument("--windows-per-batch", type=int, default=1, help="windows per plain base forward (1: the canonical per-window targets)")
+    parser.add_argument(
+        "--fastbase-tokens", type=int, default=0, help="use the packed fast pass (occamy_mtp.fastbase) with this many tokens per forward; 0: the plain pass"
+    )
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for train.py")
     args = parser.parse_args(argv)
@@ -748,7 +755,9 @@ def main(argv: list[str] | None = None) -> int:
         directory = args.dir or config.data.target_cache
         if not directory:
             raise ConfigError("data.target_cache: no cache directory configured; set it or pass --dir")
-        build_for_config(config, directory, windows_per_batch=args.windows_per_batch, max_shard_bytes=args.max_shard_bytes)
+        build_for_config(
+            config, directory, windows_per_batch=args.windows_per_batch, fastbase_tokens=args.fastbase_tokens, max_shard_bytes=args.max_shard_bytes
+        )
     except (ConfigError, ckpt_io.CheckpointError, DataError, CacheError) as err:
         print(f"error: {err}", flush=True)
         return 2

@@ -164,8 +164,9 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     assert C.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     # The CLI built exactly the cache of the library pass.
     assert shard_bytes(directory) == shard_bytes(world["directory"])
-    again = C.build_for_config(cached_config, directory, compute=lambda windows: pytest.fail("a complete cache is recomputed"), log=lambda m: None)
-    assert again["complete"]
+    with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
+        patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded for a complete cache"))
+        assert C.build_for_config(cached_config, directory, log=lambda m: None)["complete"]
 
     train_module.train(online_config)
     cache = C.open_targets(directory, world["base_path"], world["data"], "float32", "sdpa")
@@ -185,6 +186,20 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         assert torch.equal(trained_online[name], trained_cached[name]), name
     donor = ckpt_io.SafetensorsCheckpoint(world["donor_path"])
     assert not torch.equal(trained_online["fc.weight"].to(torch.bfloat16), donor.get("mtp.fc.weight"))  # it did train
+
+
+def test_the_fast_pass_plugs_in(world, tmp_path):
+    """fastbase.FastBasePass is a `compute` as it is: the cache stores exactly what it gives."""
+    fastbase = pytest.importorskip("occamy_mtp.fastbase")
+    windows = C.all_window_ids(world["data"])[:3]
+    fast = fastbase.FastBasePass(world["base"], max_tokens_per_batch=256)
+    identity = C.CacheIdentity(world["identity"].base, {"windows": "first three"}, world["identity"].settings)
+    C.build_cache(tmp_path / "fast", identity, windows, fast, hidden_size=HIDDEN_SIZE, compute_name="fastbase")
+    cache = C.TargetCache.open(tmp_path / "fast", identity)
+    for ids, expected, plain in zip(windows, fast(windows), C.plain_compute(world["base"])(windows)):
+        hidden, greedy = cache.window_outputs(ids)
+        assert torch.equal(hidden, expected.hidden) and torch.equal(greedy, expected.greedy)
+        torch.testing.assert_close(hidden, plain.hidden, atol=1e-5, rtol=1e-5)
 
 
 def test_online_source_is_base_outputs(world):
