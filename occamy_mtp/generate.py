@@ -48,8 +48,8 @@ recorded per record in `meta.roundtrip` and counted in the sidecar:
   Otherwise "exact". For the non-exact ones, evaluation that needs the base's exact
   tokens uses `meta.generated_token_ids`.
 
-Resume. The output is append-only: one line per finished record, written and flushed
-once its batch is done (fsync per batch). On restart the existing lines are read, the
+Resume. The output is append-only: one line per record, written and flushed once its
+batch is done (fsync per batch). On restart the existing lines are read, the
 records already there (by `source_hash` and `turn_index`) are skipped, and good lines
 are never rewritten. A last line without its newline (a kill mid-write) is cut off and
 reported (`torn_lines_dropped`); any other unreadable line is an error. Batches are
@@ -182,7 +182,8 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
         attention_mask[row, longest - len(prompt) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
-    cache = DynamicCache(config=base.config)
+    cache = DynamicCache(config=base.config)  # KV for full attention, conv + recurrent state for DeltaNet
+    cache_argument = {_cache_argument(base): cache}
 
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * rows
@@ -194,7 +195,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
             position_ids=step_positions,
             use_cache=True,
             logits_to_keep=1,
-            **{_cache_argument(base): cache},
+            **cache_argument,
         ).logits[:, -1]  # (B, V)
         next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
         for row, token in enumerate(next_ids.tolist()):
@@ -618,7 +619,10 @@ def regenerate_answers(
             raise GenerateError(f"{out_path} exists and resume is off: choose another output or remove it (and {meta_path.name})")
         if not meta_path.is_file():
             raise GenerateError(f"{out_path} has records but no {meta_path.name}: its settings cannot be checked, so it is not resumed")
-        previous = json.loads(meta_path.read_text())
+        try:
+            previous = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as err:
+            raise GenerateError(f"{meta_path}: not valid JSON ({err}); the output's settings cannot be checked") from None
         differences = _differences(previous, sidecar)
         if differences:
             raise GenerateError(f"{out_path} was made with other settings; not resuming onto it:\n  " + "\n  ".join(differences))
