@@ -21,7 +21,8 @@ from safetensors import safe_open
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import record as rec
 from occamy_mtp.config import ConfigError, RunConfig, load_config
-from occamy_mtp.evaluate import TEACHER_FORCED, evaluate_head
+from occamy_mtp.evaluate import PLOT_FILE, TEACHER_FORCED, evaluate_head
+from occamy_mtp.plot import plot_acceptance
 from occamy_mtp.train import (
     DTYPES,
     TRAIN_SUMMARY,
@@ -142,6 +143,7 @@ def export(config: RunConfig) -> dict:
 
     metrics = {"heldout": {"donor": donor_metrics.to_dict(), "trained": trained_metrics.to_dict()}}
     ckpt_io.write_json(output_dir / METRICS_FILE, metrics)
+    plot_acceptance(metrics["heldout"], output_dir / PLOT_FILE, title="heldout chained acceptance (teacher-forced, approximate)")
 
     hash_cache_path = output_dir / HASH_CACHE_FILE
     hash_cache = rec.load_hash_cache(hash_cache_path)
@@ -201,6 +203,7 @@ def format_metrics(metrics: dict) -> str:
     for k in range(donor["draft_steps"]):
         rows.append((f"chained acceptance step {k + 1}", f"{donor['acceptance'][k]:.2%}", f"{trained['acceptance'][k]:.2%}"))
     rows.append(("mean accept length", f"{donor['mean_accept_length']:.3f}", f"{trained['mean_accept_length']:.3f}"))
+    rows.append(("accept rate", f"{donor['accept_rate']:.2%}", f"{trained['accept_rate']:.2%}"))
     kind = "exact" if donor["exact"] else "approximate (teacher-forced data)"
     lines = [f"heldout: {donor['windows']} windows, {donor['scored_positions']} scored positions; acceptance is {kind}"]
     lines.append(f"{'metric':<28} {'donor':>10} {'trained':>10}")

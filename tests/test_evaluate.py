@@ -1,0 +1,186 @@
+"""Offline chained evaluation: the aggregation against a plain per-anchor loop, the
+acceptance arithmetic, exact vs approximate labelling, self-generated text, the plot and
+the `python -m occamy_mtp.evaluate` entry point on a tiny real-layout checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from occamy_mtp.data import Window
+from occamy_mtp.evaluate import (
+    SELF_GENERATED,
+    TEACHER_FORCED,
+    acceptance_summary,
+    chain_outcomes,
+    counts_from_outcomes,
+    evaluate_head,
+    format_table,
+    main,
+    self_generated_windows,
+)
+from occamy_mtp.plot import plot_acceptance
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CLI_CONVERSATIONS = 12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    base, head = random_models(tiny_text_config(), seed=5)
+    return base.float().eval(), head.float().eval()
+
+
+def random_windows(count: int, seed: int) -> list[Window]:
+    generator = torch.Generator().manual_seed(seed)
+    windows = []
+    for n in range(count):
+        length = 12 + 5 * n
+        ids = torch.randint(0, 1000, (length,), generator=generator).tolist()
+        windows.append(Window(f"w{n}", 0, tuple(ids), answer_start=4 + n))
+    return windows
+
+
+def test_acceptance_arithmetic():
+    acceptance, length, rate = acceptance_summary([10, 6, 3], [6, 3, 1], drafted=25)
+    assert acceptance == pytest.approx([0.6, 0.5, 1 / 3])
+    assert length == pytest.approx(1 + 0.6 + 0.3 + 0.1)  # bonus token + sum of running products
+    assert rate == pytest.approx(10 / 25)
+    assert acceptance_summary([0, 0], [0, 0], 0) == ([0.0, 0.0], 1.0, 0.0)
+    # Chains scorable for (3, 3, 1, 2) steps that accepted (0, 2, 1, 2) of them.
+    proposed, accepted, drafted = counts_from_outcomes([3, 3, 1, 2], [0, 2, 1, 2], 3)
+    assert proposed == [4, 2, 1] and accepted == [3, 2, 0] and drafted == 9
+
+
+@torch.no_grad()
+def plain_chain_reference(base, head, window: Window, steps: int):
+    """Per-anchor loop: the head's whole-window chain, scored anchor by anchor in Python."""
+    ids = torch.tensor([window.input_ids])
+    length = ids.shape[1]
+    hidden = base.model(input_ids=ids, use_cache=False).last_hidden_state
+    greedy = base.lm_head(hidden).argmax(-1)[0]
+    step_tokens = torch.zeros(steps, 1, length, dtype=torch.long)
+    step_tokens[0, 0, :-1] = ids[0, 1:]
+    for k in range(1, steps):
+        step_tokens[k, 0, : length - k] = greedy[k:]
+    logits = head.logits(head(step_tokens, hidden)[:, 0]).float()  # (K, L, V)
+    proposed, accepted, drafted = [0] * steps, [0] * steps, 0
+    agree, nll, scored = 0, 0.0, 0
+    for anchor in range(length):
+        if anchor + 2 >= length or anchor + 2 < window.answer_start:
+            continue  # step 1's predicted position must be in the answer
+        scored += 1
+        agree += int(logits[0, anchor].argmax() == greedy[anchor + 1])
+        nll += float(F.cross_entropy(logits[0, anchor][None], ids[0, anchor + 2][None]))
+        alive = True
+        for k in range(steps):
+            if anchor + k + 2 >= length:
+                break
+            drafted += 1
+            if alive:
+                proposed[k] += 1
+                alive = bool(logits[k, anchor].argmax() == greedy[anchor + k + 1])
+                accepted[k] += alive
+    return proposed, accepted, drafted, agree, nll, scored
+
+
+def test_evaluate_head_equals_a_plain_per_anchor_loop(models):
+    base, head = models
+    windows = random_windows(3, seed=1)
+    metrics = evaluate_head(base, head, windows, draft_steps=3, windows_per_batch=2)
+    totals = [plain_chain_reference(base, head, w, 3) for w in windows]
+    proposed = [sum(t[0][k] for t in totals) for k in range(3)]
+    accepted = [sum(t[1][k] for t in totals) for k in range(3)]
+    scored = sum(t[5] for t in totals)
+    assert metrics.proposed == proposed and metrics.accepted == accepted
+    assert metrics.drafted == sum(t[2] for t in totals)
+    assert metrics.scored_positions == scored
+    assert metrics.agreement == pytest.approx(sum(t[3] for t in totals) / scored)
+    assert metrics.data_nll == pytest.approx(sum(t[4] for t in totals) / scored, rel=1e-5)
+    assert metrics.text == TEACHER_FORCED and not metrics.exact
+    assert metrics.data_matches_target < 0.5  # random tokens are rarely the base's greedy choice
+
+    # Per-anchor outcomes aggregate to the same counts.
+    outcomes = chain_outcomes(base, head, windows, draft_steps=3, windows_per_batch=2)
+    assert [len(o.scorable) for o in outcomes] == [len(w.input_ids) for w in windows]
+    flat = [(s, a) for o in outcomes for s, a in zip(o.scorable, o.accepted) if s]
+    assert counts_from_outcomes([s for s, _ in flat], [a for _, a in flat], 3) == (proposed, accepted, metrics.drafted)
+
+
+def test_self_generated_text_is_exact(models):
+    base, head = models
+    windows = random_windows(2, seed=2)
+    generated = self_generated_windows(base, windows, max_new_tokens=9, stop_token_ids={1023}, batch_size=2)
+    assert [len(w.input_ids) for w in generated.windows] == [w.answer_start + 9 for w in windows]
+    assert all(g.input_ids[: g.answer_start] == w.input_ids[: w.answer_start] for g, w in zip(generated.windows, windows))
+    assert generated.generated_tokens == 18 and generated.stopped == 0
+    metrics = evaluate_head(base, head, generated.windows, 2, text=SELF_GENERATED)
+    assert metrics.exact and metrics.data_matches_target == 1.0
+    table = format_table({"trained": metrics.to_dict()})
+    assert "exact" in table and "acceptance step 2" in table
+
+
+def test_plot_writes_a_png(tmp_path, models):
+    base, head = models
+    metrics = evaluate_head(base, head, random_windows(1, seed=3), 3).to_dict()
+    path = plot_acceptance({"donor": metrics, "trained": metrics}, tmp_path / "sub" / "acceptance.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 2000
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate-cli")
+    tokenizer = build_tokenizer(root / "tokenizer")
+    donor = build_tiny_checkpoint(root / "donor", layout="fused", multimodal=False, seed=1, tokenizer_dir=tokenizer)
+    base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2, tokenizer_dir=tokenizer)
+    data = root / "chats.jsonl"  # a few conversations: rendering all of the sample takes seconds
+    data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CLI_CONVERSATIONS]))
+    return {"base": base.path, "donor": donor.path, "tokenizer": tokenizer, "data": data}
+
+
+@pytest.mark.parametrize("self_generated", [False, True])
+def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, self_generated):
+    out = tmp_path / "eval"
+    argv = [
+        "--base", str(checkpoints["base"]), "--head", str(checkpoints["base"]), "--donor", str(checkpoints["donor"]),
+        "--data", str(checkpoints["data"]), "--tokenizer", str(checkpoints["tokenizer"]), "--steps", "2",
+        "--context-tokens", "16", "--answer-tokens", "12", "--train-conversations", "4", "--heldout-conversations", "2",
+        "--dtype", "float32", "--out", str(out),
+    ]
+    if self_generated:
+        argv += ["--self-generated", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "evaluation.json").read_text())
+    assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
+    assert set(report["heads"]) == {"donor", "trained"}
+    assert report["exact"] is self_generated and report["text"] == (SELF_GENERATED if self_generated else TEACHER_FORCED)
+    for metrics in report["heads"].values():
+        assert len(metrics["acceptance"]) == 2 and metrics["windows"] == 2
+        assert metrics["exact"] is self_generated
+    assert "donor" in printed and "trained" in printed and "acceptance step 2" in printed
+    if self_generated:
+        assert report["self_generated"]["max_new_tokens"] == 8
+        assert 0 < report["self_generated"]["generated_tokens"] <= 16
+        assert all(m["data_matches_target"] == 1.0 for m in report["heads"].values())
+        assert "exact" in printed
+    else:
+        assert "approximate" in printed
+
+
+def test_cli_refuses_missing_inputs(tmp_path, capsys):
+    code = main(["--base", str(tmp_path / "nope"), "--head", str(tmp_path), "--data", "x.jsonl", "--out", str(tmp_path / "o")])
+    assert code == 2 and "--base" in capsys.readouterr().err
