@@ -110,6 +110,8 @@ def export(config: RunConfig) -> dict:
     head, base = models.head, models.base
     data = prepare_data(config, load_tokenizer(config))
     dtype = DTYPES[config.model.dtype]
+    for param in head.parameters():  # evaluate as served: every tensor in the model dtype
+        param.data = param.data.to(dtype)
 
     # Donor first, then the same head with the trained tensors swapped in.
     eval_started = time.perf_counter()

@@ -172,3 +172,28 @@ def test_two_process_cpu_run(models, tmp_path):
     assert summary["steps"] == 6  # 12 windows, 2 a step (one on each process), 1 epoch
     tensors = load_file(tmp_path / "ddp" / "trained-tensors.safetensors")
     assert set(tensors) == {k[len("mtp."):] for k in TRAINED}
+
+
+def test_unrolled_training_with_a_widened_trainable_set(models, tmp_path):
+    """draft_steps=3 with attention trainable too: runs in bf16 (autocast path), only the named tensors change."""
+    config = write_config(
+        tmp_path / "mtp3.yaml", models, tmp_path / "mtp3", epochs=1,
+        draft_steps=3, step_loss_weights="[0.5, 0.25, 0.25]",
+        trainable="[fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0.self_attn]",
+    )
+    ok(run(["train.py", "--config", str(config), "model.dtype=bfloat16"]))
+    ok(run(["export.py", "--config", str(config), "model.dtype=bfloat16", "eval.draft_steps=3"]))
+    record = json.loads((tmp_path / "mtp3" / "TRAINING.json").read_text())
+    attention = {k for k in record["derived"]["trainable_tensors"] if ".self_attn." in k}
+    assert attention == {f"mtp.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+    exported = load_file(tmp_path / "mtp3" / "mtp-trained.safetensors")
+    donor = ckpt_io.SafetensorsCheckpoint(models["donor"])
+    trained = set(record["derived"]["trainable_tensors"])
+    expected_count = sum(exported[k].numel() for k in trained)
+    assert record["derived"]["trainable_parameters"] == expected_count
+    for key in exported:
+        same = torch.equal(exported[key].view(torch.int16), donor.get(key).view(torch.int16))
+        assert same != (key in trained), key
+    summary = json.loads((tmp_path / "mtp3" / "train-summary.json").read_text())
+    assert all(summary["history"][-1][f"scored_step{k}"] > 0 for k in (1, 2, 3))
+    assert len(record["metrics"]["heldout"]["trained"]["acceptance"]) == 3
