@@ -32,11 +32,12 @@ run expects, naming which parts differ and how:
 * base: sha256 of config.json and of the index, each safetensors file's name and
   size, and a sampled fingerprint of each file: the sha256 of its header (every
   tensor's name, dtype, shape and offsets) and of the first, middle and last
-  `FINGERPRINT_BLOCK_BYTES` of every tensor's data. At real size it reads ~100 MB in
-  ~100k small reads (per-expert layout; far fewer fused) instead of hashing 67 GB. It detects any change to the config, to the file set, to a tensor's
-  name, dtype or shape, and any change of a tensor's values that touches one of the
-  sampled blocks, which every fine-tune, merged adapter, re-cast or re-quantisation
-  does (they change nearly every element of each matrix they touch). It does not
+  `FINGERPRINT_BLOCK_BYTES` of every tensor's data. At real size that is ~100 MB in
+  ~100k small reads (per-expert layout; far fewer fused) instead of hashing 67 GB.
+  It detects any change to the config, to the file set, to a tensor's name, dtype or
+  shape, and any change of a tensor's values that touches one of the sampled blocks,
+  which every fine-tune, merged adapter, re-cast or re-quantisation does (they change
+  nearly every element of each matrix they touch). It does not
   detect an edit confined to a few unsampled elements; TRAINING.json keeps the full
   sha256 of every file (`record.checkpoint_identity`) for that audit.
 * data: the exact token ids of every window, train then heldout (a sha256 over each
