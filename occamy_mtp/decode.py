@@ -96,6 +96,8 @@ class DecodeResult:
     """Per step k: rounds in which steps 1..k were all accepted."""
     drafted: int = 0
     """Drafted tokens whose predicted position lies inside the text (the accept-rate denominator)."""
+    base_passes: int = 0
+    """Base forwards after the prefill: verify passes, plus a plain step when one token was left."""
 
     @property
     def text_ids(self) -> tuple[int, ...]:
@@ -298,10 +300,9 @@ def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_tok
         token = int(scores.argmax())
         output.append(token)
         logprobs.append(float(F.log_softmax(scores, dim=-1)[token]))
-        if token in stop_token_ids:
-            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), "stop")
-        if len(output) == max_new_tokens:
-            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), "length")
+        if token in stop_token_ids or len(output) == max_new_tokens:
+            reason = "stop" if token in stop_token_ids else "length"
+            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), reason, base_passes=len(output) - 1)
         _, logits = runner.forward([token])
 
 
@@ -341,6 +342,7 @@ def speculative_decode(
     output = [first_token]
     logprobs = [float(F.log_softmax(logits[-1], dim=-1)[first_token])]
     rounds: list[_Round] = []
+    plain_steps = 0
     finish = "stop" if first_token in stop_token_ids else None
     if finish is None and len(output) < max_new_tokens:
         step1 = head_runner.extend(prompt[1:] + [first_token], hidden)[-1]
@@ -349,6 +351,7 @@ def speculative_decode(
         text_length = len(prompt) + len(output)  # n; x_{n-1} is output[-1]
         steps = min(draft_steps, max_new_tokens - len(output) - 1)
         if steps == 0:  # one token left: a plain base step, no draft
+            plain_steps += 1
             hidden, logits = base_runner.forward([output[-1]])
             token = int(logits[-1].argmax())
             output.append(token)
@@ -386,10 +389,10 @@ def speculative_decode(
         step1 = head_runner.extend(emitted, hidden[: len(emitted)])[-1]
 
     finish = finish or "length"
-    return _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds)
+    return _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds, plain_steps)
 
 
-def _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds: list[_Round]) -> DecodeResult:
+def _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds: list[_Round], plain_steps: int) -> DecodeResult:
     """Count proposals and acceptances only at predicted positions inside the final text."""
     text_length = len(prompt) + len(output)
     # Step k at anchor a predicts position a+k+1, which must be < text_length.
@@ -406,4 +409,5 @@ def _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds: l
         proposed=tuple(proposed),
         accepted=tuple(accepted),
         drafted=drafted,
+        base_passes=len(rounds) + plain_steps,
     )

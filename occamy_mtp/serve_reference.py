@@ -1,0 +1,336 @@
+"""A tiny OpenAI-compatible HTTP server over the reference decoders (stdlib `http.server`).
+
+It exists so that `occamy_mtp.validate` can be tested against real server processes on
+loopback, and so that a small checkpoint can be served with MTP off (`--mode greedy`)
+or on (`--mode speculative`) exactly as `occamy_mtp.decode` defines them. It is not a
+serving engine: one request at a time, batch size 1, greedy only (temperature 0).
+
+    python -m occamy_mtp.serve_reference --base DIR [--head FILE] --mode speculative \
+        --draft-steps 3 --port 0            # prints "serving http://127.0.0.1:PORT"
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions (prompt: text or token
+ids), POST /v1/chat/completions (messages rendered by the tokenizer's chat template;
+`chat_template_kwargs` passed through, e.g. {"enable_thinking": false}). Token logprobs
+are always computed and returned when `logprobs` is asked for; with
+`return_tokens_as_token_ids` (as vLLM spells it) tokens are "token_id:N". Speculative
+counts are returned in SGLang's style under `meta_info` (`spec_verify_ct`,
+`spec_accept_length` = completion tokens / verify passes, `spec_accept_rate`) plus the
+per-step counts of the reference decoder.
+
+Fault injection, for testing the validation tool (requests are the generation requests,
+counted from 1):
+  --flip-token R:P        request R: output token P (0-based) replaced by another id
+  --shift-logprob R:P:D   request R: D added to output token P's logprob
+  --malformed R           request R: answered with a truncated JSON body
+  --crash-after N         the process exits when request N+1 arrives, without answering
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+GREEDY = "greedy"
+SPECULATIVE = "speculative"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_TOKENS_LIMIT = 1024  # a request asking for more is refused (this is a CPU reference)
+MAX_BODY_BYTES = 1 << 20
+CRASH_EXIT_CODE = 3
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True)
+class Faults:
+    flip_token: dict[int, int] = field(default_factory=dict)  # request -> output position
+    shift_logprob: dict[int, tuple[int, float]] = field(default_factory=dict)  # request -> (position, delta)
+    malformed: frozenset[int] = frozenset()
+    crash_after: int | None = None
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    meta: dict
+
+
+class ReferenceModel:
+    """Base (+ head), tokenizer and decoding mode; `generate` runs one request."""
+
+    def __init__(self, base, head, tokenizer, mode: str, draft_steps: int, stop_token_ids: set[int], name: str):
+        self.base, self.head, self.tokenizer = base, head, tokenizer
+        self.mode, self.draft_steps = mode, draft_steps
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.name = name
+        self.vocab_size = base.lm_head.weight.shape[0]
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        from occamy_mtp.decode import greedy_decode, speculative_decode
+
+        if self.mode == SPECULATIVE:
+            result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids)
+        else:
+            result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids)
+        meta = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.output_ids), "decode_mode": self.mode}
+        if self.mode == SPECULATIVE:
+            summary = result.summary()
+            verify = result.base_passes  # verify passes (+ a plain step when one token was left)
+            meta.update({
+                "spec_verify_ct": verify,
+                "spec_accept_length": len(result.output_ids) / verify if verify else 0.0,
+                "spec_accept_rate": summary["accept_rate"],
+                "spec_draft_tokens": result.drafted,
+                "spec_accepted_tokens": sum(result.accepted),
+                "spec_draft_steps": self.draft_steps,
+                "spec_proposed_per_step": list(result.proposed),
+                "spec_accepted_per_step": list(result.accepted),
+            })
+        return Generation(list(prompt_ids), list(result.output_ids), list(result.logprobs), result.finish_reason, meta)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class RequestError(ValueError):
+    """A request this server refuses (HTTP 400)."""
+
+
+def _max_tokens(body: dict) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise RequestError(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {value!r}")
+    return value
+
+
+def _check_greedy(body: dict) -> None:
+    temperature = body.get("temperature", 1.0)
+    if temperature != 0:
+        raise RequestError(f"this reference server decodes greedily only: send temperature 0 (got {temperature!r})")
+    if body.get("n", 1) != 1 or body.get("stream", False):
+        raise RequestError("n > 1 and stream are not supported")
+
+
+def _prompt_ids(model: ReferenceModel, body: dict, chat: bool) -> list[int]:
+    tokenizer = model.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception as err:  # jinja raises its own types for a bad conversation
+            raise RequestError(f"chat template refused the messages: {err}") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if max(prompt) >= model.vocab_size or min(prompt) < 0:
+            raise RequestError("prompt token id out of range")
+        return list(prompt)
+    if isinstance(prompt, str) and prompt:
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    raise RequestError("prompt must be a non-empty string or a list of token ids")
+
+
+def _apply_faults(faults: Faults, request_number: int, generation: Generation, vocab_size: int) -> None:
+    position = faults.flip_token.get(request_number)
+    if position is not None and position < len(generation.output_ids):
+        generation.output_ids[position] = (generation.output_ids[position] + 1) % vocab_size
+    if request_number in faults.shift_logprob:
+        position, delta = faults.shift_logprob[request_number]
+        if position < len(generation.logprobs):
+            generation.logprobs[position] += delta
+
+
+def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool) -> dict:
+    """The OpenAI response object for one generation (plus SGLang-style `meta_info`)."""
+    ids = generation.output_ids
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    tokens = [f"{TOKEN_ID_PREFIX}{t}" if as_ids else model.token_text(t) for t in ids]
+    text = model.tokenizer.decode([t for t in ids if t not in model.stop_token_ids])
+    wants_logprobs = bool(body.get("logprobs")) or body.get("logprobs") == 0
+    usage = {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
+             "total_tokens": len(generation.prompt_ids) + len(ids)}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": generation.finish_reason}
+        if wants_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+                for token, logprob in zip(tokens, generation.logprobs)
+            ]}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": generation.finish_reason, "logprobs": None}
+        if wants_logprobs:
+            offsets, offset = [], 0
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": generation.logprobs, "top_logprobs": None, "text_offset": offsets}
+        kind = "text_completion"
+    return {
+        "id": uuid.uuid4().hex,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model.name,
+        "choices": [choice],
+        "usage": usage,
+        "meta_info": generation.meta,
+    }
+
+
+def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
+    state = {"requests": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args):  # noqa: A002 (the stdlib's name)
+            if not quiet:
+                super().log_message(format, *args)
+
+        def _send(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _json(self, status: int, obj: dict) -> None:
+            self._send(status, json.dumps(obj).encode("utf-8"))
+
+        def _error(self, status: int, message: str) -> None:
+            self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            if self.path == "/health":
+                self._send(200, b"ok", "text/plain")
+            elif self.path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "occamy-mtp"}]})
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self):  # noqa: N802
+            chat = self.path == "/v1/chat/completions"
+            if not chat and self.path != "/v1/completions":
+                self._error(404, f"no route {self.path}")
+                return
+            state["requests"] += 1
+            number = state["requests"]
+            if faults.crash_after is not None and number > faults.crash_after:
+                sys.stderr.write(f"serve_reference: crashing on request {number} as asked (--crash-after)\n")
+                sys.stderr.flush()
+                os._exit(CRASH_EXIT_CODE)  # no response: the client sees the connection drop
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= MAX_BODY_BYTES:
+                self._error(400, "a JSON body with Content-Length is required")
+                return
+            try:
+                body = json.loads(self.rfile.read(length))
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                _check_greedy(body)
+                max_tokens = _max_tokens(body)
+                prompt_ids = _prompt_ids(model, body, chat)
+            except (json.JSONDecodeError, RequestError) as err:
+                self._error(400, str(err))
+                return
+            generation = model.generate(prompt_ids, max_tokens)
+            _apply_faults(faults, number, generation, model.vocab_size)
+            payload = json.dumps(completion_response(model, body, generation, chat)).encode("utf-8")
+            if number in faults.malformed:
+                payload = payload[: len(payload) // 2]  # truncated JSON, still HTTP 200
+            self._send(200, payload)
+
+    return Handler
+
+
+def _parse_faults(args) -> Faults:
+    def ints(text: str, count: int, flag: str) -> list[str]:
+        parts = text.split(":")
+        if len(parts) != count:
+            raise SystemExit(f"error: {flag} {text!r}: expected {count} ':'-separated values")
+        return parts
+
+    flips = {}
+    for text in args.flip_token:
+        request, position = ints(text, 2, "--flip-token")
+        flips[int(request)] = int(position)
+    shifts = {}
+    for text in args.shift_logprob:
+        request, position, delta = ints(text, 3, "--shift-logprob")
+        shifts[int(request)] = (int(position), float(delta))
+    return Faults(flips, shifts, frozenset(args.malformed), args.crash_after)
+
+
+def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str, device: str):
+    import torch
+    from transformers import AutoTokenizer
+
+    from occamy_mtp import checkpoint as ckpt_io
+    from occamy_mtp.generate import default_eos_token_ids
+    from occamy_mtp.head import SharedWeights
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or base_dir), local_files_only=True)
+    base = ckpt_io.load_base(base_dir, dtype=dtype, device=device)
+    head = None
+    if mode == SPECULATIVE:
+        text_config = ckpt_io.read_config(base_dir).text_config
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+        head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=dtype, device=device)[0].eval()
+    stop = default_eos_token_ids(tokenizer, base_dir)
+    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m occamy_mtp.serve_reference", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
+    parser.add_argument("--head", type=Path, help="MTP head (file or directory; default: the base's own mtp.* tensors)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --base)")
+    parser.add_argument("--mode", choices=(GREEDY, SPECULATIVE), default=GREEDY, help="MTP off (greedy) or on (speculative)")
+    parser.add_argument("--draft-steps", type=int, default=1, help="head steps drafted per verify pass (speculative mode)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on startup)")
+    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--flip-token", action="append", default=[], metavar="R:P")
+    parser.add_argument("--shift-logprob", action="append", default=[], metavar="R:P:D")
+    parser.add_argument("--malformed", action="append", type=int, default=[], metavar="R")
+    parser.add_argument("--crash-after", type=int, metavar="N")
+    args = parser.parse_args(argv)
+    faults = _parse_faults(args)
+    if args.draft_steps < 1:
+        parser.error("--draft-steps must be >= 1")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device)
+    server = HTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
+    host, port = server.server_address[:2]
+    print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
