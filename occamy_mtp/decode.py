@@ -325,10 +325,13 @@ def speculative_decode(
 ) -> DecodeResult:
     """Greedy decoding of the base, accelerated by drafting `draft_steps` tokens with the head.
 
-    The output is token-identical to `greedy_decode` by construction (every emitted token
-    is the base's argmax given the accepted text); see the module docstring for the
-    round, the cache rollback and how acceptance is counted. `draft_override` replaces
-    drafted tokens (tests force rejections with it).
+    The output is token-identical to `greedy_decode` by construction: every emitted token
+    is the base's argmax given the accepted text. "Identical" holds up to floating
+    point: a multi-token verify pass sums in another order than one-token steps (chunked
+    vs recurrent delta rule), so a near-tie between the top two logits could resolve
+    differently; the logprobs differ by rounding (~1e-6 in fp32). See the module
+    docstring for the round, the cache rollback and how acceptance is counted.
+    `draft_override` replaces drafted tokens (tests force rejections with it).
     """
     _check_prompt(prompt_ids, max_new_tokens)
     if draft_steps < 1:

@@ -27,6 +27,9 @@ the offline aggregate over those anchors, not over all of them.
 
     python -m occamy_mtp.evaluate --base DIR --head FILE --donor DIR --data FILES \
         --tokenizer DIR --steps 3 --self-generated --max-new-tokens 128 --out runs/eval
+
+`--reference-decoder` also runs `occamy_mtp.decode.speculative_decode` on every heldout
+prompt and reports its measured acceptance beside the offline chain at its anchors.
 """
 
 from __future__ import annotations
@@ -278,6 +281,58 @@ def self_generated_windows(base, windows, max_new_tokens: int, stop_token_ids, b
     )
 
 
+def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
+                            windows_per_batch: int = 4) -> dict:
+    """Decode each window's prompt with the reference speculative decoder and set its
+    measured acceptance beside the offline chain on the text it produced.
+
+    `measured` is what the decoder counted; `offline_at_decoder_anchors` is the offline
+    chain at exactly the anchors the decoder drafted from (each round's drafts capped as
+    the decoder capped them); the two are equal decision for decision
+    (`decisions_equal` of `decisions`) unless a floating-point near-tie resolved
+    differently in the incremental and the full-sequence pass. `offline_all_anchors` is
+    the usual figure over every anchor of the same text: a different sample.
+    """
+    from occamy_mtp.decode import speculative_decode
+
+    started = time.perf_counter()
+    results = [
+        speculative_decode(base, head, list(w.input_ids[: w.answer_start]), max_new_tokens, draft_steps, stop_token_ids)
+        for w in windows
+    ]
+    decoded = [replace(w, input_ids=r.text_ids) for w, r in zip(windows, results)]
+    outcomes = chain_outcomes(base, head, decoded, draft_steps, windows_per_batch)
+    scorable, accepted, equal = [], [], 0
+    for result, outcome in zip(results, outcomes):
+        for r in result.rounds:
+            steps = min(len(r.drafted), outcome.scorable[r.anchor])
+            scorable.append(steps)
+            accepted.append(min(outcome.accepted[r.anchor], steps))
+            equal += accepted[-1] == r.accepted
+    proposed, hits, drafted = counts_from_outcomes(scorable, accepted, draft_steps)
+
+    def figures(proposed: list[int], accepted: list[int], drafted: int) -> dict:
+        acceptance, length, rate = acceptance_summary(proposed, accepted, drafted)
+        return {"proposed": proposed, "accepted": accepted, "drafted": drafted, "acceptance": acceptance,
+                "mean_accept_length": length, "accept_rate": rate}
+
+    measured = [sum(values) for values in zip(*(r.proposed for r in results))], \
+        [sum(values) for values in zip(*(r.accepted for r in results))], sum(r.drafted for r in results)
+    emitted = sum(len(r.output_ids) for r in results)
+    passes = sum(r.base_passes for r in results)
+    return {
+        "windows": len(windows),
+        "max_new_tokens": max_new_tokens,
+        "measured": {**figures(*measured), "output_tokens": emitted, "verify_passes": passes,
+                     "tokens_per_verify_pass": (emitted - len(results)) / passes if passes else 0.0},
+        "offline_at_decoder_anchors": figures(proposed, hits, drafted),
+        "offline_all_anchors": evaluate_head(base, head, decoded, draft_steps, windows_per_batch, SELF_GENERATED).to_dict(),
+        "decisions": len(scorable),
+        "decisions_equal": equal,
+        "seconds": time.perf_counter() - started,
+    }
+
+
 # ----------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------
@@ -362,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--self-generated", action="store_true", help="evaluate on the base's own greedy continuation of each heldout prompt (exact)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_SELF_GENERATED_TOKENS, help="bound of each self-generated continuation")
     parser.add_argument("--generate-batch-size", type=int, default=8, help="prompts per batch when the base writes the text")
+    parser.add_argument("--reference-decoder", action="store_true",
+                        help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) and "
+                             "report its measured acceptance beside the offline chain at its anchors")
     parser.add_argument("--context-tokens", type=int, default=data_module.DEFAULT_CONTEXT_TOKENS)
     parser.add_argument("--answer-tokens", type=int, default=data_module.DEFAULT_ANSWER_TOKENS)
     parser.add_argument("--train-conversations", type=int, default=data_module.DEFAULT_TRAIN_CONVERSATIONS, help="as in training, so the split is the same")
@@ -435,8 +493,22 @@ def main(argv: list[str] | None = None) -> int:
             "batch_size": args.generate_batch_size,
             "enable_thinking": False,
         }
+    if args.reference_decoder:
+        from occamy_mtp.generate import default_eos_token_ids
+
+        stop = default_eos_token_ids(tokenizer, args.base)
+        extra["reference_decoder"] = {
+            name: reference_decoder_check(base, head, data.heldout, args.steps, args.max_new_tokens, stop, args.windows_per_batch)
+            for name, head in heads.items()
+        }
     report = run_evaluation(base, heads, windows, args.steps, args.out, args.windows_per_batch, text, extra)
     print(format_table(report["heads"]))
+    for name, check in report.get("reference_decoder", {}).items():
+        measured, offline = check["measured"], check["offline_at_decoder_anchors"]
+        steps = ", ".join(f"{a}/{p}" for a, p in zip(measured["accepted"], measured["proposed"]))
+        print(f"reference decoder ({name}): accepted/proposed per step {steps}, accept length {measured['mean_accept_length']:.3f}, "
+              f"{measured['tokens_per_verify_pass']:.3f} tokens per verify pass; offline chain at the same anchors "
+              f"{offline['mean_accept_length']:.3f}; {check['decisions_equal']}/{check['decisions']} decisions equal")
     print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
     return 0
 

@@ -218,6 +218,8 @@ def test_decoder_acceptance_equals_offline_chain_at_its_anchors(models, draft_st
             totals[key][0] = [x + y for x, y in zip(totals[key][0], p)]
             totals[key][1] = [x + y for x, y in zip(totals[key][1], a)]
             totals[key][2] += d
+        # Each base pass after the prefill emits its accepted drafts plus one token.
+        assert result.base_passes == len(result.output_ids) - 1 - sum(r.accepted for r in result.rounds)
         metrics = evaluate_head(base, head, [window], draft_steps, text=SELF_GENERATED)
         assert metrics.exact and metrics.data_matches_target == 1.0
     assert totals["decoder"] == totals["offline"]

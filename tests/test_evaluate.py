@@ -161,7 +161,7 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, self_gene
         "--dtype", "float32", "--out", str(out),
     ]
     if self_generated:
-        argv += ["--self-generated", "--max-new-tokens", "8"]
+        argv += ["--self-generated", "--max-new-tokens", "8", "--reference-decoder"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "evaluation.json").read_text())
@@ -177,6 +177,11 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, self_gene
         assert 0 < report["self_generated"]["generated_tokens"] <= 16
         assert all(m["data_matches_target"] == 1.0 for m in report["heads"].values())
         assert "exact" in printed
+        for check in report["reference_decoder"].values():
+            assert check["decisions"] > 0 and check["decisions_equal"] == check["decisions"]
+            for key in ("proposed", "accepted", "drafted"):
+                assert check["measured"][key] == check["offline_at_decoder_anchors"][key]
+        assert "reference decoder (trained)" in printed
     else:
         assert "approximate" in printed
 
