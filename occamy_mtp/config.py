@@ -55,6 +55,8 @@ class DataSettings:
     """Seed of the content hash that assigns conversations to train or heldout."""
     skip_bad_records: bool = False
     """Skip (and count) malformed records instead of failing on the first one."""
+    target_cache: str = ""
+    """Directory of the offline target cache (`python -m occamy_mtp.cache`); empty runs the base online."""
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.cache import OnlineTargets, TargetSource, load_shared_weights, open_targets
 from occamy_mtp.config import ConfigError, RunConfig, dump_yaml, step_loss_weights
 from occamy_mtp.data import PreparedData, Window, prepare_windows
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.loss import chain_batch, chain_loss
-from occamy_mtp.target import base_outputs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CHECKPOINT_DIR = "checkpoints"
@@ -55,7 +55,7 @@ class TrainState:
 
 @dataclass(frozen=True)
 class Models:
-    base: torch.nn.Module
+    base: torch.nn.Module | None
     head: MTPHead
     donor_layout: str
     trainable_parameters: int
@@ -80,15 +80,24 @@ def load_tokenizer(config: RunConfig):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def build_models(config: RunConfig, device) -> Models:
-    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters."""
+def build_models(config: RunConfig, device, with_base: bool = True) -> Models:
+    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
+
+    Without the base (`with_base=False`, training from the target cache) only the two
+    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
+    """
     dtype = DTYPES[config.model.dtype]
     base_config = ckpt_io.read_config(config.model.base)
-    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
+    if with_base:
+        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    else:
+        base = None
+        shared = load_shared_weights(config.model.base, dtype=dtype, device=device)
     head, layout = ckpt_io.load_head(
         config.model.donor_head,
         base_config.text_config,
-        SharedWeights(base.model.embed_tokens, base.lm_head),
+        shared,
         dtype=dtype,
         device=device,
         attn_implementation=config.model.attn_implementation,
@@ -243,9 +252,16 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     if not data.train:
         raise ConfigError("data: no train windows were built; check data.files (see `python -m occamy_mtp.data`)")
 
-    # Models: frozen base, donor head with fp32 master copies of what trains.
-    models = build_models(config, device)
-    head, base = models.head, models.base
+    # Models: frozen base (unless its targets come from the cache), donor head with
+    # fp32 master copies of what trains.
+    cached = bool(config.data.target_cache)
+    models = build_models(config, device, with_base=not cached)
+    head = models.head
+    targets_source: TargetSource = (
+        open_targets(config.data.target_cache, config.model.base, data, config.model.dtype, config.model.attn_implementation)
+        if cached
+        else OnlineTargets(models.base)
+    )
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         trainable,
@@ -285,9 +301,9 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         windows = step_windows(data.train, state.step, config.train.windows_per_step, config.train.seed)
         batch = collate(windows[accelerator.process_index :: world], device)
 
-        # Frozen base: post-norm hidden states and greedy targets, no gradients.
+        # Frozen base (or its cache): post-norm hidden states and greedy targets, no gradients.
         base_started = time.perf_counter()
-        targets = base_outputs(base, batch.input_ids, batch.attention_mask)
+        targets = targets_source.outputs(batch.input_ids, batch.attention_mask)
         state.base_forward_seconds += time.perf_counter() - base_started
 
         chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, config.train.draft_steps)
@@ -331,6 +347,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         "final_loss": state.history[-1]["loss"] if state.history else None,
         "history": state.history,
         "data": data.provenance(),
+        "targets": targets_source.provenance(),
     }
     if accelerator.is_main_process:
         tensors = {n: t.float() for n, t in trainable_tensors(raw_head).items()}
