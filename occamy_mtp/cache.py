@@ -49,10 +49,12 @@ run expects, naming which parts differ and how:
 A window's targets are the base's outputs for that window as the pass computed them.
 The default pass (`plain_compute`) runs `target.base_outputs` on one window at a
 time: the canonical value, which the online path reproduces bit for bit when it too
-runs one window per forward (`train.windows_per_step: 1`, the original recipe). In a
-padded multi-window batch the base's numbers can differ in the last bits (fp32 on CPU
-differs by ~1e-6; batch composition changes the kernels' blocking), so the online and
-the cached head then agree to that rounding, not bitwise. A faster pass plugs in as
+runs one window per forward (`train.windows_per_step: 1`, the original recipe); seen
+on CPU and on an H200 (bf16 and fp32). In a padded multi-window batch a window's
+numbers depend on its batch-mates, since batch shape changes the kernels' blocking:
+fp32 by ~1e-6 (CPU and H200), bf16 on an H200 by up to 1.6e-2 with one greedy token
+in 510 flipped. The online and the cached head then agree to that rounding, not
+bitwise; the cached targets are the batch-independent ones. A faster pass plugs in as
 `compute`: any callable from a list of windows' token ids to their per-window outputs
 (`hidden` (T, D), `greedy` (T,)), such as `fastbase.FastBasePass` as it is.
 """
