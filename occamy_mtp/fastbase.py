@@ -148,6 +148,7 @@ class Kernels:
     rms_norm(x, weight, eps, residual) -> (normed, residual + x): zero-centred
         `x * rsqrt(mean(x^2) + eps) * (1 + weight)` of the residual sum; None: the modules'.
     rms_norm_gated(x, gate, weight, eps) -> norm(x) * weight * silu(gate); None: the module's.
+    sparse_moe(block, x (B, T, D)) -> (B, T, D): the MoE block; None: the module's forward.
     """
 
     name: str
@@ -155,6 +156,7 @@ class Kernels:
     chunk_gated_delta_rule: Callable
     rms_norm: Callable | None = None
     rms_norm_gated: Callable | None = None
+    sparse_moe: Callable | None = None
 
 
 def _torch_causal_conv1d(x, weight, bias, activation, layout: PackLayout):
@@ -181,12 +183,18 @@ def _torch_chunk_gated_delta_rule(q, k, v, g, beta, layout: PackLayout):
     return layout.from_grid(out)
 
 
-def torch_kernels() -> Kernels:
-    """transformers' own PyTorch implementations (exact, slow): the fallback and the test oracle."""
-    return Kernels("torch", _torch_causal_conv1d, _torch_chunk_gated_delta_rule)
+def torch_kernels(grouped_moe: bool = False) -> Kernels:
+    """transformers' own PyTorch implementations (exact, slow): the fallback and the test oracle.
+
+    grouped_moe: route the MoE block through `grouped_moe` instead of its own forward.
+    """
+    return Kernels(
+        "torch" + ("+grouped-moe" if grouped_moe else ""), _torch_causal_conv1d, _torch_chunk_gated_delta_rule,
+        sparse_moe=grouped_moe_block if grouped_moe else None,
+    )
 
 
-def fla_kernels(fused_norms: bool = True) -> Kernels:
+def fla_kernels(fused_norms: bool = True, grouped_moe: bool = True) -> Kernels:
     """fla's Triton kernels. Raises ImportError when fla (or Triton) is missing."""
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
@@ -213,9 +221,13 @@ def fla_kernels(fused_norms: bool = True) -> Kernels:
     def norm_gated(x, gate, weight, eps):
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
 
-    if not fused_norms:
-        return Kernels("fla", conv, rule)
-    return Kernels("fla+fused-norms", conv, rule, norm, norm_gated)
+    name = "fla" + ("+fused-norms" if fused_norms else "") + ("+grouped-moe" if grouped_moe else "")
+    return Kernels(
+        name, conv, rule,
+        rms_norm=norm if fused_norms else None,
+        rms_norm_gated=norm_gated if fused_norms else None,
+        sparse_moe=grouped_moe_block if grouped_moe else None,
+    )
 
 
 def default_kernels(device: torch.device, fused_norms: bool = True) -> Kernels:
@@ -230,7 +242,48 @@ def default_kernels(device: torch.device, fused_norms: bool = True) -> Kernels:
             f"PyTorch Gated DeltaNet, which is correct but much slower. Install them with: {FLA_INSTALL_HINT}",
             stacklevel=2,
         )
-        return torch_kernels()
+        return torch_kernels(grouped_moe=True)
+
+
+# -- the MoE block ------------------------------------------------------------------
+
+
+def grouped_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Routed experts as two grouped GEMMs: (N, D) tokens, (N, k) choices and weights -> (N, D).
+
+    The computation of transformers' "grouped_mm" experts, with less memory traffic
+    around the GEMMs (at real size the glue cost more than the GEMMs; transformers <= 5.1x
+    also masks three (N*k, D)-sized tensors per layer for expert parallelism):
+    the (token, expert) pairs are sorted by expert, gathered, pushed through
+    gate_up -> SiLU(gate) * up -> down, put back in token order, and summed with their
+    routing weights in one batched matmul that accumulates in fp32.
+    """
+    from transformers.integrations.moe import _grouped_mm
+
+    tokens, top_k = top_k_index.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k
+    sorted_ids, order = torch.sort(expert_ids)
+    # histc, not bincount: no host sync, so the pass can be captured in a CUDA graph.
+    counts = torch.histc(sorted_ids.int() if x.is_cuda else sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate_up = _grouped_mm(x[order // top_k], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = _grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offs=offsets)  # (S, D)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    out = out[inverse].view(tokens, top_k, -1)  # (N, k, D) token-major
+    return torch.bmm(top_k_weights.to(out.dtype).unsqueeze(1), out).squeeze(1)  # (N, D)
+
+
+def grouped_moe_block(block, x: torch.Tensor) -> torch.Tensor:
+    """`Qwen3_5MoeSparseMoeBlock.forward` with `grouped_experts` for the routed experts."""
+    flat = x.reshape(-1, x.shape[-1])  # (N, D)
+    shared = block.shared_expert(flat)
+    _, routing_weights, selected = block.gate(flat)  # softmax router in fp32, top-k renormalised
+    routed = grouped_experts(block.experts, flat, selected, routing_weights)
+    shared = torch.sigmoid(block.shared_expert_gate(flat)) * shared
+    return (routed + shared).reshape(x.shape)
 
 
 # -- the forward --------------------------------------------------------------------
@@ -310,9 +363,12 @@ def packed_hidden(base, input_ids: torch.Tensor, layout: PackLayout, kernels: Ke
         else:
             hidden = _attention(layer.self_attn, normed, position_embeddings, mask, layout)
         normed, residual = _norm(layer.post_attention_layernorm, hidden, residual, kernels)
-        hidden = layer.mlp(normed)
-        if isinstance(hidden, tuple):  # some versions also return router logits
-            hidden = hidden[0]
+        if kernels.sparse_moe is not None:
+            hidden = kernels.sparse_moe(layer.mlp, normed)
+        else:
+            hidden = layer.mlp(normed)
+            if isinstance(hidden, tuple):  # some versions also return router logits
+                hidden = hidden[0]
     normed, _ = _norm(model.norm, hidden, residual, kernels)
     return normed
 
