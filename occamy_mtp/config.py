@@ -128,6 +128,9 @@ class RunConfig:
     def fingerprint(self, sections: tuple[str, ...] = ("model", "data", "train")) -> str:
         """sha256 of the settings that determine the trained head (resume refuses a change)."""
         d = self.to_dict()
+        # Where the targets are read from does not change them (the cache holds exactly
+        # what the base computes for each window), so a run may switch between the two.
+        d["data"].pop("target_cache", None)
         blob = json.dumps({s: d[s] for s in sections}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -77,3 +77,7 @@ def test_step_loss_weights_normalised():
     config = load_config(None, ["train.draft_steps=3", "train.step_loss_weights=[2, 1, 1]"])
     assert step_loss_weights(config.train) == pytest.approx((0.5, 0.25, 0.25))
     assert step_loss_weights(load_config(None, ["train.draft_steps=2"]).train) == pytest.approx((0.5, 0.5))
+
+
+def test_fingerprint_ignores_where_targets_are_read_from():
+    assert load_config(None).fingerprint() == load_config(None, ["data.target_cache=/cache"]).fingerprint()
