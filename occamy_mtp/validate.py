@@ -59,7 +59,10 @@ REPORT_FILE = "validation.json"
 RESPONSES_FILE = "responses-{role}.json"
 RESPONSES_FORMAT = 1
 TOKEN_ID = re.compile(r"^token_id:(\d+)$")
-# Where engines put per-request speculative counts, and what they call them.
+# Where engines put per-request speculative counts, and what they call them. Read from
+# SGLang's discussions: `meta_info.spec_verify_ct` (accept length = completion_tokens /
+# spec_verify_ct) and the per-request `spec_accept_rate` / `spec_accept_length`. The other
+# spellings and places are unverified guesses, looked for only because they are harmless.
 METADATA_KEYS = ("meta_info", "sglext", "metadata", "usage")
 VERIFY_COUNT_KEYS = ("spec_verify_ct", "spec_verify_count", "num_verify_steps")
 ACCEPTED_KEYS = ("spec_accepted_tokens", "spec_accept_token_num", "num_accepted_tokens")
@@ -370,6 +373,9 @@ def acceptance_from_metadata(run: dict) -> dict | None:
         accepted = sum(c["accepted_tokens"] for c in with_counts)
         drafted = sum(c["draft_tokens"] for c in with_counts)
         out.update(accepted_tokens=accepted, draft_tokens=drafted, accept_rate=accepted / drafted if drafted else None)
+    rates = [c["spec_accept_rate"] for c in counted if isinstance(c.get("spec_accept_rate"), (int, float))]
+    if rates:  # SGLang's per-request figure; without token counts only its mean can be given
+        out["mean_request_accept_rate"] = sum(rates) / len(rates)
     per_step = [c for c in counted if "spec_accepted_per_step" in c and "spec_proposed_per_step" in c]
     if per_step:
         steps = max(len(c["spec_accepted_per_step"]) for c in per_step)
@@ -464,6 +470,8 @@ def format_summary(report: dict) -> str:
                f"({acceptance['completion_tokens']} tokens / {acceptance['verify_passes']} verify passes, {acceptance['responses']} responses)"
         if acceptance.get("accept_rate") is not None:
             text += f", accept rate {acceptance['accept_rate']:.2%} ({acceptance['accepted_tokens']}/{acceptance['draft_tokens']})"
+        elif "mean_request_accept_rate" in acceptance:
+            text += f", mean per-request accept rate {acceptance['mean_request_accept_rate']:.2%}"
         lines.append(text)
         if "per_step" in acceptance:
             steps = ", ".join(f"step {k + 1} {a}/{p}" for k, (a, p) in enumerate(zip(acceptance["per_step"]["accepted"], acceptance["per_step"]["proposed"])))

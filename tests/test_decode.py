@@ -62,7 +62,7 @@ def random_prompt(length: int, seed: int, vocab: int = 1000) -> list[int]:
 # ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompt_length,seed", [(1, 0), (6, 1), (19, 2)])
+@pytest.mark.parametrize("prompt_length,seed", [(1, 0), (13, 2)])
 def test_speculative_output_is_greedy_output(models, prompt_length, seed):
     base, head = models
     prompt = random_prompt(prompt_length, seed)
