@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -35,7 +35,6 @@ prompt and reports its measured acceptance beside the offline chain at its ancho
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
