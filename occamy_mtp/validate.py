@@ -287,17 +287,17 @@ def collect(base_url: str, prompts: list[ValidationPrompt], cold_warm: int, sett
     consecutive, dead = 0, None
     try:
         model = settings.model or server_model_name(base_url, settings.timeout_seconds)
-        run["model"] = model
     except RequestFailed as err:
-        model, consecutive = None, 1 if err.kind == "transport" else 0
         run["model_error"] = {"kind": err.kind, "message": str(err)}
-        if err.kind == "transport" and consecutive >= max_consecutive_errors:
-            dead = str(err)
+        model = "default"  # a server without /v1/models may still serve completions
+        if err.kind == "transport":
+            dead = f"server unreachable (GET /v1/models: {err})"
+    run["model"] = model
     for index, prompt in enumerate(prompts):
         for attempt in ("cold", "warm") if index < cold_warm else ("cold",):
             entry = {"prompt": prompt.name, "source": prompt.source, "attempt": attempt}
-            if dead is not None or model is None:
-                entry["error"] = {"kind": "skipped", "message": f"not sent: {dead or 'the model name could not be read'}"}
+            if dead is not None:
+                entry["error"] = {"kind": "skipped", "message": f"not sent: {dead}"}
                 run["requests"].append(entry)
                 continue
             started = time.perf_counter()
