@@ -83,7 +83,7 @@ def _packed_sequences(tokenizer, conversations: list[list[dict]], length: int) -
     return torch.tensor(stream[: rows * length]).view(rows, length)
 
 
-def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: int, train_head: bool) -> list[float]:
+def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: int, train_head: bool, log=print) -> list[float]:
     """Train `base` as a language model (and `head` on its hidden states) for `steps` steps."""
     params = list(base.parameters()) + (list(head.parameters()) if train_head else [])
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -107,6 +107,8 @@ def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: in
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(lm_loss.detach()))
+        if (step + 1) % 20 == 0 or step + 1 == steps:
+            log(f"  step {step + 1}/{steps}: language-model loss {losses[-1]:.3f}")
     return losses
 
 
@@ -150,7 +152,7 @@ def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), da
         head.layers[0].mlp.experts.gate_up_proj.normal_(0.0, text_config.initializer_range)
         head.layers[0].mlp.experts.down_proj.normal_(0.0, text_config.initializer_range)
     log(f"demo models: training the donor for {settings.donor_steps} steps on {donor_sequences.shape[0]} sequences")
-    donor_losses = _lm_steps(donor, head, donor_sequences, settings.donor_steps, settings.donor_lr, settings, settings.seed, True)
+    donor_losses = _lm_steps(donor, head, donor_sequences, settings.donor_steps, settings.donor_lr, settings, settings.seed, True, log)
     donor_state = {k: v.clone() for k, v in donor.state_dict().items()}
     write_checkpoint(out_dir / "donor", text_config, donor, head, layout=ckpt_io.FUSED, multimodal=False, tokenizer_dir=tokenizer_dir)
 
@@ -158,7 +160,7 @@ def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), da
     base = model_class._from_config(text_config, dtype=torch.float32)
     base.load_state_dict(donor_state)
     head.attach(SharedWeights(base.model.embed_tokens, base.lm_head))
-    finetune_losses = _lm_steps(base, head, finetune_sequences, settings.finetune_steps, settings.finetune_lr, settings, settings.seed + 1, False)
+    finetune_losses = _lm_steps(base, head, finetune_sequences, settings.finetune_steps, settings.finetune_lr, settings, settings.seed + 1, False, log)
     # The base still ships the donor's (now stale) head, as a real fine-tune does.
     write_checkpoint(out_dir / "base", text_config, base, head, layout=ckpt_io.PER_EXPERT, multimodal=True, tokenizer_dir=tokenizer_dir)
     torch.use_deterministic_algorithms(False)
