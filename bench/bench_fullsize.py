@@ -206,6 +206,9 @@ def bench_base(base, config, shape, device, variants: list[str], args) -> dict:
     for name in variants:
         if name in calls:
             fn = calls[name]
+        elif name not in passes and KERNELS.get(name) is not None:
+            runner = fastbase.FastBasePass(base, max_tokens_per_batch=tokens, kernels=KERNELS[name])
+            fn = lambda runner=runner: runner.forward_batch(windows)  # noqa: E731
         elif name in passes:
             if KERNELS.get(name.replace("-graph", "")) is None:
                 continue
@@ -242,7 +245,7 @@ def agreement(base, config, device, shape, variable_windows: int, args, kernels_
     result["plain-batch-vs-single"] = compare(
         torch.cat([o.hidden[0] for o in singles]), torch.cat([o.greedy[0] for o in singles]), flat_hidden, plain.greedy.reshape(-1)
     )
-    for name in ("fast", "fast-nofuse", "fast-tmoe"):
+    for name in [k for k in KERNELS if k.startswith("fast")]:
         if KERNELS.get(name) is None:
             continue
         fast = fastbase.FastBasePass(base, max_tokens_per_batch=shape[0] * shape[1], kernels=KERNELS[name])
@@ -284,6 +287,55 @@ def graph_check(runner, windows) -> dict:
     eager_hidden, eager_greedy, _ = runner.forward_batch(windows)
     runner.cuda_graphs = True
     return compare(eager_hidden, eager_greedy, hidden, greedy)
+
+
+def rel(got, ref) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
+@torch.no_grad()
+def diagnose(base, config, device) -> dict:
+    """Each part of the fast pass against transformers' own module on the same input."""
+    model = base.model
+    shape = (2, 512)
+    ids = random_windows(config, shape, seed=21).to(device)
+    layout = fastbase.make_layout([shape[1]] * shape[0], device)
+    hidden = model.embed_tokens(ids)
+    plain_positions = torch.arange(shape[1], device=device).view(1, 1, -1).expand(4, shape[0], -1)[1:]
+    ours_positions = torch.arange(shape[1], device=device).expand(shape[0], -1)[None].expand(3, -1, -1)
+    plain_rope = model.rotary_emb(hidden, plain_positions)
+    ours_rope = model.rotary_emb(hidden, ours_positions)
+    out = {"rotary_cos": rel(ours_rope[0], plain_rope[0])}
+    gdn_layer = next(l for l in model.layers if l.block_type == "linear_attention")
+    attn_layer = next(l for l in model.layers if l.block_type == "full_attention")
+    x = gdn_layer.input_layernorm(hidden)
+    reference = gdn_layer.linear_attn(x)  # transformers' forward: PyTorch conv, fla rule on repeated heads
+    variants = {
+        "torch": fastbase.torch_kernels(),
+        "fla": fastbase.fla_kernels(False, False),
+        "fla-repeat-kv": fastbase.fla_kernels(False, False, repeat_kv_heads=True),
+        "fla-torch-conv": fastbase.fla_kernels(False, False, triton_conv=False),
+        "fla-repeat-kv-torch-conv": fastbase.fla_kernels(False, False, repeat_kv_heads=True, triton_conv=False),
+    }
+    for name, kernels in variants.items():
+        out[f"gdn-{name}"] = rel(fastbase._gated_deltanet(gdn_layer.linear_attn, x, layout, kernels), reference)
+    mixed = gdn_layer.linear_attn.in_proj_qkv(x)
+    weight = gdn_layer.linear_attn.conv1d.weight.squeeze(1)
+    out["conv-fla-vs-torch"] = rel(variants["fla"].causal_conv1d(mixed, weight, None, "silu", layout),
+                                   fastbase._torch_causal_conv1d(mixed, weight, None, "silu", layout))
+    xa = attn_layer.input_layernorm(hidden)
+    ref_attn, _ = attn_layer.self_attn(hidden_states=xa, position_embeddings=plain_rope, attention_mask=None)
+    out["attention"] = rel(fastbase._attention(attn_layer.self_attn, xa, ours_rope, None, layout), ref_attn)
+    out["moe-grouped"] = rel(fastbase.grouped_moe_block(gdn_layer.mlp, x), gdn_layer.mlp(x))
+    fused = fastbase.fla_kernels()
+    residual = hidden
+    normed, summed = fused.rms_norm(x, gdn_layer.post_attention_layernorm.weight, gdn_layer.post_attention_layernorm.eps, residual)
+    out["norm-fused"] = rel(normed, gdn_layer.post_attention_layernorm(residual + x))
+    core = torch.randn(4096, 128, device=device, dtype=torch.bfloat16)
+    gate = torch.randn(4096, 128, device=device, dtype=torch.bfloat16)
+    norm = gdn_layer.linear_attn.norm
+    out["norm-gated-fused"] = rel(fused.rms_norm_gated(core, gate, norm.weight, norm.variance_epsilon), norm(core, gate))
+    return out
 
 
 def bench_packed(base, config, device, total_tokens: int, args) -> dict:
@@ -508,6 +560,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-shape", default="32x512", help="empty to skip the profile")
     parser.add_argument("--profile-top", type=int, default=30)
     parser.add_argument("--agreement-shape", default="8x512")
+    parser.add_argument("--diagnose", action="store_true", help="compare each part of the pass with transformers' module")
+    parser.add_argument("--extra-kernels", default="", help="comma list of fla variants to add: repeat-kv, torch-conv, repeat-kv+torch-conv")
     parser.add_argument("--shallow-layers", type=int, default=4, help="depth of the extra agreement model (0: skip)")
     parser.add_argument("--variable-windows", type=int, default=12)
     parser.add_argument("--packed-tokens", type=int, default=65536, help="0 to skip the packed variable-length run")
@@ -523,6 +577,9 @@ def main(argv=None) -> int:
     if fast_kernels.name.startswith("fla"):
         KERNELS["fast-nofuse"] = fastbase.fla_kernels(fused_norms=False)  # transformers' norms
         KERNELS["fast-tmoe"] = fastbase.fla_kernels(grouped_moe=False)  # transformers' MoE block
+        for extra in filter(None, args.extra_kernels.split(",")):
+            KERNELS[f"fast-{extra}"] = fastbase.fla_kernels(
+                repeat_kv_heads="repeat-kv" in extra, triton_conv="torch-conv" not in extra)
     results: dict = {"argv": sys.argv, "env": environment(device)}
     print(json.dumps(results["env"], indent=1), flush=True)
 
@@ -535,6 +592,9 @@ def main(argv=None) -> int:
     if args.shallow_layers:
         shallow_config = text_config(args.config, args.shallow_layers)
         shallow, _, _ = build_models(shallow_config, device, args.experts)
+        if args.diagnose and KERNELS["fast"].name.startswith("fla"):
+            guarded(results, "diagnose", lambda: diagnose(shallow, shallow_config, device))
+            save()
         guarded(results, f"agreement-{args.shallow_layers}-layers", lambda: agreement(
             shallow, shallow_config, device, parse_shape(args.agreement_shape), args.variable_windows, args))
         del shallow

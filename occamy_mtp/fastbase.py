@@ -194,8 +194,15 @@ def torch_kernels(grouped_moe: bool = False) -> Kernels:
     )
 
 
-def fla_kernels(fused_norms: bool = True, grouped_moe: bool = True) -> Kernels:
-    """fla's Triton kernels. Raises ImportError when fla (or Triton) is missing."""
+def fla_kernels(
+    fused_norms: bool = True, grouped_moe: bool = True, repeat_kv_heads: bool = False, triton_conv: bool = True
+) -> Kernels:
+    """fla's Triton kernels. Raises ImportError when fla (or Triton) is missing.
+
+    repeat_kv_heads: hand the delta rule query/key heads repeated up to the value heads
+        (what transformers <= 5.1x does) instead of relying on fla's grouped value heads.
+    triton_conv: fla's varlen causal conv1d; False: transformers' PyTorch conv over the padded grid.
+    """
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.modules.norm.layernorm import rms_norm
@@ -206,6 +213,9 @@ def fla_kernels(fused_norms: bool = True, grouped_moe: bool = True) -> Kernels:
         return out
 
     def rule(q, k, v, g, beta, layout: PackLayout):
+        groups = v.shape[2] // q.shape[2]
+        if repeat_kv_heads and groups > 1:
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
         out, _ = chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=True, cu_seqlens=layout.cu_seqlens,
@@ -222,8 +232,9 @@ def fla_kernels(fused_norms: bool = True, grouped_moe: bool = True) -> Kernels:
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
 
     name = "fla" + ("+fused-norms" if fused_norms else "") + ("+grouped-moe" if grouped_moe else "")
+    name += ("+repeat-kv" if repeat_kv_heads else "") + ("" if triton_conv else "+torch-conv")
     return Kernels(
-        name, conv, rule,
+        name, conv if triton_conv else _torch_causal_conv1d, rule,
         rms_norm=norm if fused_norms else None,
         rms_norm_gated=norm_gated if fused_norms else None,
         sparse_moe=grouped_moe_block if grouped_moe else None,
