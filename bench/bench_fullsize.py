@@ -524,6 +524,9 @@ def summary_lines(results: dict) -> list[str]:
         for key, a in results[section].items():
             if isinstance(a, dict) and "greedy_match" in a:
                 lines.append(f"{section} {key}: greedy {a['greedy_match']:.4f}, hidden rel err {a['hidden_rel_error']:.2e}")
+    if isinstance(results.get("diagnose"), dict) and "error" not in results["diagnose"]:
+        lines.append("diagnose (relative error of each part vs transformers' module, same input): " + ", ".join(
+            f"{k} {v:.1e}" for k, v in results["diagnose"].items()))
     lines.append("== head training step ==")
     for shape, value in results.get("head", {}).items():
         if isinstance(value, dict) and "tokens_per_s" in value:
