@@ -24,8 +24,11 @@ Everything reuses the base's own modules and weights (transformers' decoder laye
 attention, MoE block, norms). The one thing composed here is the Gated DeltaNet token
 mixer's forward, because transformers' forward cannot restart the conv state at window
 starts inside a packed row; it calls the module's own projections, norm and parameters
-in the same order as transformers does (`_gated_deltanet`). tests/test_fastbase.py
-checks the whole pass against the plain per-window forward.
+in the same order as transformers does (`_gated_deltanet`). The MoE block is likewise
+recomposed from its own modules (`grouped_moe_block`), because transformers' glue around
+the expert GEMMs cost more than the GEMMs at real size. tests/test_fastbase.py checks the
+whole pass against the plain per-window forward; bench/bench_fullsize.py measures it at
+real size (figures in bench/RESULTS.md).
 """
 
 from __future__ import annotations
