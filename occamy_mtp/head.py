@@ -192,7 +192,13 @@ class MTPHead(nn.Module):
         kv: ChainKV,
     ) -> torch.Tensor:
         """The decoder layer and final norm: (B, T, D) -> post-norm (B, T, D)."""
-        position_embeddings = self.rotary_emb(projected, position_ids)
+        rotary_positions = position_ids
+        if self.config.model_type == "qwen3_5_moe_text":
+            # M-RoPE takes (3, B, T) rows (temporal, height, width); for text all three are
+            # the token position, which makes it 1-D RoPE. transformers 5.2x expands a
+            # (B, T) input itself, 5.17 does not, so pass all three rows.
+            rotary_positions = position_ids[None].expand(3, -1, -1)
+        position_embeddings = self.rotary_emb(projected, rotary_positions)
         out = self.layers[0](
             projected,
             position_embeddings=position_embeddings,
