@@ -10,7 +10,8 @@ from pathlib import Path
 
 FIGURE_INCHES = (6.0, 3.6)
 DPI = 120
-COLORS = ("#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c")  # donor grey, then the trained head(s)
+DONOR_COLOR = "#8c8c8c"  # the donor in grey, every other head in colour
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
 def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained acceptance") -> Path:
@@ -24,12 +25,13 @@ def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained 
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
     width = 0.8 / len(names)
+    others = iter(COLORS * len(names))
     for n, name in enumerate(names):
         metrics = results[name]
         x = [k + (n - (len(names) - 1) / 2) * width for k in range(metrics["draft_steps"])]
         heights = [100.0 * a for a in metrics["acceptance"]]
         label = f"{name} (accept length {metrics['mean_accept_length']:.2f})"
-        bars = axes.bar(x, heights, width=width, label=label, color=COLORS[n % len(COLORS)])
+        bars = axes.bar(x, heights, width=width, label=label, color=DONOR_COLOR if name == "donor" else next(others))
         for bar, count, proposed in zip(bars, metrics["accepted"], metrics["proposed"]):
             axes.annotate(f"{count}/{proposed}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                           ha="center", va="bottom", fontsize=7)
