@@ -134,7 +134,10 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
     from occamy_mtp.train import collate  # the same batching as training
 
     batch = collate(windows, device)
-    targets = base_outputs(base, batch.input_ids, batch.attention_mask)
+    if hasattr(base, "outputs"):  # a target source (the offline cache) instead of the base
+        targets = base.outputs(batch.input_ids, batch.attention_mask)
+    else:
+        targets = base_outputs(base, batch.input_ids, batch.attention_mask)
     chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps)
     hidden = head(chain.step_token_ids, targets.hidden)  # (K, B, T, D)
 
@@ -170,7 +173,7 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
 
 
 def _batches(base, head, windows, draft_steps: int, windows_per_batch: int):
-    device = next(base.parameters()).device
+    device = head.fc.weight.device
     was_training = head.training
     head.eval()
     try:
@@ -188,7 +191,11 @@ def evaluate_head(
     windows_per_batch: int = 4,
     text: str = TEACHER_FORCED,
 ) -> Metrics:
-    """Agreement, NLL and chained acceptance of `head` on `windows` (see module docstring)."""
+    """Agreement, NLL and chained acceptance of `head` on `windows` (see module docstring).
+
+    `base` is the frozen base, or a target source with `.outputs(input_ids, attention_mask)`
+    such as `cache.TargetCache`, whose stored targets then stand in for the base forward.
+    """
     scored_positions = agree = data_matches = drafted = 0
     nll_sum = 0.0
     proposed = [0] * draft_steps

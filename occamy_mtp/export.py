@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import record as rec
+from occamy_mtp.cache import open_targets
 from occamy_mtp.config import ConfigError, RunConfig, load_config
 from occamy_mtp.evaluate import PLOT_FILE, TEACHER_FORCED, evaluate_head
 from occamy_mtp.plot import plot_acceptance
@@ -106,9 +107,16 @@ def export(config: RunConfig) -> dict:
     masters = read_trained_tensors(output_dir, fingerprint)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    models = build_models(config, device)
-    head, base = models.head, models.base
+    cached = bool(config.data.target_cache)
+    models = build_models(config, device, with_base=not cached)
+    head = models.head
     data = prepare_data(config, load_tokenizer(config))
+    # The frozen base's targets: read from the offline cache when there is one.
+    base = (
+        open_targets(config.data.target_cache, config.model.base, data, config.model.dtype, config.model.attn_implementation)
+        if cached
+        else models.base
+    )
     dtype = DTYPES[config.model.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype
         param.data = param.data.to(dtype)

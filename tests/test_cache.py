@@ -173,6 +173,18 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded although targets are cached"))
         summary = train_module.train(cached_config)
     assert summary["targets"]["source"] != "online"
+    # Export evaluates from the cache too, without the base.
+    from occamy_mtp import export as export_module
+
+    online_record = export_module.export(online_config)
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("export loaded the base although targets are cached"))
+        cached_record = export_module.export(cached_config)
+    for head in ("donor", "trained"):
+        online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
+        assert online["scored_positions"] == cached["scored_positions"]
+        # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties
+        assert abs(online["agreement"] - cached["agreement"]) <= 2 / online["scored_positions"]
     trained_online = load_file(world["root"] / "run-online" / train_module.TRAINED_TENSORS)
     trained_cached = load_file(world["root"] / "run-cached" / train_module.TRAINED_TENSORS)
     assert trained_online.keys() == trained_cached.keys() and trained_online
