@@ -48,6 +48,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from occamy_mtp.evaluate import acceptance_summary, counts_from_outcomes
+from occamy_mtp.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
 # position a+k+1. Tests use it to force rejections at chosen draft positions; None drafts
@@ -186,29 +187,17 @@ class BaseRunner:
 # ----------------------------------------------------------------------------------
 
 
-class HeadKV:
+class HeadKV(ChainKV):
     """The head's attention cache while decoding: committed step-1 keys/values of every
     accepted position, followed by the current chain's (dropped by `rollback`).
 
-    Implements the `update` that transformers' attention calls (keys/values are
-    (1, kv_heads, S, head_dim)).
+    `ChainKV.update` is what transformers' attention calls (keys/values are
+    (1, kv_heads, S, head_dim)); this adds the commit point.
     """
 
     def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        super().__init__()
         self.committed = 0
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if self.keys is None:
-            self.keys, self.values = key_states, value_states
-        else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        return self.keys, self.values
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
 
     def commit(self) -> None:
         self.committed = self.get_seq_length()

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, QWEN3_NEXT_80B_A3B
 import torch
 from safetensors import safe_open
 
@@ -21,24 +23,6 @@ from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 QWEN3_5, QWEN3_NEXT = "qwen3_5_moe_text", "qwen3_next"
-
-# Real dimensions (SPEC section 1; Qwen3-Next-80B-A3B's config.json).
-QWEN3_5_35B_A3B = dict(
-    model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, vocab_size=248_320,
-    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
-    moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
-    tie_word_embeddings=False, mtp_num_hidden_layers=1,
-    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-                         mrope_section=[11, 11, 10], mrope_interleaved=True),
-)
-QWEN3_NEXT_80B_A3B = dict(
-    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, vocab_size=151_936,
-    intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
-)
-
 
 def run_json(capsys, path: Path) -> tuple[int, dict]:
     code = main([str(path), "--json"])

@@ -73,6 +73,24 @@ TINY_QWEN3_NEXT = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
 )
 
+# Real dimensions, for accounting on the meta device (SPEC section 1; Qwen3-Next-80B-A3B's
+# config.json). Never instantiated with memory in tests.
+QWEN3_5_35B_A3B = dict(
+    model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, vocab_size=248_320,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, mtp_num_hidden_layers=1,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                         mrope_section=[11, 11, 10], mrope_interleaved=True),
+)
+QWEN3_NEXT_80B_A3B = dict(
+    model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, vocab_size=151_936,
+    intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+)
+
 # A small vision tower's worth of tensors: present on disk, never loaded.
 _VISION_TENSORS = {
     "model.visual.patch_embed.proj.weight": (16, 3, 2, 4, 4),
