@@ -111,6 +111,11 @@ def export(config: RunConfig) -> dict:
     models = build_models(config, device, with_base=not cached)
     head = models.head
     data = prepare_data(config, load_tokenizer(config))
+    if not data.heldout:
+        raise ExportError(
+            "data: no heldout windows were built, so the head cannot be measured; "
+            "check data.files and data.heldout_conversations (see `python -m occamy_mtp.data`)"
+        )
     # The frozen base's targets: read from the offline cache when there is one.
     base = (
         open_targets(config.data.target_cache, config.model.base, data, config.model.dtype, config.model.attn_implementation)
