@@ -1,4 +1,4 @@
-"""Assembly: the frozen base plus the trained head, as one directory an engine serves (SPEC 5).
+"""Assembly: the frozen base plus the trained head, as one directory an engine serves (docs/CONTRACT.md section 5).
 
     python assemble_head.py --base BASE_DIR --head mtp-trained.safetensors --out SERVE_DIR
 
@@ -23,7 +23,7 @@ The base directory is only read. Everything is written into a temporary director
 beside `--out` and renamed into place at the end, so an interrupted assembly never
 leaves a half directory under the final name.
 
-What the engines do (read from their sources, see also SPEC section 3):
+What the engines do (read from their sources, see also docs/CONTRACT.md section 3):
 
 * Weight files. vLLM and SGLang (`model_loader/weight_utils.py`,
   `filter_duplicate_safetensors_files`) glob `*.safetensors` in the model directory

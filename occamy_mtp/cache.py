@@ -14,7 +14,7 @@ Layout of a cache directory::
     manifest.json                          written first, rewritten (atomically) per shard
     targets-00001-of-00003.safetensors     per shard, packed over its windows' tokens:
         input_ids  int32 [N]               the windows' token ids, concatenated
-        hidden     [N, D] base dtype       post-final-norm hidden states (SPEC section 4)
+        hidden     [N, D] base dtype       post-final-norm hidden states (docs/CONTRACT.md section 4)
         greedy     int32 [N]               argmax(W @ hidden): the base's choice for t+1
         offsets    int64 [W + 1]           window w is rows offsets[w]:offsets[w + 1]
 

@@ -1,6 +1,6 @@
 """Checkpoint I/O: configs, lazy safetensors reading, key renaming, expert layouts.
 
-The on-disk layouts this module accepts are those of SPEC section 3:
+The on-disk layouts this module accepts are those of docs/CONTRACT.md section 3:
 
 * base text weights under `model.language_model.*` (multimodal checkpoint) or
   `model.*` (text-only), plus `lm_head.weight`; `model.visual.*` is never loaded;

@@ -1,4 +1,4 @@
-"""Chat data -> assistant-only training windows (SPEC section 4), with counted exclusions.
+"""Chat data -> assistant-only training windows (docs/CONTRACT.md section 4), with counted exclusions.
 
 The flow, top to bottom:
 

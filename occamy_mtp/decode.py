@@ -12,7 +12,7 @@ and the head holds step-1 keys/values for anchors 0..n-2 (anchor i: H_i and x_{i
 1. draft. The chain is anchored at a = n-2. Step 1's output g1_a (computed when x_{n-1}
    was accepted) gives d_1 = argmax(W g1_a), the draft for x_n. Step k >= 2 embeds
    d_{k-1}, feeds g(k-1)_a back, sits at rotary position a+k-1 and attends over all
-   step-1 entries plus its own chain (SPEC section 2). The chain's keys/values are then
+   step-1 entries plus its own chain (docs/CONTRACT.md section 2). The chain's keys/values are then
    dropped again: the head cache keeps only step-1 entries of accepted text.
 2. verify. The base runs [x_{n-1}, d_1..d_k] at positions n-1..n-1+k and gives its
    greedy y_0..y_k. d_j is accepted while d_j == y_{j-1}; with j drafts accepted the
@@ -27,7 +27,7 @@ and the head holds step-1 keys/values for anchors 0..n-2 (anchor i: H_i and x_{i
    position (as SGLang keeps the draft model's KV for accepted tokens), and the last
    output anchors the next chain.
 
-Counting (SPEC section 4): step k of a round is proposed only when steps 1..k-1 were
+Counting (docs/CONTRACT.md section 4): step k of a round is proposed only when steps 1..k-1 were
 accepted; the round's drafted tokens are counted towards the accept rate. Steps whose
 predicted position lies beyond the end of the final text (after a stop token, or past
 `max_new_tokens`) are not counted: no text exists there to score them, offline or
@@ -109,7 +109,7 @@ class DecodeResult:
         return len(self.rounds)
 
     def summary(self) -> dict:
-        """Measured acceptance: acc_k, SPEC's mean accept length and accept rate, and the
+        """Measured acceptance: acc_k, the contract's mean accept length and accept rate, and the
         measured tokens per verify pass (the bonus token included)."""
         acceptance, length, rate = acceptance_summary(list(self.proposed), list(self.accepted), self.drafted)
         emitted_in_rounds = sum(r.accepted + 1 for r in self.rounds)

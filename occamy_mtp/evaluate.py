@@ -1,4 +1,4 @@
-"""Offline evaluation of a head against the frozen base (SPEC section 4).
+"""Offline evaluation of a head against the frozen base (docs/CONTRACT.md section 4).
 
 Per heldout window: the base runs once (post-norm hidden states, greedy choices), the
 head runs the engine's K-step chain, and the metrics are:

@@ -47,7 +47,7 @@ FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
 # sdpa passes is_causal; flash kernels are causal by default). Under "eager" a None mask
-# is NOT causal (SPEC section 2), so an explicit mask is built for every other one.
+# is NOT causal (docs/CONTRACT.md section 2), so an explicit mask is built for every other one.
 _CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 

@@ -1,7 +1,7 @@
 """Self-distilled data: the frozen base's own greedy answers to a chat dataset's prompts.
 
 Offline chained acceptance is exact only on text the base itself generated greedily
-(SPEC section 4), and training on such text trains for the steps serving runs. This
+(docs/CONTRACT.md section 4), and training on such text trains for the steps serving runs. This
 module rewrites a chat dataset's answers with the frozen base:
 
     python -m occamy_mtp.generate --base DIR --data data/sample.jsonl --out runs/selfgen.jsonl

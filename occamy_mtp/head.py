@@ -1,4 +1,4 @@
-"""The MTP draft head, computed exactly as the serving engine runs it (SPEC section 2).
+"""The MTP draft head, computed exactly as the serving engine runs it (docs/CONTRACT.md section 2).
 
 Step 1, anchored at position i (teacher forced)::
 
@@ -35,7 +35,7 @@ from torch import nn
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
-# The parameters that adapt the donor head to a new base (SPEC section 1).
+# The parameters that adapt the donor head to a new base (docs/CONTRACT.md section 1).
 TRAINABLE_DEFAULT = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
 
 # Model families: (decoder layer, RMSNorm, rotary embedding) of transformers' reference code.
