@@ -18,6 +18,7 @@ half file under the final name.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import re
@@ -454,6 +455,16 @@ def head_checkpoint_tensors(state: Mapping[str, torch.Tensor], layout: str) -> d
 # ----------------------------------------------------------------------------------
 # The base model
 # ----------------------------------------------------------------------------------
+
+
+def cache_kwarg(forward) -> str:
+    """The keyword a transformers forward takes its cache under.
+
+    transformers 5.2x renamed `past_key_values` to `cache`; 5.17 (still common on GPU
+    images) has the old name. `forward` is a function or bound method (decorators that
+    keep `__wrapped__` are seen through).
+    """
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def base_model_class(text_config):

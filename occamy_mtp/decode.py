@@ -38,7 +38,6 @@ evaluation at the anchors the decoder drafted from (`occamy_mtp.evaluate.chain_o
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -48,18 +47,13 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from occamy_mtp.evaluate import acceptance_summary, counts_from_outcomes
+from occamy_mtp.checkpoint import cache_kwarg
 from occamy_mtp.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
 # position a+k+1. Tests use it to force rejections at chosen draft positions; None drafts
 # with the head unchanged.
 DraftOverride = Callable[[int, int, int], int]
-
-
-def _cache_kwarg(module: torch.nn.Module) -> str:
-    """transformers renamed `past_key_values` to `cache` (5.2x); pass whichever the model takes."""
-    parameters = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 # ----------------------------------------------------------------------------------
@@ -145,7 +139,7 @@ class BaseRunner:
         self.device = next(base.parameters()).device
         self.cache = DynamicCache(config=base.config)
         self.seen = 0  # tokens the cache holds
-        self._cache_kwarg = _cache_kwarg(base.model)
+        self._cache_kwarg = cache_kwarg(base.model.forward)
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, m)

@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import os
 import sys
@@ -187,7 +186,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
     cache = DynamicCache(config=base.config)  # KV for full attention, conv + recurrent state for DeltaNet
-    cache_argument = {_cache_argument(base): cache}
+    cache_argument = {ckpt_io.cache_kwarg(base.forward): cache}
 
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * rows
@@ -213,11 +212,6 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
         step_positions = step_positions[:, -1:] + 1
     return generated
-
-
-def _cache_argument(base) -> str:
-    """transformers 5.2x renamed `past_key_values` to `cache`; accept both."""
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def default_eos_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[int]:

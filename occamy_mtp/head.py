@@ -25,7 +25,6 @@ the prefix (see `occamy_mtp.checkpoint` for the expert-layout conversion).
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +33,8 @@ from torch import nn
 
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+
+from occamy_mtp.checkpoint import cache_kwarg
 
 # The parameters that adapt the donor head to a new base (docs/CONTRACT.md section 1).
 TRAINABLE_DEFAULT = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
@@ -51,13 +52,6 @@ _FAMILIES = {
         qwen3_next.Qwen3NextRotaryEmbedding,
     ),
 }
-
-
-def _cache_kwarg(layer_class: type) -> str:
-    """transformers renamed the decoder layer's `past_key_values` argument to `cache`
-    (5.2x); pass the cache under whichever name the installed version takes."""
-    parameters = inspect.signature(layer_class.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -160,7 +154,7 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([layer_class(config, 0)])
         self.norm = norm_class(hidden, eps=eps)
         self.rotary_emb = rotary_class(config)  # buffers only, not in the checkpoint
-        self._cache_kwarg = _cache_kwarg(layer_class)
+        self._cache_kwarg = cache_kwarg(layer_class.forward)
         self.shared = shared
 
     # -- the small interface: embed, project, backbone, logits -----------------------
