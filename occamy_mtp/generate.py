@@ -77,7 +77,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -724,7 +724,7 @@ def _format_report(report: GenerateReport) -> str:
             f"conversations: {report.conversations_read} read; excluded: {excluded}",
             f"prompts: {report.prompts_total} in the data, {report.prompts_selected} selected, "
             f"{report.skipped_done} already done, {report.generated_now} generated now"
-            + (f"; dropped a torn last line left by an interrupted run" if report.torn_lines_dropped else ""),
+            + ("; dropped a torn last line left by an interrupted run" if report.torn_lines_dropped else ""),
             f"output: {report.out_path}: {report.records_in_file} records ({report.finished} finished, "
             f"{report.unfinished} cut at max-new-tokens), {report.generated_tokens} generated tokens"
             + ("" if report.complete else "; not complete (run again without --limit to continue)"),
