@@ -45,13 +45,7 @@ class WindowOutputs:
     greedy: torch.Tensor  # (T,)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny base's forward is ~30x slower with 2 threads on 2 busy shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

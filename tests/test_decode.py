@@ -21,13 +21,7 @@ from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 HIDDEN_SHARE = 0.3  # scale of the agreeable head's random fc columns on the hidden half
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The machine is shared: a tiny model is fastest on one thread anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 def agreeable_models(seed: int = 0, family: str = "qwen3_5_moe_text"):

@@ -30,12 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLI_CONVERSATIONS = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -47,13 +47,7 @@ KEPT = 6  # the tool-call conversation and the duplicate are excluded
 EXCLUDED = {"tool_call_roles": 1, "duplicate_conversation": 1}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models run fastest on one thread (and the machine is shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
