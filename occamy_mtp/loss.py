@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS
 
 IGNORE = -100  # label of an unscored (step, anchor) pair
 
@@ -76,12 +79,24 @@ class StepStats:
     agree: int
 
 
+def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy and argmax hits of one chunk of scored pairs: (N, D) -> scalars."""
+    logits = head.logits(hidden).float()  # (N, V)
+    return F.cross_entropy(logits, target, reduction="sum"), (logits.argmax(-1) == target).sum()
+
+
 def chain_loss(
-    head, head_hidden: torch.Tensor, labels: torch.Tensor, weights: tuple[float, ...]
+    head,
+    head_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: tuple[float, ...],
+    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted mean over steps of the per-step mean cross-entropy against the greedy targets.
 
-    Logits are computed only at scored pairs, never for the whole (T x vocabulary).
+    Logits are computed only at scored pairs, `chunk_tokens` pairs at a time, and each
+    chunk's logits are recomputed in the backward pass instead of kept: at real size
+    (vocabulary 248,320) the fp32 logits of one 4x510-token, 3-step batch would be 6 GiB.
     `head_hidden` is (K, B, T, D) from `MTPHead.forward`; `labels` is (K, B, T).
     """
     # Zero that still depends on the head, so a batch without scored pairs yields a
@@ -94,10 +109,18 @@ def chain_loss(
         if count == 0:
             stats.append(StepStats(0, 0.0, 0))
             continue
-        logits = head.logits(head_hidden[k][scored]).float()  # (N, V)
-        target = labels[k][scored]
-        loss = F.cross_entropy(logits, target)
+        hidden, target = head_hidden[k][scored], labels[k][scored]
+        loss_sum = head_hidden.new_zeros((), dtype=torch.float32)
+        agree = 0
+        for start in range(0, count, chunk_tokens):
+            chunk = slice(start, start + chunk_tokens)
+            if torch.is_grad_enabled():
+                part, hits = checkpoint(_chunk_loss_sum, head, hidden[chunk], target[chunk], use_reentrant=False)
+            else:
+                part, hits = _chunk_loss_sum(head, hidden[chunk], target[chunk])
+            loss_sum = loss_sum + part
+            agree += int(hits)
+        loss = loss_sum / count
         total = total + weight * loss
-        agree = int((logits.argmax(-1) == target).sum())
         stats.append(StepStats(count, float(loss.detach()) * count, agree))
     return total, stats

@@ -1,5 +1,6 @@
 """Chain alignment and the loss against hand-written references."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +36,8 @@ class _Head:
         return hidden @ self.weight.T
 
 
-def test_chain_loss_matches_reference():
+@pytest.mark.parametrize("chunk_tokens", [4096, 3])
+def test_chain_loss_matches_reference(chunk_tokens):
     torch.manual_seed(0)
     vocab, dim = 11, 5
     head = _Head(torch.randn(vocab, dim))
@@ -44,13 +46,15 @@ def test_chain_loss_matches_reference():
     labels[0, 0, :2] = IGNORE
     labels[1, 2] = IGNORE
     weights = (0.75, 0.25)
-    loss, stats = chain_loss(head, hidden, labels, weights)
+    loss, stats = chain_loss(head, hidden, labels, weights, chunk_tokens=chunk_tokens)
     reference = 0.0
     for k in range(2):
         keep = labels[k] != IGNORE
         reference = reference + weights[k] * F.cross_entropy(head.logits(hidden[k][keep]), labels[k][keep])
     assert torch.allclose(loss, reference)
     assert [s.scored for s in stats] == [int((labels[k] != IGNORE).sum()) for k in range(2)]
+    assert [s.agree for s in stats] == [
+        int((head.logits(hidden[k][labels[k] != IGNORE]).argmax(-1) == labels[k][labels[k] != IGNORE]).sum()) for k in range(2)]
     grad, = torch.autograd.grad(loss, hidden)
     ref_grad, = torch.autograd.grad(reference, hidden)
     assert torch.allclose(grad, ref_grad)
