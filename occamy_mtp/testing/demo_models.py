@@ -113,7 +113,10 @@ def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: in
 
 
 def settings_hash(settings: DemoSettings, data_path: Path) -> str:
-    digest = hashlib.sha256(json.dumps(asdict(settings), sort_keys=True).encode())
+    """Identity of a build: settings, data and the thread count, which changes the
+    floating-point sums (a build is deterministic for a given number of threads)."""
+    identity = {**asdict(settings), "torch_threads": torch.get_num_threads()}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     digest.update(Path(data_path).read_bytes())
     return digest.hexdigest()
 
@@ -168,6 +171,7 @@ def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), da
     manifest = {
         "fingerprint": fingerprint,
         "settings": asdict(settings),
+        "torch_threads": torch.get_num_threads(),
         "vocab_size": len(tokenizer),
         "donor_lm_loss_first_last": [donor_losses[0], donor_losses[-1]],
         "finetune_lm_loss_first_last": [finetune_losses[0], finetune_losses[-1]],
