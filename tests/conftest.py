@@ -77,6 +77,17 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def sample_tokenizer_dir(tmp_path_factory) -> Path:
+    """The default test tokenizer (vocab 1024, trained on data/sample.jsonl), built once.
+
+    Tests only read it (checkpoint builders copy its files), so one build serves all.
+    """
+    from occamy_mtp.testing.tokenizer import build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("sample_tokenizer"))
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-tensor tests (opt in with

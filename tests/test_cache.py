@@ -25,7 +25,7 @@ from occamy_mtp.config import load_config
 from occamy_mtp.data import Window, prepare_windows
 from occamy_mtp.target import base_outputs
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
-from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
 CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
 WINDOW_SETTINGS = dict(context_tokens=16, answer_tokens=48, train_conversations=6, heldout_conversations=2)
@@ -49,9 +49,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, sample_tokenizer_dir):
     root = tmp_path_factory.mktemp("cache")
-    tokenizer_dir = build_tokenizer(root / "tokenizer")
+    tokenizer_dir = sample_tokenizer_dir
     base = build_tiny_checkpoint(root / "base", seed=2, tokenizer_dir=tokenizer_dir)
     donor = build_tiny_checkpoint(root / "donor", layout=ckpt_io.FUSED, multimodal=False, seed=1)
     data_file = root / "sample.jsonl"

@@ -45,11 +45,6 @@ def small_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sample_tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("sample_tokenizer"))
-
-
-@pytest.fixture(scope="module")
 def sample_tokenizer(sample_tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(sample_tokenizer_dir))
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.record import validate_record
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
-from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"}
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, sample_tokenizer_dir):
     root = tmp_path_factory.mktemp("e2e-models")
-    tokenizer = build_tokenizer(root / "tokenizer")
+    tokenizer = sample_tokenizer_dir
     donor = build_tiny_checkpoint(root / "donor", layout="fused", multimodal=False, seed=1, tokenizer_dir=tokenizer)
     base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2, tokenizer_dir=tokenizer)
     return {"base": base.path, "donor": donor.path, "tokenizer": tokenizer}

@@ -24,7 +24,7 @@ from occamy_mtp.evaluate import (
 )
 from occamy_mtp.plot import plot_acceptance
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config
-from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLI_CONVERSATIONS = 12
@@ -136,9 +136,9 @@ def test_plot_writes_a_png(tmp_path, models):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tmp_path_factory, sample_tokenizer_dir):
     root = tmp_path_factory.mktemp("evaluate-cli")
-    tokenizer = build_tokenizer(root / "tokenizer")
+    tokenizer = sample_tokenizer_dir
     donor = build_tiny_checkpoint(root / "donor", layout="fused", multimodal=False, seed=1, tokenizer_dir=tokenizer)
     base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2, tokenizer_dir=tokenizer)
     data = root / "chats.jsonl"  # a few conversations: rendering all of the sample takes seconds

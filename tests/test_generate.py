@@ -22,7 +22,6 @@ from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import generate as G
 from occamy_mtp.data import DataError, Message, prepare_windows
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config, write_checkpoint
-from occamy_mtp.testing.tokenizer import build_tokenizer
 
 SCRIPTED_ANSWER = "Yes: call open() with a path."  # its tokens are distinct: a successor map can spell it
 
@@ -51,8 +50,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+def tokenizer_dir(sample_tokenizer_dir) -> Path:
+    return sample_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

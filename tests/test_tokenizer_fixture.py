@@ -14,8 +14,8 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+def tokenizer_dir(sample_tokenizer_dir) -> Path:
+    return sample_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

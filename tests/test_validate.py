@@ -21,7 +21,7 @@ import pytest
 
 from occamy_mtp import validate as V
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
-from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_SECONDS = 240  # importing torch + transformers on a busy 2-core machine
@@ -41,9 +41,9 @@ SERVERS = {
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, sample_tokenizer_dir):
     root = tmp_path_factory.mktemp("validate")
-    tokenizer_dir = build_tokenizer(root / "tokenizer")
+    tokenizer_dir = sample_tokenizer_dir
     base = build_tiny_checkpoint(root / "base", seed=4, tokenizer_dir=tokenizer_dir)
     data = root / "chats.jsonl"
     data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:12]))
