@@ -47,31 +47,15 @@ TINY_QWEN3_5 = dict(
     ),
 )
 
-TINY_QWEN3_NEXT = dict(
-    model_type="qwen3_next",
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    num_experts=16,  # the real Qwen3-Next has twice the experts of Qwen3.5
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    shared_expert_intermediate_size=32,
-    decoder_sparse_step=1,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    mtp_num_hidden_layers=1,
-    rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
-)
+# The same tiny model in the Qwen3-Next family: 1-D RoPE, dense MLP size, twice the experts.
+TINY_QWEN3_NEXT = {
+    **TINY_QWEN3_5,
+    "model_type": "qwen3_next",
+    "intermediate_size": 64,
+    "num_experts": 16,  # the real Qwen3-Next has twice the experts of Qwen3.5
+    "decoder_sparse_step": 1,
+    "rope_parameters": dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+}
 
 # Real dimensions, for accounting on the meta device (docs/CONTRACT.md section 1; Qwen3-Next-80B-A3B's
 # config.json). Never instantiated with memory in tests.
