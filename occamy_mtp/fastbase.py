@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from occamy_mtp import moe_kernels
 from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
 
 FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
@@ -198,10 +199,18 @@ def torch_kernels(grouped_moe: bool = False) -> Kernels:
 
 
 def fla_kernels(
-    fused_norms: bool = True, grouped_moe: bool = True, repeat_kv_heads: bool = False, triton_conv: bool = True
+    fused_norms: bool = True,
+    grouped_moe: bool = True,
+    repeat_kv_heads: bool = False,
+    triton_conv: bool = True,
+    fused_moe_glue: bool = True,
 ) -> Kernels:
     """fla's Triton kernels. Raises ImportError when fla (or Triton) is missing.
 
+    fused_norms: fla's fused (residual +) RMSNorm kernels; False: the modules' own norms.
+    grouped_moe: `grouped_moe_block`; False: the MoE block's own forward.
+    fused_moe_glue: with grouped_moe, the Triton kernels of `occamy_mtp.moe_kernels` around
+        the expert GEMMs.
     repeat_kv_heads: hand the delta rule query/key heads repeated up to the value heads
         (what transformers <= 5.1x does) instead of relying on fla's grouped value heads.
     triton_conv: fla's varlen causal conv1d; False: transformers' PyTorch conv over the padded grid.
@@ -234,13 +243,15 @@ def fla_kernels(
     def norm_gated(x, gate, weight, eps):
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
 
+    moe = (fused_moe_block if fused_moe_glue else grouped_moe_block) if grouped_moe else None
     name = "fla" + ("+fused-norms" if fused_norms else "") + ("+grouped-moe" if grouped_moe else "")
+    name += "+fused-glue" if grouped_moe and fused_moe_glue else ""
     name += ("+repeat-kv" if repeat_kv_heads else "") + ("" if triton_conv else "+torch-conv")
     return Kernels(
         name, conv if triton_conv else _torch_causal_conv1d, rule,
         rms_norm=norm if fused_norms else None,
         rms_norm_gated=norm_gated if fused_norms else None,
-        sparse_moe=grouped_moe_block if grouped_moe else None,
+        sparse_moe=moe,
     )
 
 
@@ -262,7 +273,16 @@ def default_kernels(device: torch.device, fused_norms: bool = True) -> Kernels:
 # -- the MoE block ------------------------------------------------------------------
 
 
-def grouped_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_experts(
+    experts,
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    fused_glue: bool = False,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Routed experts as two grouped GEMMs: (N, D) tokens, (N, k) choices and weights -> (N, D).
 
     The computation of transformers' "grouped_mm" experts, with less memory traffic
@@ -270,7 +290,12 @@ def grouped_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     also masks three (N*k, D)-sized tensors per layer for expert parallelism):
     the (token, expert) pairs are sorted by expert, gathered, pushed through
     gate_up -> SiLU(gate) * up -> down, put back in token order, and summed with their
-    routing weights in one batched matmul that accumulates in fp32.
+    routing weights, accumulating in fp32.
+
+    fused_glue: SiLU * up, and the un-sort + weighted sum, each in one Triton kernel
+        (`occamy_mtp.moe_kernels`); else in PyTorch (a gather and a batched matmul).
+    shared, shared_gate: the shared expert's (N, D) output and (N, 1) gate logits, added
+        as `sigmoid(shared_gate) * shared` (inside the fused combine when fused_glue).
     """
     from transformers.integrations.moe import _grouped_mm
 
@@ -282,22 +307,38 @@ def grouped_experts(experts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     counts = torch.histc(sorted_ids.int() if x.is_cuda else sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     gate_up = _grouped_mm(x[order // top_k], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
-    gate, up = gate_up.chunk(2, dim=-1)
-    out = _grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offs=offsets)  # (S, D)
+    if fused_glue:
+        hidden = moe_kernels.silu_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = experts.act_fn(gate) * up
+    out = _grouped_mm(hidden, experts.down_proj.transpose(-2, -1), offs=offsets)  # (S, D) in expert order
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
+    if fused_glue:
+        return moe_kernels.combine(out, inverse, top_k_weights, shared, shared_gate)
     out = out[inverse].view(tokens, top_k, -1)  # (N, k, D) token-major
-    return torch.bmm(top_k_weights.to(out.dtype).unsqueeze(1), out).squeeze(1)  # (N, D)
+    routed = torch.bmm(top_k_weights.to(out.dtype).unsqueeze(1), out).squeeze(1)  # (N, D)
+    if shared is not None:
+        routed = routed + torch.sigmoid(shared_gate) * shared
+    return routed
 
 
-def grouped_moe_block(block, x: torch.Tensor) -> torch.Tensor:
+def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch.Tensor:
     """`Qwen3_5MoeSparseMoeBlock.forward` with `grouped_experts` for the routed experts."""
     flat = x.reshape(-1, x.shape[-1])  # (N, D)
     shared = block.shared_expert(flat)
     _, routing_weights, selected = block.gate(flat)  # softmax router in fp32, top-k renormalised
-    routed = grouped_experts(block.experts, flat, selected, routing_weights)
-    shared = torch.sigmoid(block.shared_expert_gate(flat)) * shared
-    return (routed + shared).reshape(x.shape)
+    out = grouped_experts(
+        block.experts, flat, selected, routing_weights,
+        fused_glue=fused_glue, shared=shared, shared_gate=block.shared_expert_gate(flat),
+    )
+    return out.reshape(x.shape)
+
+
+def fused_moe_block(block, x: torch.Tensor) -> torch.Tensor:
+    """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.moe_kernels`)."""
+    return grouped_moe_block(block, x, fused_glue=True)
 
 
 # -- the forward --------------------------------------------------------------------

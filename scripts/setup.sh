@@ -15,6 +15,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         .venv/bin/pip install -q torch==2.13.0
     fi
 fi
-if ! .venv/bin/python -c "import occamy_mtp, transformers, accelerate, pytest" 2>/dev/null; then
+needs="occamy_mtp, transformers, accelerate, pytest"
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then needs="$needs, triton"; fi
+if ! .venv/bin/python -c "import $needs" 2>/dev/null; then
     .venv/bin/pip install -q -e ".[test]"
 fi

@@ -1,0 +1,147 @@
+"""Triton kernels for the glue around the routed-expert GEMMs of the fast base pass.
+
+At real size (N tokens, top-8 of 256 experts, D = 2048, I = 512) the two grouped
+GEMMs of a MoE layer are surrounded by element-wise passes over (N * 8)-row tensors
+that cost about half as much as the GEMMs themselves (bench/RESULTS.md, profile). Two of
+them are fused here, each beside the plain PyTorch computation it replaces, which is
+its oracle (tests/test_moe_kernels.py):
+
+* `silu_mul`: SiLU(gate) * up of the gate_up GEMM's output, in one read and one write
+  instead of three passes.
+* `combine`: the un-sort of the expert outputs back to token order, their sum weighted
+  by the routing weights, and the shared expert's sigmoid-gated output, in one read of
+  each input and one write of the (N, D) result, accumulating in fp32.
+
+Both are for the frozen base's forward only (no autograd).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference functions below still work
+    triton = None
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """(S, 2I) -> (S, I): SiLU of the first half times the second, as transformers' experts do."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def combine_reference(
+    expert_out: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed output of every token plus its gated shared-expert output, in fp32 (fp64 for fp64 inputs), rounded once.
+
+    expert_out: (S, D) rows in expert-sorted order, S = N * k.
+    inverse: (S,) long; `expert_out[inverse[n * k + j]]` is token n's j-th choice.
+    weights: (N, k) routing weights. shared: (N, D) and shared_gate: (N, 1) logits, or None.
+    """
+    tokens, top_k = weights.shape
+    wide = torch.promote_types(expert_out.dtype, torch.float32)
+    rows = expert_out[inverse].view(tokens, top_k, -1).to(wide)
+    out = (weights.to(wide).unsqueeze(-1) * rows).sum(1)
+    if shared is not None:
+        out = out + torch.sigmoid(shared_gate.to(wide)) * shared.to(wide)
+    return out.to(expert_out.dtype)
+
+
+def available(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on this tensor: on CUDA, or anywhere under Triton's
+    interpreter (`TRITON_INTERPRET=1` before this module is imported; the CPU tests use it)."""
+    return triton is not None and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+    # Only core `tl` builtins (no `tl.zeros`, `tl.sigmoid`: those are jitted library
+    # functions, which Triton's interpreter cannot run unless it was on at import).
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up, out, inter, block: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        mask = cols < inter
+        gate = tl.load(gate_up + row * 2 * inter + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * 2 * inter + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        value = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out + row * inter + cols, value.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _combine_kernel(
+        expert_out, inverse, weights, shared, shared_gate, out, dim,
+        top_k: tl.constexpr, block: tl.constexpr, has_shared: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        mask = cols < dim
+        acc = tl.full([block], 0.0, dtype=tl.float32)
+        for j in tl.static_range(top_k):
+            row = tl.load(inverse + token * top_k + j).to(tl.int64)
+            weight = tl.load(weights + token * top_k + j).to(tl.float32)
+            acc += weight * tl.load(expert_out + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+        if has_shared:
+            gate = tl.load(shared_gate + token).to(tl.float32)
+            acc += tl.load(shared + token * dim + cols, mask=mask, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
+        tl.store(out + token * dim + cols, acc.to(out.dtype.element_ty), mask=mask)
+
+
+def _block(width: int) -> int:
+    return min(1024, triton.next_power_of_2(width))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul_reference` in one Triton kernel (fp32 inside, one rounding)."""
+    if not available(gate_up):
+        return silu_mul_reference(gate_up)
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = gate_up.new_empty(rows, inter)
+    if rows:
+        block = _block(inter)
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, block=block)
+    return out
+
+
+def combine(
+    expert_out: torch.Tensor,
+    inverse: torch.Tensor,
+    weights: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`combine_reference` in one Triton kernel."""
+    if not available(expert_out):
+        return combine_reference(expert_out, inverse, weights, shared, shared_gate)
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("combine: pass both shared and shared_gate, or neither")
+    tokens, top_k = weights.shape
+    dim = expert_out.shape[-1]
+    if inverse.numel() != tokens * top_k or expert_out.shape[0] != tokens * top_k:
+        raise ValueError(
+            f"combine: {tokens} tokens x {top_k} choices need {tokens * top_k} expert rows and indices, "
+            f"got {expert_out.shape[0]} rows and {inverse.numel()} indices"
+        )
+    expert_out, inverse, weights = expert_out.contiguous(), inverse.contiguous(), weights.contiguous()
+    if shared is not None:
+        shared, shared_gate = shared.contiguous(), shared_gate.contiguous()
+    out = expert_out.new_empty(tokens, dim)
+    if tokens:
+        block = _block(dim)
+        _combine_kernel[(tokens, triton.cdiv(dim, block))](
+            expert_out, inverse, weights,
+            shared if shared is not None else out, shared_gate if shared_gate is not None else weights,
+            out, dim, top_k=top_k, block=block, has_shared=shared is not None,
+        )
+    return out

@@ -1,0 +1,193 @@
+"""The Triton glue kernels of the MoE block against their plain PyTorch references.
+
+Oracles: `combine_reference` / `silu_mul_reference` (themselves checked against a
+token-by-token loop and transformers' experts), and through `grouped_experts`, the MoE
+block's own forward. On a CPU the kernels run under Triton's interpreter
+(`TRITON_INTERPRET=1`), which executes the same kernel code on CPU tensors; the tests
+marked gpu run the compiled kernels, at real width and with more than 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from occamy_mtp import fastbase, moe_kernels
+from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+
+BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is 2**-7 of the leading bit
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """`moe_kernels` with its kernels run by Triton's interpreter, on CPU tensors."""
+    if not _triton_importable():
+        pytest.skip("needs triton (installed with the test extra on Linux x86-64)")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    importlib.reload(moe_kernels)  # triton.jit reads the variable when the kernels are defined
+    yield moe_kernels
+    monkeypatch.delenv("TRITON_INTERPRET")
+    importlib.reload(moe_kernels)
+
+
+def routed_case(tokens: int, top_k: int, dim: int, dtype, seed: int = 0, device="cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    expert_out = torch.randn(tokens * top_k, dim, generator=generator).to(device, dtype)
+    inverse = torch.randperm(tokens * top_k, generator=generator).to(device)
+    weights = torch.rand(tokens, top_k, generator=generator).softmax(-1).to(device, dtype)
+    shared = torch.randn(tokens, dim, generator=generator).to(device, dtype)
+    shared_gate = torch.randn(tokens, 1, generator=generator).to(device, dtype)
+    return expert_out, inverse, weights, shared, shared_gate
+
+
+def loop_combine(expert_out, inverse, weights, shared, shared_gate):
+    """Token by token, choice by choice, in float64."""
+    tokens, top_k = weights.shape
+    out = torch.zeros(tokens, expert_out.shape[1], dtype=torch.float64)
+    for n in range(tokens):
+        for j in range(top_k):
+            out[n] += weights[n, j].double() * expert_out[inverse[n * top_k + j]].double()
+        if shared is not None:
+            out[n] += torch.sigmoid(shared_gate[n].double()) * shared[n].double()
+    return out
+
+
+def assert_within_bf16_rounding(got: torch.Tensor, exact: torch.Tensor):
+    """Each value is the exact one rounded to bf16, give or take one unit in the last place
+    (plus fp32 accumulation error, relative to the largest value, for values near zero)."""
+    exact = exact.double().cpu()
+    error = (got.double().cpu() - exact).abs()
+    allowed = BF16_ULP * exact.abs() + 2.0**-20 * exact.abs().max()
+    worst = (error / allowed).max()
+    assert worst <= 1.0, f"error up to {worst:.2f} bf16 ulps of the exact value"
+
+
+# -- the references ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_combine_reference_equals_token_loop(with_shared):
+    expert_out, inverse, weights, shared, shared_gate = routed_case(7, 3, 10, torch.float64, seed=1)
+    if not with_shared:
+        shared = shared_gate = None
+    got = moe_kernels.combine_reference(expert_out, inverse, weights, shared, shared_gate)
+    torch.testing.assert_close(got, loop_combine(expert_out, inverse, weights, shared, shared_gate), rtol=1e-12, atol=1e-12)
+
+
+def test_silu_mul_reference_is_silu_of_gate_times_up():
+    gate_up = torch.randn(5, 12, dtype=torch.float64)
+    gate, up = gate_up[:, :6], gate_up[:, 6:]
+    torch.testing.assert_close(moe_kernels.silu_mul_reference(gate_up), gate / (1 + torch.exp(-gate)) * up)
+
+
+def test_without_triton_the_functions_are_the_references():
+    """CPU tensors outside the interpreter never reach a kernel."""
+    case = routed_case(4, 2, 6, torch.float32, seed=2)
+    assert not moe_kernels.available(case[0])
+    assert torch.equal(moe_kernels.combine(*case), moe_kernels.combine_reference(*case))
+    gate_up = torch.randn(3, 8)
+    assert torch.equal(moe_kernels.silu_mul(gate_up), moe_kernels.silu_mul_reference(gate_up))
+
+
+# -- the kernels, interpreted on CPU -----------------------------------------------------
+
+
+@pytest.mark.parametrize("with_shared", [True, False])
+@pytest.mark.parametrize("dim", [48, 1100], ids=["one-block", "two-blocks-masked"])
+def test_combine_kernel_fp32(interpreted, with_shared, dim):
+    expert_out, inverse, weights, shared, shared_gate = routed_case(6, 4, dim, torch.float32, seed=3)
+    if not with_shared:
+        shared = shared_gate = None
+    assert interpreted.available(expert_out)
+    got = interpreted.combine(expert_out, inverse, weights, shared, shared_gate)
+    torch.testing.assert_close(got.double(), loop_combine(expert_out, inverse, weights, shared, shared_gate), rtol=1e-6, atol=1e-6)
+
+
+def test_combine_kernel_bf16_rounds_once(interpreted):
+    case = routed_case(9, 8, 64, torch.bfloat16, seed=4)
+    assert_within_bf16_rounding(interpreted.combine(*case), loop_combine(*case))
+
+
+def test_combine_kernel_checks_shapes(interpreted):
+    expert_out, inverse, weights, shared, shared_gate = routed_case(4, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="4 tokens x 2 choices need 8 expert rows"):
+        interpreted.combine(expert_out[:6], inverse, weights)
+    with pytest.raises(ValueError, match="both shared and shared_gate"):
+        interpreted.combine(expert_out, inverse, weights, shared, None)
+
+
+@pytest.mark.parametrize("inter", [32, 1030], ids=["one-block", "two-blocks-masked"])
+def test_silu_mul_kernel(interpreted, inter):
+    generator = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(11, 2 * inter, generator=generator)
+    torch.testing.assert_close(interpreted.silu_mul(gate_up), moe_kernels.silu_mul_reference(gate_up), rtol=1e-6, atol=1e-6)
+    rounded = gate_up.bfloat16()
+    assert_within_bf16_rounding(interpreted.silu_mul(rounded), moe_kernels.silu_mul_reference(rounded.double()))
+
+
+def test_kernels_handle_no_tokens(interpreted):
+    expert_out, inverse, weights, shared, shared_gate = routed_case(0, 8, 16, torch.float32)
+    assert interpreted.combine(expert_out, inverse, weights, shared, shared_gate).shape == (0, 16)
+    assert interpreted.silu_mul(torch.zeros(0, 10)).shape == (0, 5)
+
+
+def test_fused_moe_block_equals_the_block_forward(interpreted):
+    """Through the whole MoE block of a tiny Qwen3.5-MoE: the module's own forward is the oracle."""
+    config = tiny_text_config()
+    base, _ = random_models(config, seed=0)
+    block = base.float().model.layers[0].mlp
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 40, config.hidden_size, generator=generator)
+    torch.testing.assert_close(fastbase.fused_moe_block(block, x), block(x), rtol=1e-5, atol=1e-6)
+    _, weights, selected = block.gate(x[0])
+    torch.testing.assert_close(
+        fastbase.grouped_experts(block.experts, x[0], selected, weights, fused_glue=True),
+        block.experts(x[0], selected, weights), rtol=1e-5, atol=1e-6,
+    )
+
+
+# -- the compiled kernels on a GPU ---------------------------------------------------------
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not _triton_importable(), reason="needs CUDA and triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_kernels_at_real_width():
+    """Qwen3.5-35B-A3B widths: D = 2048, I = 512, top-8; 4096 tokens."""
+    case = routed_case(4096, 8, 2048, torch.bfloat16, seed=7, device="cuda")
+    got = moe_kernels.combine(*case)
+    exact = moe_kernels.combine_reference(*(t.double() if t.is_floating_point() else t for t in case))
+    assert_within_bf16_rounding(got, exact)
+    gate_up = torch.randn(4096 * 8, 1024, device="cuda", dtype=torch.bfloat16)
+    assert_within_bf16_rounding(moe_kernels.silu_mul(gate_up), moe_kernels.silu_mul_reference(gate_up.double()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_combine_beyond_int32_offsets():
+    """More than 2**31 elements in the expert rows: offsets must be 64-bit."""
+    tokens, top_k, dim = 140_000, 8, 2048  # 2.29e9 elements, 4.3 GiB in bf16
+    if torch.cuda.get_device_properties(0).total_memory < 16 * 2**30:
+        pytest.skip("needs 16 GiB of GPU memory")
+    expert_out = torch.zeros(tokens * top_k, dim, device="cuda", dtype=torch.bfloat16)
+    # Every token picks its rows from the far end: token n, choice j -> row S - 1 - (n * k + j).
+    inverse = torch.arange(tokens * top_k - 1, -1, -1, device="cuda")
+    marks = torch.arange(tokens * top_k, device="cuda", dtype=torch.float32) % 251
+    expert_out[:, -1] = marks.to(torch.bfloat16)
+    weights = torch.zeros(tokens, top_k, device="cuda", dtype=torch.bfloat16)
+    weights[:, 0] = 1.0
+    got = moe_kernels.combine(expert_out, inverse, weights)[:, -1].float()
+    expected = marks[tokens * top_k - 1 - torch.arange(tokens, device="cuda") * top_k]
+    assert torch.equal(got, expected)
