@@ -119,7 +119,7 @@ def test_combine_kernel_bf16_rounds_once(interpreted):
 
 
 def test_combine_kernel_checks_shapes(interpreted):
-    expert_out, inverse, weights, shared, shared_gate = routed_case(4, 2, 8, torch.float32)
+    expert_out, inverse, weights, shared, _ = routed_case(4, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="4 tokens x 2 choices need 8 expert rows"):
         interpreted.combine(expert_out[:6], inverse, weights)
     with pytest.raises(ValueError, match="both shared and shared_gate"):
