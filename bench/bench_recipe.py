@@ -4,36 +4,52 @@
     PYTHONPATH=. python3 bench/bench_recipe.py --tiny --device cpu         # a smoke run of the same code
 
 A random-weight Qwen3.5-35B-A3B-shaped base and head are built directly on the device
-(speed and memory do not depend on the values). The recipe, timed phase by phase:
+(speed and memory do not depend on the values). The recipe, timed phase by phase, with
+the library's own pieces:
 
-1. target pass: the frozen base over all 288 windows (256 train + 32 heldout, 128 + 382
-   tokens each), one window per forward (the canonical pass of `occamy_mtp.cache`),
-   keeping post-norm hidden states and greedy targets on the device;
-2. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
-   2 epochs of one window a step, from those targets;
-3. export-time evaluation of donor and trained head on the 32 heldout windows.
+1. target cache: `cache.build_cache` runs the frozen base over all 288 windows (256 train +
+   32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
+   picks the pass: `fast` (`fastbase.FastBasePass`, 65,536 tokens a forward), `plain`
+   (`cache.plain_compute`: one transformers forward a window, the canonical targets) or
+   `both` (two caches; the recipe time uses the fast one, and the two are compared);
+2. the base's decoder layers are dropped (a training run that reads the cache loads only
+   `embed_tokens` and `lm_head`);
+3. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
+   2 epochs of one window a step, reading targets from the cache (`cache.TargetCache`),
+   the step of `occamy_mtp.train.train` without accelerate;
+4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
+   steps) from the cache, and the head's tensors written to a safetensors file.
 
-Windows are random tokens, so agreement figures mean nothing here; only time and memory.
+Triton compilation and autotuning happen inside the timed phases, as in a user's run
+(the first forward of each new shape pays them). Windows are random tokens, so
+agreement figures mean nothing here; only time and memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import hashlib
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from occamy_mtp import cache as target_cache
+from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.evaluate import evaluate_head
+from occamy_mtp.fastbase import FastBasePass
 from occamy_mtp.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.loss import chain_batch, chain_loss
-from occamy_mtp.target import BaseOutputs, base_outputs
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train import collate, lr_at, step_windows
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 2
+FAST_TOKENS_PER_FORWARD = 65536
 
 
 class _Window:
@@ -44,27 +60,72 @@ class _Window:
         self.answer_start = answer_start
 
 
-class _Targets:
-    """Targets of each window, looked up by its token ids (what `cache.TargetCache` does)."""
-
-    def __init__(self):
-        self.by_ids: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def outputs(self, input_ids, attention_mask=None) -> BaseOutputs:
-        rows = [self.by_ids[tuple(r.tolist())] for r in input_ids]
-        return BaseOutputs(torch.stack([h for h, _ in rows]), torch.stack([g for _, g in rows]))
-
-
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+class Phases:
+    """Wall time and peak GPU memory of each phase."""
+
+    def __init__(self, device):
+        self.device = device
+        self.results: dict[str, dict] = {}
+
+    def __call__(self, name: str, fn):
+        sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
+        value = fn()
+        sync(self.device)
+        self.results[name] = {"seconds": time.perf_counter() - started}
+        if self.device.type == "cuda":
+            self.results[name]["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        print(f"{name}: {json.dumps(self.results[name])}", flush=True)
+        return value
+
+
+def identity_for(windows, compute: str) -> target_cache.CacheIdentity:
+    digest = hashlib.sha256(json.dumps([w.input_ids for w in windows]).encode()).hexdigest()
+    return target_cache.CacheIdentity(
+        base={"bench": "random-weight base built on the device"},
+        data={"windows_sha256": digest, "compute": compute},
+        settings={"format": target_cache.CACHE_FORMAT, "dtype": "bfloat16", "attn_implementation": "sdpa"},
+    )
+
+
+def build(windows, base, directory: Path, compute: str):
+    ids = [w.input_ids for w in windows]
+    if compute == "fast":
+        fn, name = FastBasePass(base, max_tokens_per_batch=FAST_TOKENS_PER_FORWARD), "fastbase.FastBasePass"
+    else:
+        fn, name = target_cache.plain_compute(base), target_cache.plain_compute_name()
+    identity = identity_for(windows, compute)
+    target_cache.build_cache(directory, identity, ids, fn, hidden_size=base.config.hidden_size, compute_name=name)
+    return target_cache.TargetCache.open(directory, identity)
+
+
+def compare_caches(a, b, windows) -> dict:
+    match = total = 0
+    error = norm = 0.0
+    for window in windows:
+        ha, ga = a.window_outputs(window.input_ids)
+        hb, gb = b.window_outputs(window.input_ids)
+        match += int((ga == gb).sum())
+        total += ga.numel()
+        error += float((ha.float() - hb.float()).pow(2).sum())
+        norm += float(hb.float().pow(2).sum())
+    return {"greedy_match": match / total, "hidden_rel_error": (error / norm) ** 0.5, "positions": total}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compute", choices=("fast", "plain", "both"), default="both")
     parser.add_argument("--steps-per-epoch", type=int, default=TRAIN_WINDOWS, help="fewer for a smoke run")
+    parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -72,6 +133,7 @@ def main() -> int:
     config = tiny_text_config() if args.tiny else text_config_from_dict(QWEN3_5_35B_A3B)
     config._attn_implementation = "sdpa"
     dtype = torch.bfloat16
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-recipe-"))
 
     started = time.perf_counter()
     with torch.device(device):
@@ -82,10 +144,9 @@ def main() -> int:
     for param in head.parameters():
         if param.requires_grad:
             param.data = param.data.float()
+    donor = copy.deepcopy(head, memo={id(head.shared): head.shared})  # borrows the same embedding and lm_head
     sync(device)
     build_seconds = time.perf_counter() - started
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
 
     generator = torch.Generator().manual_seed(1)
     length = CONTEXT_TOKENS + ANSWER_TOKENS
@@ -94,57 +155,69 @@ def main() -> int:
         for _ in range(TRAIN_WINDOWS + HELDOUT_WINDOWS)
     ]
     train_windows, heldout = windows[:TRAIN_WINDOWS], windows[TRAIN_WINDOWS:]
-
-    # 1. the target pass
-    phase = time.perf_counter()
-    targets = _Targets()
-    for window in windows:
-        ids = torch.tensor([window.input_ids], device=device)
-        out = base_outputs(base, ids)
-        targets.by_ids[window.input_ids] = (out.hidden[0], out.greedy[0])
-    sync(device)
-    target_seconds = time.perf_counter() - phase
-
-    # 2. the 512 steps (the loop of occamy_mtp.train.train without accelerate and I/O)
-    total_steps = EPOCHS * args.steps_per_epoch
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=5e-4, betas=(0.9, 0.95))
-    params = [p for p in head.parameters() if p.requires_grad]
-    phase = time.perf_counter()
-    head.train()
-    for step in range(total_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total_steps, 5e-4, 32, 0.1)
-        batch = collate(step_windows(train_windows, step, 1, 0), device)
-        out = targets.outputs(batch.input_ids)
-        chain = chain_batch(batch.input_ids, out.greedy, batch.assistant, batch.lengths, 1)
-        loss, _ = chain_loss(head, head(chain.step_token_ids, out.hidden), chain.labels, (1.0,))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    sync(device)
-    train_seconds = time.perf_counter() - phase
-
-    # 3. export-time evaluation, donor and trained (3 chained steps)
-    phase = time.perf_counter()
-    for _ in ("donor", "trained"):
-        evaluate_head(targets, head, heldout, draft_steps=3, windows_per_batch=4)
-    sync(device)
-    eval_seconds = time.perf_counter() - phase
-
-    result = {
+    phases = Phases(device)
+    result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "dimensions": "tiny" if args.tiny else "Qwen3.5-35B-A3B",
         "trainable_parameters": trainable,
-        "steps": total_steps,
+        "windows": len(windows),
+        "tokens": len(windows) * length,
         "build_seconds_excluded": build_seconds,
-        "target_pass_seconds": target_seconds,
-        "train_seconds": train_seconds,
-        "eval_seconds": eval_seconds,
-        "recipe_seconds": target_seconds + train_seconds + eval_seconds,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
+
+    # 1. the target cache (the plain pass first, when both run, so the fast one is not warmed by it)
+    caches = {}
+    for compute in (("plain", "fast") if args.compute == "both" else (args.compute,)):
+        caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c))
+    if len(caches) == 2:
+        result["fast_vs_plain_cache"] = compare_caches(caches["fast"], caches["plain"], windows)
+    targets = caches["fast" if "fast" in caches else "plain"]
+
+    # 2. training from the cache needs only the embedding and lm_head of the base
+    base.model.layers = torch.nn.ModuleList()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # 3. the 512 steps (the loop of occamy_mtp.train.train without accelerate)
+    total_steps = EPOCHS * args.steps_per_epoch
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95))
+
+    def train():
+        head.train()
+        for step in range(total_steps):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, total_steps, 5e-4, 32, 0.1)
+            batch = collate(step_windows(train_windows, step, 1, 0), device)
+            out = targets.outputs(batch.input_ids, batch.attention_mask)
+            chain = chain_batch(batch.input_ids, out.greedy, batch.assistant, batch.lengths, 1)
+            loss, _ = chain_loss(head, head(chain.step_token_ids, out.hidden), chain.labels, (1.0,))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    phases("train", train)
+
+    # 4. export: donor and trained evaluated on the heldout windows, the head written out
+    def export():
+        for model in (donor, head):
+            evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
+        tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
+        ckpt_io.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
+
+    phases("export", export)
+
+    result["steps"] = total_steps
+    result["phases"] = phases.results
+    recipe = ("cache_fast" if "fast" in caches else "cache_plain", "train", "export")
+    result["recipe_seconds"] = sum(phases.results[p]["seconds"] for p in recipe)
+    if "plain" in caches and "fast" in caches:
+        result["recipe_seconds_with_plain_cache"] = result["recipe_seconds"] - phases.results["cache_fast"]["seconds"] + phases.results["cache_plain"]["seconds"]
+    if device.type == "cuda":
+        result["recipe_peak_gib"] = max(phases.results[p]["peak_gib"] for p in recipe)
+    result["workdir"] = str(workdir)
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as handle:
