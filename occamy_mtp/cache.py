@@ -47,7 +47,7 @@ run expects, naming which parts differ and how:
   cache format.
 
 A window's targets are the base's outputs for that window as the pass computed them.
-The default pass (`plain_compute`) runs `target.base_outputs` on one window at a
+The plain pass (`plain_compute`) runs `target.base_outputs` on one window at a
 time: the canonical value, which the online path reproduces bit for bit when it too
 runs one window per forward (`train.windows_per_step: 1`, the original recipe); seen
 on CPU and on an H200 (bf16 and fp32). In a padded multi-window batch a window's
@@ -56,7 +56,10 @@ fp32 by ~1e-6 (CPU and H200), bf16 on an H200 by up to 1.6e-2 with one greedy to
 in 510 flipped. The online and the cached head then agree to that rounding, not
 bitwise; the cached targets are the batch-independent ones. A faster pass plugs in as
 `compute`: any callable from a list of windows' token ids to their per-window outputs
-(`hidden` (T, D), `greedy` (T,)), such as `fastbase.FastBasePass` as it is.
+(`hidden` (T, D), `greedy` (T,)), such as `fastbase.FastBasePass` as it is. The
+command line picks the fast pass by itself where it runs its kernels (a Qwen3.5-MoE
+base on CUDA with fla: `auto_fastbase_tokens`), and the plain pass elsewhere; the
+manifest records which (`compute`), and a cache never mixes the two.
 """
 
 from __future__ import annotations
@@ -681,8 +684,37 @@ def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat1
 # ----------------------------------------------------------------------------------
 
 
-def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int = 0) -> tuple[ComputeOutputs, str]:
-    """(compute, its name): the plain pass, or `fastbase.FastBasePass` when `fastbase_tokens` > 0."""
+DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass: 73-75 GiB peak at real size (bench/RESULTS.md)
+
+
+def auto_fastbase_tokens(base) -> int:
+    """What `fastbase_tokens=None` (auto) picks: the fast pass where it runs its kernels, else the plain one (0).
+
+    The fast pass is picked for a Qwen3.5-MoE base on CUDA with fla importable. It
+    computes what the plain pass computes through other kernels (checked: with
+    transformers' own conv, norms and MoE block it equals the plain forward bit for bit
+    at real size; its own kernels move the outputs by no more than a one-ulp change of
+    the input does; bench/RESULTS.md). Elsewhere the plain pass is the faster one.
+    """
+    from occamy_mtp import fastbase
+
+    if base.lm_head.weight.device.type != "cuda" or base.config.model_type != "qwen3_5_moe_text":
+        return 0
+    try:
+        fastbase.fla_kernels()
+    except ImportError:
+        return 0
+    return DEFAULT_FASTBASE_TOKENS
+
+
+def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None = 0) -> tuple[ComputeOutputs, str]:
+    """(compute, its name): the plain pass, or `fastbase.FastBasePass` when `fastbase_tokens` > 0.
+
+    fastbase_tokens None: `auto_fastbase_tokens(base)`, unless several windows per plain
+    forward were asked for (then the plain pass).
+    """
+    if fastbase_tokens is None:
+        fastbase_tokens = auto_fastbase_tokens(base) if windows_per_batch == 1 else 0
     if fastbase_tokens > 0:
         from occamy_mtp.fastbase import FastBasePass
 
@@ -695,7 +727,7 @@ def build_for_config(
     directory: str | Path,
     *,
     windows_per_batch: int = 1,
-    fastbase_tokens: int = 0,
+    fastbase_tokens: int | None = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     log: Callable[[str], None] = print,
 ) -> dict:
@@ -736,6 +768,18 @@ def build_for_config(
     )
 
 
+def _tokens_or_auto(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more tokens, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m occamy_mtp.cache",
@@ -745,7 +789,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="", help="cache directory (default: the config's data.target_cache)")
     parser.add_argument("--windows-per-batch", type=int, default=1, help="windows per plain base forward (1: the canonical per-window targets)")
     parser.add_argument(
-        "--fastbase-tokens", type=int, default=0, help="use the packed fast pass (occamy_mtp.fastbase) with this many tokens per forward; 0: the plain pass"
+        "--fastbase-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
+        help="tokens per forward of the packed fast pass (occamy_mtp.fastbase); 0: the plain pass, one window a forward "
+        f"(the canonical targets); auto (default): {DEFAULT_FASTBASE_TOKENS} for a Qwen3.5-MoE base on CUDA with fla, else 0",
     )
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as for train.py")

@@ -12,6 +12,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -200,6 +201,39 @@ def test_the_fast_pass_plugs_in(world, tmp_path):
         hidden, greedy = cache.window_outputs(ids)
         assert torch.equal(hidden, expected.hidden) and torch.equal(greedy, expected.greedy)
         torch.testing.assert_close(hidden, plain.hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_pass_choice(world, monkeypatch):
+    """auto: the fast pass only where it runs its kernels (Qwen3.5-MoE on CUDA with fla), else plain."""
+    base = world["base"]
+    assert C.auto_fastbase_tokens(base) == 0  # a CPU base
+    assert C.make_compute(base, fastbase_tokens=None)[1] == C.plain_compute_name()
+
+    def on_cuda(model_type):  # what auto reads of a base, as if it were on a GPU
+        return SimpleNamespace(
+            lm_head=SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda"))),
+            config=SimpleNamespace(model_type=model_type),
+        )
+
+    fast_base, next_base = on_cuda("qwen3_5_moe_text"), on_cuda("qwen3_next")
+    from occamy_mtp import fastbase
+
+    monkeypatch.setattr(fastbase, "fla_kernels", lambda: fastbase.torch_kernels())
+    assert C.auto_fastbase_tokens(fast_base) == C.DEFAULT_FASTBASE_TOKENS
+    assert C.auto_fastbase_tokens(next_base) == 0  # FastBasePass is for Qwen3.5-MoE bases only
+
+    def missing():
+        raise ImportError("no fla")
+
+    monkeypatch.setattr(fastbase, "fla_kernels", missing)
+    assert C.auto_fastbase_tokens(fast_base) == 0
+
+
+def test_fastbase_tokens_argument():
+    assert C._tokens_or_auto("auto") is None and C._tokens_or_auto("0") == 0 and C._tokens_or_auto("4096") == 4096
+    for bad in ("-1", "many"):
+        with pytest.raises(Exception, match="tokens"):
+            C._tokens_or_auto(bad)
 
 
 def test_online_source_is_base_outputs(world):
