@@ -166,7 +166,8 @@ def main() -> int:
         "build_seconds_excluded": build_seconds,
     }
 
-    # 1. the target cache (the plain pass first, when both run, so the fast one is not warmed by it)
+    # 1. the target cache. With both, the plain pass runs first: kernels the two share (fla's
+    # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
     caches = {}
     for compute in (("plain", "fast") if args.compute == "both" else (args.compute,)):
         caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c))
