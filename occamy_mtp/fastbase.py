@@ -309,6 +309,8 @@ def grouped_experts(
     """
     from transformers.integrations.moe import _grouped_mm
 
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("grouped_experts: pass both shared and shared_gate, or neither")
     tokens, top_k = top_k_index.shape
     num_experts = experts.gate_up_proj.shape[0]
     expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k

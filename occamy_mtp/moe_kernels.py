@@ -122,10 +122,10 @@ def combine(
     shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`combine_reference` in one Triton kernel."""
-    if not available(expert_out):
-        return combine_reference(expert_out, inverse, weights, shared, shared_gate)
     if (shared is None) != (shared_gate is None):
         raise ValueError("combine: pass both shared and shared_gate, or neither")
+    if not available(expert_out):
+        return combine_reference(expert_out, inverse, weights, shared, shared_gate)
     tokens, top_k = weights.shape
     dim = expert_out.shape[-1]
     if inverse.numel() != tokens * top_k or expert_out.shape[0] != tokens * top_k:

@@ -94,6 +94,8 @@ def test_without_triton_the_functions_are_the_references():
     """CPU tensors outside the interpreter never reach a kernel."""
     case = routed_case(4, 2, 6, torch.float32, seed=2)
     assert not moe_kernels.available(case[0])
+    with pytest.raises(ValueError, match="both shared and shared_gate"):
+        moe_kernels.combine(*case[:4], None)
     assert torch.equal(moe_kernels.combine(*case), moe_kernels.combine_reference(*case))
     gate_up = torch.randn(3, 8)
     assert torch.equal(moe_kernels.silu_mul(gate_up), moe_kernels.silu_mul_reference(gate_up))
