@@ -153,6 +153,8 @@ def run_config(world, output: Path) -> Path:
 def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
+    # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     directory = world["root"] / "targets-cli"
     online_config = load_config(run_config(world, world["root"] / "run-online"))
     cached_config = load_config(run_config(world, world["root"] / "run-cached"), [f"data.target_cache={directory}"])

@@ -248,14 +248,29 @@ def _fla_available() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _fla_available(), reason="needs CUDA and fla (pip install flash-linear-attention fla-core)")
-@pytest.mark.gpu
-def test_fla_kernels_and_cuda_graph_equal_plain_on_gpu(tiny):
+needs_fla = pytest.mark.skipif(not _fla_available(), reason="needs CUDA and fla (pip install flash-linear-attention fla-core)")
+
+
+@pytest.fixture
+def tiny_on_gpu(tiny):
     config, base = tiny
-    base = as_dtype(copy.deepcopy(base), torch.bfloat16).cuda()  # the module's CPU model stays as it is
+    return config, as_dtype(copy.deepcopy(base), torch.bfloat16).cuda()  # the module's CPU model stays as it is
+
+
+@needs_fla
+@pytest.mark.gpu
+def test_fla_kernels_equal_plain_on_gpu(tiny_on_gpu):
+    """fla's varlen kernels, fused norms and the Triton MoE glue against plain transformers on the GPU."""
+    config, base = tiny_on_gpu
     windows = windows_of(LENGTHS, config.vocab_size, seed=7)
     outputs = packed_base_outputs(base, windows, max_tokens_per_batch=400, kernels=fastbase.fla_kernels())
     assert_matches_plain(base, windows, outputs, rel_tol=3e-2, exact_greedy=False)
+
+
+@needs_fla
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_on_gpu(tiny_on_gpu):
+    config, base = tiny_on_gpu
     uniform = windows_of((64,) * 4, config.vocab_size, seed=8)
     graphed = FastBasePass(base, max_tokens_per_batch=256, kernels=fastbase.fla_kernels(), cuda_graphs=True)
     eager = FastBasePass(base, max_tokens_per_batch=256, kernels=fastbase.fla_kernels())
