@@ -282,6 +282,8 @@ def default_kernels(device: torch.device, fused_norms: bool = True) -> Kernels:
 
 # -- the MoE block ------------------------------------------------------------------
 
+_SILU_CLASSES = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"])
+
 
 def grouped_experts(
     experts,
@@ -319,9 +321,9 @@ def grouped_experts(
     counts = torch.histc(sorted_ids.int() if x.is_cuda else sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     gate_up = _grouped_mm(x[order // top_k], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
-    if fused_glue:
+    if fused_glue and type(experts.act_fn).__name__ in _SILU_CLASSES:
         hidden = moe_kernels.silu_mul(gate_up)
-    else:
+    else:  # the kernel computes SiLU only; any other activation keeps the module's
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = experts.act_fn(gate) * up
     out = _grouped_mm(hidden, experts.down_proj.transpose(-2, -1), offs=offsets)  # (S, D) in expert order

@@ -156,6 +156,9 @@ def test_fused_moe_block_equals_the_block_forward(interpreted):
         fastbase.grouped_experts(block.experts, x[0], selected, weights, fused_glue=True),
         block.experts(x[0], selected, weights), rtol=1e-5, atol=1e-6,
     )
+    assert type(block.experts.act_fn).__name__ in fastbase._SILU_CLASSES  # so the kernel ran above
+    block.experts.act_fn = torch.nn.GELU()  # an activation the kernel does not compute: the module's is used
+    torch.testing.assert_close(fastbase.fused_moe_block(block, x), block(x), rtol=1e-5, atol=1e-6)
 
 
 # -- the compiled kernels on a GPU ---------------------------------------------------------
