@@ -29,7 +29,9 @@ from occamy_mtp import fastbase, moe_kernels
 
 def block_of_real_width(device):
     from transformers import Qwen3_5MoeTextConfig
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeSparseMoeBlock,
+    )
 
     config = Qwen3_5MoeTextConfig()
     with torch.device(device):
@@ -86,7 +88,7 @@ def main() -> int:
         x = torch.randn(1, tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
         row = {}
         for name, fused in (("torch-glue", False), ("triton-glue", True)):
-            fn = lambda fused=fused: fastbase.grouped_moe_block(block, x, fused_glue=fused)  # noqa: E731
+            fn = lambda fused=fused, x=x: fastbase.grouped_moe_block(block, x, fused_glue=fused)  # noqa: E731
             row[name] = {"gpu_ms": gpu_ms(fn), "launch_ms": launch_ms(fn), "graph_ms": graph_ms(fn)}
         reference = fastbase.grouped_moe_block(block, x)
         fused = fastbase.grouped_moe_block(block, x, fused_glue=True)

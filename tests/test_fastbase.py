@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from occamy_mtp import fastbase
-from occamy_mtp.fastbase import FastBasePass, Kernels, PackLayout, make_layout, packed_base_outputs, plan_batches
+from occamy_mtp.fastbase import (
+    FastBasePass,
+    Kernels,
+    PackLayout,
+    make_layout,
+    packed_base_outputs,
+    plan_batches,
+)
 from occamy_mtp.target import base_outputs
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
