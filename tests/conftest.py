@@ -88,6 +88,14 @@ def sample_tokenizer_dir(tmp_path_factory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("sample_tokenizer"))
 
 
+@pytest.fixture(scope="session")
+def sample_tokenizer(sample_tokenizer_dir):
+    """`sample_tokenizer_dir` loaded once (read-only, as the directory is)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(sample_tokenizer_dir))
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """One intra-op thread for a module of tiny-tensor tests (opt in with

@@ -45,11 +45,6 @@ def small_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sample_tokenizer(sample_tokenizer_dir):
-    return AutoTokenizer.from_pretrained(str(sample_tokenizer_dir))
-
-
-@pytest.fixture(scope="module")
 def sample_data(sample_tokenizer):
     return prepare_windows([SAMPLE_DATA_PATH], sample_tokenizer)
 

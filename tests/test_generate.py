@@ -16,12 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import generate as G
 from occamy_mtp.data import DataError, Message, prepare_windows
-from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config, write_checkpoint
+from occamy_mtp.testing.checkpoints import (
+    build_tiny_checkpoint,
+    random_models,
+    tiny_text_config,
+    write_checkpoint,
+)
 
 SCRIPTED_ANSWER = "Yes: call open() with a path."  # its tokens are distinct: a successor map can spell it
 
@@ -50,16 +54,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(sample_tokenizer_dir) -> Path:
-    return sample_tokenizer_dir
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tokenizer_dir):
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-
-@pytest.fixture(scope="module")
 def chats(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONS), encoding="utf-8")
@@ -67,9 +61,9 @@ def chats(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def random_base(tmp_path_factory, tokenizer_dir):
+def random_base(tmp_path_factory, sample_tokenizer_dir):
     """(directory, fp32 model loaded from it) of a random tiny Qwen3.5-MoE base."""
-    written = build_tiny_checkpoint(tmp_path_factory.mktemp("random_base"), tokenizer_dir=tokenizer_dir, with_head=False)
+    written = build_tiny_checkpoint(tmp_path_factory.mktemp("random_base"), tokenizer_dir=sample_tokenizer_dir, with_head=False)
     return written.path, ckpt_io.load_base(written.path, dtype=torch.float32)
 
 
@@ -102,11 +96,11 @@ def scripted_model(tokenizer, text: str, seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def scripted_base(tmp_path_factory, tokenizer, tokenizer_dir):
+def scripted_base(tmp_path_factory, sample_tokenizer, sample_tokenizer_dir):
     """(directory, fp32 model loaded from it, the answer's token ids)."""
-    text_config, base, answer = scripted_model(tokenizer, SCRIPTED_ANSWER)
+    text_config, base, answer = scripted_model(sample_tokenizer, SCRIPTED_ANSWER)
     path = tmp_path_factory.mktemp("scripted_base")
-    write_checkpoint(path, text_config, base, None, tokenizer_dir=tokenizer_dir)
+    write_checkpoint(path, text_config, base, None, tokenizer_dir=sample_tokenizer_dir)
     return path, ckpt_io.load_base(path, dtype=torch.float32), answer
 
 
@@ -166,15 +160,15 @@ def test_greedy_generate_rejects_bad_arguments(random_base):
 # ---------------------------------------------------------------------------- records
 
 
-def test_scripted_output_round_trips_through_prepare_windows(chats, tokenizer, scripted_base, tmp_path):
+def test_scripted_output_round_trips_through_prepare_windows(chats, sample_tokenizer, scripted_base, tmp_path):
     base_dir, base, answer = scripted_base
     out = tmp_path / "selfgen.jsonl"
-    report = regenerate(chats, tokenizer, base_dir, base, out, max_new_tokens=len(answer) + 3)
+    report = regenerate(chats, sample_tokenizer, base_dir, base, out, max_new_tokens=len(answer) + 3)
 
     assert report.excluded == EXCLUDED and report.records_in_file == KEPT and report.complete
     assert report.finished == KEPT and report.roundtrip == {G.ROUNDTRIP_EXACT: KEPT}
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    im_end = sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
     for record, source in zip(records, [c for i, c in enumerate(CONVERSATIONS) if i not in (3, 4)]):
         meta = record["meta"]
         assert meta["generated_token_ids"] == answer + [im_end] and meta["generated_tokens"] == len(answer) + 1
@@ -183,7 +177,7 @@ def test_scripted_output_round_trips_through_prepare_windows(chats, tokenizer, s
         assert record["messages"][:-1] == original[:-1]  # the prompt messages, normalised; later turns dropped
     assert records[2]["meta"]["source"] == f"{chats}:3"
 
-    windows = prepare_windows([out], tokenizer, turns="last")
+    windows = prepare_windows([out], sample_tokenizer, turns="last")
     assert windows.conversations_kept == KEPT and windows.excluded == {}
     for window in windows.train + windows.heldout:
         assert list(window.input_ids[window.answer_start :]) == answer + [im_end]  # exactly the base's tokens
@@ -192,10 +186,10 @@ def test_scripted_output_round_trips_through_prepare_windows(chats, tokenizer, s
     assert sidecar["data"]["excluded"] == EXCLUDED and sidecar["settings"]["max_new_tokens"] == len(answer) + 3
 
 
-def test_every_turn_gives_one_record_per_assistant_turn(chats, tokenizer, scripted_base, tmp_path):
+def test_every_turn_gives_one_record_per_assistant_turn(chats, sample_tokenizer, scripted_base, tmp_path):
     base_dir, base, answer = scripted_base
     out = tmp_path / "every.jsonl"
-    report = regenerate(chats, tokenizer, base_dir, base, out, turns="every", max_new_tokens=len(answer) + 1)
+    report = regenerate(chats, sample_tokenizer, base_dir, base, out, turns="every", max_new_tokens=len(answer) + 1)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert report.records_in_file == KEPT + 1  # the dict conversation has two assistant turns
     two_turns = [r for r in records if r["messages"][0]["content"] == "What is a dict?"]
@@ -204,25 +198,25 @@ def test_every_turn_gives_one_record_per_assistant_turn(chats, tokenizer, script
     assert two_turns[1]["messages"][1]["content"] == "A mapping."  # earlier answers stay original
 
 
-def test_roundtrip_outcomes(tokenizer):
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    endoftext = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+def test_roundtrip_outcomes(sample_tokenizer):
+    im_end = sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    endoftext = sample_tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_start = sample_tokenizer.convert_tokens_to_ids("<|im_start|>")
 
     def encode(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return sample_tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def outcome(ids, finished):
-        text = tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
+        text = sample_tokenizer.decode(ids[:-1] if finished else ids, skip_special_tokens=False)
         messages = [Message("user", "Hi"), Message("assistant", text)]
-        return G.roundtrip_outcome(tokenizer, messages, ids, finished, im_end)
+        return G.roundtrip_outcome(sample_tokenizer, messages, ids, finished, im_end)
 
     hello = encode("Hello world.")
     assert outcome(hello + [im_end], True) == G.ROUNDTRIP_EXACT
     assert outcome(hello, False) == G.ROUNDTRIP_EXACT
     assert outcome(hello + [endoftext], True) == G.DIFFERENT_END_TOKEN
     # One byte of the two-byte "é": not UTF-8 on its own (max_new_tokens cut the character).
-    assert outcome(hello + tokenizer.convert_tokens_to_ids(["Ã"]), False) == G.LOSSY_DECODE
+    assert outcome(hello + sample_tokenizer.convert_tokens_to_ids(["Ã"]), False) == G.LOSSY_DECODE
     assert outcome(encode("\ufffd ok") + [im_end], True) == G.ROUNDTRIP_EXACT  # a U+FFFD the base really wrote
     assert outcome(hello + [im_start] + hello, False) == G.SPECIAL_TOKEN_IN_TEXT
     assert outcome(hello + encode("  "), False) == G.TEMPLATE_REWROTE_TEXT  # the template trims
@@ -234,10 +228,10 @@ def test_roundtrip_outcomes(tokenizer):
 # ---------------------------------------------------------------------------- resume
 
 
-def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, tokenizer, random_base, tmp_path, monkeypatch):
+def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, sample_tokenizer, random_base, tmp_path, monkeypatch):
     base_dir, base = random_base
     whole = tmp_path / "whole.jsonl"
-    whole_report = regenerate(chats, tokenizer, base_dir, base, whole)
+    whole_report = regenerate(chats, sample_tokenizer, base_dir, base, whole)
     lines = whole.read_bytes().splitlines(keepends=True)
     assert len(lines) == KEPT and whole_report.generated_now == KEPT
 
@@ -255,14 +249,14 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, tokenizer, rand
 
     monkeypatch.setattr(G, "greedy_generate", killed_after_first_batch)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(chats, tokenizer, base_dir, base, killed)
+        regenerate(chats, sample_tokenizer, base_dir, base, killed)
     monkeypatch.undo()
     assert killed.read_bytes() == b"".join(lines[:2])
     assert json.loads(G.sidecar_path(killed).read_text())["status"] == "running"
     with killed.open("ab") as stream:
         stream.write(lines[2] + lines[3][: len(lines[3]) // 2])
 
-    report = regenerate(chats, tokenizer, base_dir, base, killed)
+    report = regenerate(chats, sample_tokenizer, base_dir, base, killed)
     assert killed.read_bytes() == whole.read_bytes()
     assert report.torn_lines_dropped == 1 and report.skipped_done == 3 and report.generated_now == 3
     assert report.regenerated_for_batching == 1  # line 3 recomputed so its batch stayed whole, not rewritten
@@ -271,53 +265,53 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, tokenizer, rand
     for count in ("records_in_file", "finished", "unfinished", "generated_tokens", "roundtrip"):
         assert sidecar["counts"][count] == getattr(whole_report, count)
 
-    again = regenerate(chats, tokenizer, base_dir, base, killed)  # nothing left to do
+    again = regenerate(chats, sample_tokenizer, base_dir, base, killed)  # nothing left to do
     assert again.generated_now == 0 and killed.read_bytes() == whole.read_bytes()
 
 
-def test_limit_then_continue(chats, tokenizer, scripted_base, tmp_path):
+def test_limit_then_continue(chats, sample_tokenizer, scripted_base, tmp_path):
     base_dir, base, _ = scripted_base
     out = tmp_path / "limited.jsonl"
-    first = regenerate(chats, tokenizer, base_dir, base, out, limit=3)
+    first = regenerate(chats, sample_tokenizer, base_dir, base, out, limit=3)
     assert first.records_in_file == 3 and not first.complete
     assert json.loads(G.sidecar_path(out).read_text())["status"] == "partial"
-    rest = regenerate(chats, tokenizer, base_dir, base, out)
+    rest = regenerate(chats, sample_tokenizer, base_dir, base, out)
     assert rest.skipped_done == 3 and rest.generated_now == KEPT - 3 and rest.complete
 
 
-def test_resume_refuses_other_settings_base_or_files(chats, tokenizer, random_base, tmp_path, tokenizer_dir):
+def test_resume_refuses_other_settings_base_or_files(chats, sample_tokenizer, random_base, tmp_path, sample_tokenizer_dir):
     base_dir, base = random_base
     out = tmp_path / "out.jsonl"
-    regenerate(chats, tokenizer, base_dir, base, out, limit=2)
+    regenerate(chats, sample_tokenizer, base_dir, base, out, limit=2)
     before = out.read_bytes()
 
     with pytest.raises(G.GenerateError, match=r"settings\.max_new_tokens: 5 in the existing output, 4 now"):
-        regenerate(chats, tokenizer, base_dir, base, out, max_new_tokens=4)
+        regenerate(chats, sample_tokenizer, base_dir, base, out, max_new_tokens=4)
     with pytest.raises(G.GenerateError, match=r"settings\.turns"):
-        regenerate(chats, tokenizer, base_dir, base, out, turns="first")
-    other = build_tiny_checkpoint(tmp_path / "other_base", seed=1, tokenizer_dir=tokenizer_dir, with_head=False).path
+        regenerate(chats, sample_tokenizer, base_dir, base, out, turns="first")
+    other = build_tiny_checkpoint(tmp_path / "other_base", seed=1, tokenizer_dir=sample_tokenizer_dir, with_head=False).path
     with pytest.raises(G.GenerateError, match=r"base\.weights_sample_sha256"):
-        G.regenerate_answers([chats], tokenizer, base, out, base_identity=G.checkpoint_fingerprint(other), max_new_tokens=5, batch_size=2)
+        G.regenerate_answers([chats], sample_tokenizer, base, out, base_identity=G.checkpoint_fingerprint(other), max_new_tokens=5, batch_size=2)
     with pytest.raises(G.GenerateError, match="resume is off"):
-        regenerate(chats, tokenizer, base_dir, base, out, resume=False)
+        regenerate(chats, sample_tokenizer, base_dir, base, out, resume=False)
     assert out.read_bytes() == before
 
     orphan = tmp_path / "orphan.jsonl"
     shutil.copy(out, orphan)  # records without a sidecar: settings unknown
     with pytest.raises(G.GenerateError, match="no orphan.jsonl.meta.json"):
-        regenerate(chats, tokenizer, base_dir, base, orphan)
+        regenerate(chats, sample_tokenizer, base_dir, base, orphan)
     corrupt = tmp_path / "corrupt.jsonl"
     corrupt.write_bytes(b"not json\n" + before)
     shutil.copy(G.sidecar_path(out), G.sidecar_path(corrupt))
     with pytest.raises(G.GenerateError, match=r"corrupt\.jsonl:1: not a record"):
-        regenerate(chats, tokenizer, base_dir, base, corrupt)
+        regenerate(chats, sample_tokenizer, base_dir, base, corrupt)
     assert corrupt.read_bytes() == b"not json\n" + before
 
 
 # ---------------------------------------------------------------------------- CLI
 
 
-def test_cli_writes_readable_output_and_reports_errors(chats, tokenizer, scripted_base, tmp_path, capsys):
+def test_cli_writes_readable_output_and_reports_errors(chats, sample_tokenizer, scripted_base, tmp_path, capsys):
     base_dir, _, answer = scripted_base
     out = tmp_path / "cli.jsonl"
     common = ["--base", str(base_dir), "--out", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]
@@ -336,4 +330,4 @@ def test_cli_writes_readable_output_and_reports_errors(chats, tokenizer, scripte
     assert f"{bad}:2: malformed JSON" in capsys.readouterr().err
     assert not (tmp_path / "bad-out.jsonl").exists()  # nothing written before the data is known to be good
     with pytest.raises(DataError):  # the API raises what the CLI prints
-        G.read_prompts([bad], tokenizer)
+        G.read_prompts([bad], sample_tokenizer)
