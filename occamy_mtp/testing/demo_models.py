@@ -51,6 +51,9 @@ class DemoSettings:
     """Steps of the base's fine-tune on the restyled chats (the head is not updated)."""
     finetune_lr: float = 2e-3
     hidden_size: int = 64
+    linear_head_dim: int = 64
+    """Gated DeltaNet key and value head dim. 64 (or 128) is what vLLM's CPU kernels accept,
+    so that a real engine can serve the demo; the test models use 16."""
 
 
 def restyle(text: str) -> str:
@@ -147,7 +150,12 @@ def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), da
     donor_sequences = _packed_sequences(tokenizer, conversations, settings.sequence_tokens)
     finetune_sequences = _packed_sequences(tokenizer, restyled, settings.sequence_tokens)
 
-    text_config = tiny_text_config(vocab_size=len(tokenizer), hidden_size=settings.hidden_size)
+    text_config = tiny_text_config(
+        vocab_size=len(tokenizer),
+        hidden_size=settings.hidden_size,
+        linear_key_head_dim=settings.linear_head_dim,
+        linear_value_head_dim=settings.linear_head_dim,
+    )
     model_class = ckpt_io.base_model_class(text_config)
     donor = model_class._from_config(text_config, dtype=torch.float32)
     head = MTPHead(text_config, SharedWeights(donor.model.embed_tokens, donor.lm_head), experts_implementation="eager")
@@ -186,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the demo's donor and fine-tuned base from the sample chats.")
     parser.add_argument("--out", default="runs/demo/models", help="output directory (tokenizer/, donor/, base/)")
     parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
+    parser.add_argument("--linear-head-dim", type=int, default=DemoSettings.linear_head_dim,
+                        help="Gated DeltaNet key/value head dim (64 or 128 can be served by vLLM's CPU build)")
     args = parser.parse_args(argv)
-    build_demo_models(Path(args.out), data_path=Path(args.data))
+    build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data))
     return 0
 
 
