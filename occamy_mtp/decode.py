@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from occamy_mtp.evaluate import acceptance_summary, counts_from_outcomes
+from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.checkpoint import cache_kwarg
 from occamy_mtp.head import ChainKV
 

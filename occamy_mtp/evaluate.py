@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp.loss import IGNORE, chain_batch
+from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
 
 TEACHER_FORCED = "teacher_forced"
@@ -86,30 +87,6 @@ class ChainOutcome:
     """Steps k whose predicted position i+k+1 is scored (inside the window and the answer); 0: anchor not scored."""
     accepted: tuple[int, ...]
     """Leading steps whose argmax equals the base's greedy token (<= scorable)."""
-
-
-def acceptance_summary(proposed: list[int], accepted: list[int], drafted: int) -> tuple[list[float], float, float]:
-    """(acc_k per step, mean accept length with the bonus token, accept rate)."""
-    acceptance = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
-    length, running = 1.0, 1.0
-    for acc in acceptance:
-        running *= acc
-        length += running
-    rate = sum(accepted) / drafted if drafted else 0.0
-    return acceptance, length, rate
-
-
-def counts_from_outcomes(scorable: list[int], accepted: list[int], draft_steps: int) -> tuple[list[int], list[int], int]:
-    """(proposed_k, accepted_k, drafted) of chains that were scorable for `scorable[n]` steps and
-    accepted `accepted[n]` of them: step k is proposed when k <= accepted + 1 and k is scorable."""
-    proposed, hits, drafted = [0] * draft_steps, [0] * draft_steps, 0
-    for steps, run in zip(scorable, accepted):
-        drafted += steps
-        for k in range(min(run + 1, steps)):
-            proposed[k] += 1
-        for k in range(run):
-            hits[k] += 1
-    return proposed, hits, drafted
 
 
 # ----------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import torch
 
 from occamy_mtp.data import Window
 from occamy_mtp.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
-from occamy_mtp.evaluate import SELF_GENERATED, chain_outcomes, counts_from_outcomes, evaluate_head
+from occamy_mtp.evaluate import SELF_GENERATED, chain_outcomes, evaluate_head
+from occamy_mtp.metrics import counts_from_outcomes
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
 HIDDEN_SHARE = 0.3  # scale of the agreeable head's random fc columns on the hidden half

@@ -14,14 +14,13 @@ from occamy_mtp.data import Window
 from occamy_mtp.evaluate import (
     SELF_GENERATED,
     TEACHER_FORCED,
-    acceptance_summary,
     chain_outcomes,
-    counts_from_outcomes,
     evaluate_head,
     format_table,
     main,
     self_generated_windows,
 )
+from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.plot import plot_acceptance
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
