@@ -8,14 +8,25 @@ serving engine: one request at a time, batch size 1, greedy only (temperature 0)
     python -m occamy_mtp.serve_reference --base DIR [--head FILE] --mode speculative \
         --draft-steps 3 --port 0            # prints "serving http://127.0.0.1:PORT"
 
-Endpoints: GET /health, GET /v1/models, POST /v1/completions (prompt: text or token
-ids), POST /v1/chat/completions (messages rendered by the tokenizer's chat template;
-`chat_template_kwargs` passed through, e.g. {"enable_thinking": false}). Token logprobs
-are always computed and returned when `logprobs` is asked for; with
-`return_tokens_as_token_ids` (as vLLM spells it) tokens are "token_id:N". Speculative
-counts are returned in SGLang's style under `meta_info` (`spec_verify_ct`,
-`spec_accept_length` = completion tokens / verify passes, `spec_accept_rate`) plus the
-per-step counts of the reference decoder.
+Endpoints: GET /health, GET /v1/models, GET /metrics, POST /v1/completions (prompt: text
+or token ids), POST /v1/chat/completions (messages rendered by the tokenizer's chat
+template; `chat_template_kwargs` passed through, e.g. {"enable_thinking": false}). Token
+logprobs are returned when `logprobs` is asked for (no `top_logprobs` alternatives: the
+reference decoders keep only the chosen token's);
+with `return_tokens_as_token_ids` (vLLM's spelling) tokens are "token_id:N", and with
+`return_token_ids` the output ids come back as SGLang returns them
+(`choices[0].response_token_ids` on chat, `choices[0].token_ids` on completions).
+
+Speculative counts, in speculative mode, in the engines' own formats (docs/ENGINES.md):
+SGLang's per-request `spec_*` fields (0.5.23 names), in `choices[0].meta_info` of a
+chat response when the request sets `return_meta_info: true`, and in
+`sglext.spec_tokens_details` when it sets `return_spec_tokens_details: true`; and vLLM's
+Prometheus counters on GET /metrics (`vllm:spec_decode_num_drafts_total`, ...,
+`vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`), summed over every
+request served. The counts are the reference decoder's own: drafts are capped at the
+tokens left in the budget, so the proposed count is what was drafted, not verify passes
+x K as SGLang computes it. Greedy mode reports no speculative fields and no counters,
+like an engine with speculation off.
 
 Fault injection, for testing the validation tool (requests are the generation requests,
 counted from 1):
@@ -60,7 +71,63 @@ class Generation:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    meta: dict
+    rounds: list[tuple[int, int]] | None
+    """Speculative mode: (drafted, accepted) of each verify pass; None in greedy mode."""
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters, summed over the requests served (GET /metrics)."""
+
+    draft_steps: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, rounds: list[tuple[int, int]]) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.draft_steps
+        for drafted, accepted in rounds:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
+
+    def exposition(self, model_name: str) -> str:
+        """Prometheus text as vLLM 0.32 writes these counters (prometheus_client's `_total` names)."""
+        labels = f'engine="0",model_name="{model_name}"'
+        lines = []
+        for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", self.drafts),
+                                 ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", self.draft_tokens),
+                                 ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", self.accepted_tokens)):
+            lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter", f"{name}_total{{{labels}}} {float(value)}"]
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        lines += [f"# HELP {name}_total Accepted tokens per draft position.", f"# TYPE {name}_total counter"]
+        per_position = self.accepted_per_position or [0] * self.draft_steps
+        lines += [f'{name}_total{{{labels},position="{k}"}} {float(v)}' for k, v in enumerate(per_position)]
+        return "\n".join(lines) + "\n"
+
+
+def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
+    """SGLang 0.5.23's per-request `spec_*` fields (set only once a verify pass ran, as SGLang does)."""
+    rounds = generation.rounds or []
+    if not rounds:
+        return {}
+    drafted = sum(d for d, _ in rounds)
+    accepted = sum(a for _, a in rounds)
+    histogram = [0] * (draft_steps + 1)
+    for _, a in rounds:
+        histogram[a] += 1
+    return {
+        "spec_accept_rate": accepted / drafted if drafted else 0.0,
+        "spec_accept_length": len(generation.output_ids) / len(rounds),  # completion tokens / verify passes
+        "spec_num_correct_drafts": accepted,
+        "spec_num_proposed_drafts": drafted,
+        "spec_verify_ct": len(rounds),
+        "spec_correct_drafts_histogram": histogram,
+    }
 
 
 class ReferenceModel:
@@ -80,21 +147,9 @@ class ReferenceModel:
             result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids)
         else:
             result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids)
-        meta = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(result.output_ids), "decode_mode": self.mode}
-        if self.mode == SPECULATIVE:
-            summary = result.summary()
-            verify = result.base_passes  # verify passes (+ a plain step when one token was left)
-            meta.update({
-                "spec_verify_ct": verify,
-                "spec_accept_length": len(result.output_ids) / verify if verify else 0.0,
-                "spec_accept_rate": summary["accept_rate"],
-                "spec_draft_tokens": result.drafted,
-                "spec_accepted_tokens": sum(result.accepted),
-                "spec_draft_steps": self.draft_steps,
-                "spec_proposed_per_step": list(result.proposed),
-                "spec_accepted_per_step": list(result.accepted),
-            })
-        return Generation(list(prompt_ids), list(result.output_ids), list(result.logprobs), result.finish_reason, meta)
+        rounds = [(len(r.drafted), r.accepted) for r in result.rounds]
+        return Generation(list(prompt_ids), list(result.output_ids), list(result.logprobs), result.finish_reason,
+                          rounds if self.mode == SPECULATIVE else None)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -153,13 +208,14 @@ def _apply_faults(faults: Faults, request_number: int, generation: Generation, v
             generation.logprobs[position] += delta
 
 
-def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool) -> dict:
-    """The OpenAI response object for one generation (plus SGLang-style `meta_info`)."""
+def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool, request_id: str) -> dict:
+    """The OpenAI response object for one generation, with SGLang's extensions where asked for."""
     ids = generation.output_ids
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     tokens = [f"{TOKEN_ID_PREFIX}{t}" if as_ids else model.token_text(t) for t in ids]
     text = model.tokenizer.decode([t for t in ids if t not in model.stop_token_ids])
     wants_logprobs = bool(body.get("logprobs")) or body.get("logprobs") == 0
+    spec = sglang_spec_fields(generation, model.draft_steps)
     usage = {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
              "total_tokens": len(generation.prompt_ids) + len(ids)}
     if chat:
@@ -169,6 +225,12 @@ def completion_response(model: ReferenceModel, body: dict, generation: Generatio
                 {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
                 for token, logprob in zip(tokens, generation.logprobs)
             ]}
+        if body.get("return_token_ids"):
+            choice["response_token_ids"] = list(ids)
+        if body.get("return_meta_info"):  # SGLang: the request's meta_info, chat only
+            choice["meta_info"] = {"id": request_id, "finish_reason": {"type": generation.finish_reason},
+                                   "prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
+                                   "cached_tokens": 0, **spec}
         kind = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "finish_reason": generation.finish_reason, "logprobs": None}
@@ -177,21 +239,21 @@ def completion_response(model: ReferenceModel, body: dict, generation: Generatio
             for token in tokens:
                 offsets.append(offset)
                 offset += len(token)
-            choice["logprobs"] = {"tokens": tokens, "token_logprobs": generation.logprobs, "top_logprobs": None, "text_offset": offsets}
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": generation.logprobs,
+                                  "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(ids)
         kind = "text_completion"
-    return {
-        "id": uuid.uuid4().hex,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model.name,
-        "choices": [choice],
-        "usage": usage,
-        "meta_info": generation.meta,
-    }
+    response = {"id": request_id, "object": kind, "created": int(time.time()), "model": model.name,
+                "choices": [choice], "usage": usage}
+    if body.get("return_spec_tokens_details") and spec:  # SGLang: sglext.spec_tokens_details (n = 1: an object)
+        response["sglext"] = {"spec_tokens_details": {k: v for k, v in spec.items()}}
+    return response
 
 
 def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
     state = {"requests": 0}
+    counters = SpecCounters(model.draft_steps) if model.mode == SPECULATIVE else None
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -216,6 +278,9 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
         def do_GET(self):  # noqa: N802 (the stdlib's name)
             if self.path == "/health":
                 self._send(200, b"ok", "text/plain")
+            elif self.path == "/metrics":
+                text = counters.exposition(model.name) if counters is not None else ""
+                self._send(200, text.encode("utf-8"), "text/plain; version=0.0.4; charset=utf-8")
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "occamy-mtp"}]})
             else:
@@ -247,8 +312,11 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
                 self._error(400, str(err))
                 return
             generation = model.generate(prompt_ids, max_tokens)
+            if counters is not None:
+                counters.add(generation.rounds)
             _apply_faults(faults, number, generation, model.vocab_size)
-            payload = json.dumps(completion_response(model, body, generation, chat)).encode("utf-8")
+            request_id = uuid.uuid4().hex
+            payload = json.dumps(completion_response(model, body, generation, chat, request_id)).encode("utf-8")
             if number in faults.malformed:
                 payload = payload[: len(payload) // 2]  # truncated JSON, still HTTP 200
             self._send(200, payload)

@@ -1,10 +1,13 @@
-"""The endpoint validation tool against real HTTP server processes on loopback.
+"""The endpoint validation tool against real HTTP servers on loopback.
 
 Three `occamy_mtp.serve_reference` processes serve a tiny fp32 checkpoint on 127.0.0.1
 (free ports): MTP off (plain greedy), MTP on (the reference speculative decoder, 3 draft
-steps), and a faulty one that changes one output token, shifts one logprob, sends one
-malformed response and then dies mid-run. Every request has a timeout and every
-process is terminated at the end.
+steps; SGLang's per-request fields and vLLM's /metrics counters), and a faulty one that
+changes one output token, shifts one logprob, sends one malformed response and then dies
+mid-run. Engine replay servers (threads on 127.0.0.1) answer with the responses and
+/metrics texts of `tests/fixtures/` (each names the engine version it reproduces), so
+that the engines' own formats are read as they are. Every request has a timeout and
+every process is terminated at the end.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -24,6 +29,7 @@ from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
 REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 STARTUP_SECONDS = 240  # importing torch + transformers on a busy 2-core machine
 REQUEST_TIMEOUT_SECONDS = 60
 PROMPTS = 7
@@ -131,36 +137,65 @@ def test_identical_server_passes(recorded, servers, tmp_path):
     through the real entry point (stdlib only: no --data, the recording holds the prompts)."""
     result = subprocess.run(
         [sys.executable, "-m", "occamy_mtp.validate", "--reference", str(recorded["path"]),
-         "--candidate", servers["urls"]["greedy"], "--out", str(tmp_path), "--quiet", "--timeout", str(REQUEST_TIMEOUT_SECONDS)],
+         "--candidate", servers["urls"]["greedy"], "--out", str(tmp_path), "--quiet", "--timeout", str(REQUEST_TIMEOUT_SECONDS),
+         "--allow-no-drafts"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["passed"] and report["fixed"] == {"exact": PROMPTS, "of": PROMPTS}
     assert report["cold_warm"]["candidate"] == {"exact": COLD_WARM, "of": COLD_WARM, "prompts": report["cold_warm"]["candidate"]["prompts"]}
-    assert report["max_logprob_diff"] == 0.0 and not report["errors"]
+    assert report["max_logprob_diff"] == 0.0 and not report["errors"] and report["failures"] == []
     assert report["prompts"][0]["comparisons"]["cold"]["compared_by"] == "token_ids"
+    assert report["divergence"]["prompts"] == 0 and report["acceptance_pass"] is None  # nothing drafted, but not asked for
     assert f"fixed prompts: {PROMPTS}/{PROMPTS} exact" in result.stdout and "RESULT: PASS" in result.stdout
     assert "acceptance (candidate): not reported" in result.stdout
 
 
 def test_mtp_on_server_passes_and_reports_acceptance(recorded, servers, tmp_path):
+    """The reference decoder's counts, read as SGLang reports them (per request) and as vLLM
+    does (/metrics, before and after): the two readings must agree count for count."""
     report = V.validate(str(recorded["path"]), servers["urls"]["speculative"], [], tmp_path, settings(),
                         tolerance=SPEC_LOGPROB_TOLERANCE)
     assert report["passed"], V.format_summary(report)
     assert not report["token_differences"] and report["max_logprob_diff"] <= SPEC_LOGPROB_TOLERANCE
     acceptance = report["acceptance"]["candidate"]
-    assert acceptance["responses"] == PROMPTS + COLD_WARM
+    assert acceptance["engine"] == "occamy-mtp" and acceptance["source"] == V.SGLANG_META
+    assert acceptance["responses"] == PROMPTS + COLD_WARM and not acceptance["drafted_nothing"]
     assert acceptance["completion_tokens"] == (PROMPTS + COLD_WARM) * MAX_TOKENS  # nobody stops early at 6 tokens
-    assert acceptance["accept_length"] == pytest.approx(acceptance["completion_tokens"] / acceptance["verify_passes"])
-    assert 0 <= acceptance["accept_rate"] <= 1 and len(acceptance["per_step"]["proposed"]) == 3
-    assert report["acceptance"]["reference"] is None
+    assert acceptance["tokens_per_verify_pass"] == pytest.approx(acceptance["completion_tokens"] / acceptance["verify_passes"])
+    assert acceptance["accept_length"] == pytest.approx(1 + acceptance["accepted_tokens"] / acceptance["verify_passes"])
+    assert 0 <= acceptance["accept_rate"] <= 1 and len(acceptance["per_position"]["proposed"]) == 3
+    per_position = acceptance["per_position"]
+    assert per_position["proposed"][0] == acceptance["verify_passes"]  # every verify pass proposes step 1
+    assert sum(per_position["accepted"]) == acceptance["accepted_tokens"]
+    metrics = acceptance["metrics"]  # the same decoder's counts through vLLM-style /metrics counters
+    assert metrics["source"] == V.VLLM_METRICS
+    assert (metrics["drafts"], metrics["accepted_tokens"], metrics["draft_tokens"]) == (
+        acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"])
+    assert metrics["per_position"] == per_position
+    assert report["acceptance"]["reference"] is None and report["acceptance_pass"] is None
     summary = V.format_summary(report)
-    assert "accept length" in summary and "per step: step 1" in summary and "RESULT: PASS" in summary
+    assert "accept length" in summary and "per step (chained): step 1" in summary and "cross-check" in summary
+    assert "RESULT: PASS" in summary
+
+
+def test_mtp_off_candidate_fails_for_drafting_nothing(recorded, servers, tmp_path):
+    """An MTP-off server in the candidate's place gives identical tokens but no drafts: FAIL,
+    with the reason, after the acceptance pass without logprobs found no drafts either."""
+    report = V.validate(str(recorded["path"]), servers["urls"]["greedy"], [], tmp_path, settings())
+    assert not report["passed"] and report["fixed"]["exact"] == PROMPTS
+    assert len(report["failures"]) == 1 and "reported no speculative counts" in report["failures"][0]
+    assert report["acceptance_pass"] == {"of": PROMPTS, "compared_by": ["token_ids"], "differences": []}
+    assert (tmp_path / "responses-candidate-acceptance.json").is_file()
+    body = V.request_body(recorded["prompts"][0], V.RequestSettings(logprobs=False), "m")
+    assert "logprobs" not in body and "return_tokens_as_token_ids" not in body and body["return_token_ids"] is True
+    assert "FAIL: the candidate reported no speculative counts" in V.format_summary(report)
 
 
 def test_faulty_server_is_flagged_token_logprob_malformed_and_death(recorded, servers, tmp_path):
-    report = V.validate(str(recorded["path"]), servers["urls"]["faulty"], [], tmp_path, settings(), max_consecutive_errors=2)
+    report = V.validate(str(recorded["path"]), servers["urls"]["faulty"], [], tmp_path, settings(), max_consecutive_errors=2,
+                        require_drafts=False, acceptance_pass="never")
     names = [p.name for p in recorded["prompts"]]
     assert not report["passed"]
     # One token changed: prompt 1 (cold request), at output token 2, found by token id.
@@ -187,13 +222,18 @@ def test_faulty_server_is_flagged_token_logprob_malformed_and_death(recorded, se
 
 
 def test_parse_response_refuses_malformed_shapes():
-    with pytest.raises(V.RequestFailed, match="missing field"):
+    with pytest.raises(V.RequestFailed, match="logprobs"):
         V.parse_response({"choices": [{"message": {"content": "hi"}}]}, V.CHAT)
-    with pytest.raises(V.RequestFailed, match="one number per token"):
+    with pytest.raises(V.RequestFailed, match="not a finite number"):
         V.parse_response({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [None]}}]}, V.COMPLETIONS)
     parsed = V.parse_response({"choices": [{"text": "ab", "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-1.0, -2.0]}}],
-                               "meta_info": {"spec_verify_ct": 1, "completion_tokens": 2}}, V.COMPLETIONS)
-    assert parsed["token_ids"] == [5, 7] and parsed["speculative"] == {"verify_passes": 1, "completion_tokens": 2}
+                               "sglext": {"spec_tokens_details": {"spec_verify_ct": 1, "spec_num_correct_drafts": 0,
+                                                                  "spec_num_proposed_drafts": 3, "spec_correct_drafts_histogram": [1, 0, 0, 0]}}},
+                              V.COMPLETIONS)
+    assert parsed["token_ids"] == [5, 7] and parsed["speculative"]["source"] == V.SGLANG_SGLEXT
+    assert parsed["speculative"]["draft_steps"] == 3 and parsed["speculative"]["histogram_consistent"]
+    without = V.parse_response({"choices": [{"text": "ab", "token_ids": [5, 7]}]}, V.COMPLETIONS, logprobs=False)
+    assert without["token_ids"] == [5, 7] and without["tokens"] is None and without["speculative"] is None
 
 
 def test_unreachable_server_and_bad_arguments(tmp_path, capsys):
@@ -203,3 +243,126 @@ def test_unreachable_server_and_bad_arguments(tmp_path, capsys):
     assert V.main(["--reference", "not-a-url-or-file", "--candidate", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
     assert "--reference" in capsys.readouterr().err
     assert V.main(["--reference", "http://127.0.0.1:9", "--extra-body", "[1]", "--out", str(tmp_path)]) == 2
+
+
+# ----------------------------------------------------------------------------------
+# The engines' own formats, replayed from tests/fixtures
+# ----------------------------------------------------------------------------------
+
+
+class ReplayServer:
+    """A loopback HTTP server answering with a fixture's recorded bodies: POSTs get the
+    fixture's responses in turn; GET /metrics gets `metrics[i]` once i POSTs were served
+    (the last one afterwards); other GETs a fixed table of JSON bodies."""
+
+    def __init__(self, responses: list[dict], gets: dict[str, dict], metrics: list[str] | None = None):
+        self.responses, self.gets, self.metrics = responses, gets, metrics
+        self.posted: list[dict] = []
+        replay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, body: bytes, kind: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/metrics" and replay.metrics is not None:
+                    text = replay.metrics[min(len(replay.posted), len(replay.metrics) - 1)]
+                    self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+                elif self.path in replay.gets:
+                    self._send(200, json.dumps(replay.gets[self.path]).encode())
+                else:
+                    self._send(404, b'{"detail": "Not Found"}')
+
+            def do_POST(self):  # noqa: N802
+                replay.posted.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self._send(200, json.dumps(replay.responses[(len(replay.posted) - 1) % len(replay.responses)]).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def _fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def _sglang_server(name: str) -> ReplayServer:
+    fixture = _fixture(name)
+    return ReplayServer(fixture["responses"], {"/v1/models": fixture["models"], "/server_info": fixture["server_info"]})
+
+
+def _replay_settings() -> V.RequestSettings:
+    return V.RequestSettings(endpoint=V.CHAT, max_tokens=16, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.13"])
+def test_sglang_acceptance_is_read_from_meta_info(version, tmp_path):
+    """SGLang's chat responses (K = 3): meta_info asked for in the body, read per request; the
+    expected counts are added up by hand from the two recorded responses."""
+    prompts = V.prompt_set(2, [])
+    with _sglang_server(f"sglang-{version}-chat-mtp-off.json") as off, _sglang_server(f"sglang-{version}-chat-mtp3.json") as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, _replay_settings(), cold_warm=0)
+        sent = on.posted[0]
+    assert sent["return_meta_info"] is True and sent["return_spec_tokens_details"] is True and sent["top_logprobs"] == 2
+    assert report["passed"], V.format_summary(report)
+    assert report["prompts"][0]["comparisons"]["cold"]["compared_by"] == ("token_ids" if version == "0.5.23" else "token_strings")
+    acceptance = report["acceptance"]["candidate"]
+    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("sglang", version, V.SGLANG_META)
+    # Responses: (12 tokens, 5 verify passes, 6 of 15 drafts, histogram [2, 1, 1, 1]) and (8, 4, 3 of 12, [2, 1, 1, 0]).
+    assert (acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"]) == (9, 9, 27)
+    assert acceptance["accept_rate"] == pytest.approx(9 / 27) and acceptance["accept_length"] == pytest.approx(2.0)
+    assert acceptance["tokens_per_verify_pass"] == pytest.approx(20 / 9)  # SGLang's spec_accept_length over both
+    assert acceptance["histogram"] == [4, 2, 2, 1]
+    assert acceptance["per_position"]["proposed"] == [9, 5, 3] and acceptance["per_position"]["accepted"] == [5, 3, 1]
+    reference = report["acceptance"]["reference"]  # MTP off: meta_info without spec fields, no /metrics
+    assert reference["source"] is None and "HTTP 404" in reference["metrics"]["error"]
+
+
+def test_sglang_sglext_alone_is_read(tmp_path):
+    """A 0.5.23 response without meta_info (not asked for) still carries sglext.spec_tokens_details."""
+    fixture = _fixture("sglang-0.5.23-chat-mtp3.json")
+    for response in fixture["responses"]:
+        del response["choices"][0]["meta_info"]
+    prompts = V.prompt_set(2, [])
+    with _sglang_server("sglang-0.5.23-chat-mtp-off.json") as off, \
+            ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}) as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, _replay_settings(), cold_warm=0)
+    acceptance = report["acceptance"]["candidate"]
+    assert report["passed"] and acceptance["source"] == V.SGLANG_SGLEXT
+    assert (acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"]) == (9, 9, 27)
+    assert "tokens_per_verify_pass" not in acceptance  # sglext has no completion_tokens
+
+
+def test_divergence_is_located_with_the_reference_margin(tmp_path):
+    """The candidate takes the reference's runner-up at output token 3 of the first prompt."""
+    fixture = _fixture("sglang-0.5.23-chat-mtp3.json")
+    choice = fixture["responses"][0]["choices"][0]
+    entry = choice["logprobs"]["content"][3]
+    runner_up = entry["top_logprobs"][1]
+    entry["token"], entry["top_logprobs"] = runner_up["token"], [runner_up, entry["top_logprobs"][0]]
+    choice["response_token_ids"][3] = 17545
+    prompts = V.prompt_set(2, [])
+    with _sglang_server("sglang-0.5.23-chat-mtp-off.json") as off, \
+            ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}) as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, _replay_settings(), cold_warm=0)
+    assert not report["passed"] and report["divergence"]["prompts"] == 1 and report["divergence"]["of"] == 2
+    detail = report["divergence"]["details"][0]
+    assert (detail["position"], detail["reference"], detail["candidate"]) == (3, 6303, 17545)
+    assert detail["reference_margin"] == pytest.approx(1.75) and detail["candidate_took_reference_runner_up"]
+    assert "first differing output token at 3" in V.format_summary(report)
