@@ -45,7 +45,8 @@ from occamy_mtp.fastbase import FastBasePass
 from occamy_mtp.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.loss import chain_batch, chain_loss
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
-from occamy_mtp.train import collate, lr_at, step_windows
+from occamy_mtp.loss import collate
+from occamy_mtp.train import lr_at, step_windows
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 2

@@ -40,8 +40,10 @@ run expects, naming which parts differ and how:
   nearly every element of each matrix they touch). It does not
   detect an edit confined to a few unsampled elements; TRAINING.json keeps the full
   sha256 of every file (`record.checkpoint_identity`) for that audit.
-* data: the exact token ids of every window, train then heldout (a sha256 over each
-  window's ids), with the counts.
+* data: the exact token ids of every window the run reads targets for, in order
+  (`run_setup.RunWindows.all()`: the train windows, the self-generated validation and
+  heldout windows, the recorded heldout answers; a sha256 over each window's ids),
+  with the counts.
 * settings: what else changes the numbers or the windows: the base's dtype and
   attention implementation, the window settings (`PreparedData.settings`) and the
   cache format.
@@ -79,8 +81,9 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.data import PreparedData, Window
-from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, BaseOutputs, base_outputs
+from occamy_mtp.data import Window
+from occamy_mtp.run_setup import load_tokenizer, open_store, prepare_data, run_windows, self_generated_needed
+from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, BaseOutputs, OnlineTargets, TargetSource, base_outputs
 
 CACHE_FORMAT = 1
 MANIFEST_NAME = "manifest.json"
@@ -94,7 +97,6 @@ FINGERPRINT_METHOD = f"safetensors header + first/middle/last {FINGERPRINT_BLOCK
 # int32 ids and int32 greedy choices stored per token, beside the hidden state.
 _ID_BYTES_PER_TOKEN = 8
 _HASH_BLOCK_BYTES = 16 * 1024 * 1024
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class WindowTargets(Protocol):
@@ -164,25 +166,18 @@ def base_fingerprint(base_dir: Path) -> dict:
     }
 
 
-def all_windows(data: PreparedData) -> list[Window]:
-    """The windows a cache covers: train, then heldout."""
-    return list(data.train) + list(data.heldout)
+def window_ids(windows: Sequence[Window]) -> list[tuple[int, ...]]:
+    return [w.input_ids for w in windows]
 
 
-def all_window_ids(data: PreparedData) -> list[tuple[int, ...]]:
-    return [w.input_ids for w in all_windows(data)]
-
-
-def data_fingerprint(data: PreparedData) -> dict:
+def data_fingerprint(windows: Sequence[Window]) -> dict:
+    """The data part of the identity: the exact token ids of every window, in order."""
     digest = hashlib.sha256()
-    for side, windows in (("train", data.train), ("heldout", data.heldout)):
-        digest.update(f"{side}:{len(windows)}\n".encode())
-        for window in windows:
-            digest.update(bytes.fromhex(window_digest(window.input_ids)))
+    for window in windows:
+        digest.update(bytes.fromhex(window_digest(window.input_ids)))
     return {
-        "train_windows": len(data.train),
-        "heldout_windows": len(data.heldout),
-        "tokens": sum(len(w.input_ids) for w in all_windows(data)),
+        "windows": len(windows),
+        "tokens": sum(len(w.input_ids) for w in windows),
         "window_ids_sha256": digest.hexdigest(),
     }
 
@@ -237,17 +232,18 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def cache_identity(base_dir: Path, data: PreparedData, dtype: str, attn_implementation: str) -> CacheIdentity:
-    """The identity a run with this base, these windows and these settings expects."""
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+def cache_identity(base_dir: Path, windows: Sequence[Window], window_settings: dict, dtype: str, attn_implementation: str) -> CacheIdentity:
+    """The identity a run with this base, these windows (built with `window_settings`,
+    `PreparedData.settings`) and these settings expects."""
+    if dtype not in ckpt_io.DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(ckpt_io.DTYPES)}, got {dtype!r}")
     settings = {
         "format": CACHE_FORMAT,
         "dtype": dtype,
         "attn_implementation": attn_implementation,
-        "windows": dict(data.settings),
+        "windows": dict(window_settings),
     }
-    return CacheIdentity(base_fingerprint(base_dir), data_fingerprint(data), settings)
+    return CacheIdentity(base_fingerprint(base_dir), data_fingerprint(windows), settings)
 
 
 # ----------------------------------------------------------------------------------
@@ -256,7 +252,7 @@ def cache_identity(base_dir: Path, data: PreparedData, dtype: str, attn_implemen
 
 
 def padded_ids(rows: Sequence[Sequence[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(input_ids (B, T) right-padded with 0, attention_mask (B, T) or None): as `train.collate` pads."""
+    """(input_ids (B, T) right-padded with 0, attention_mask (B, T) or None): as `loss.collate` pads."""
     lengths = torch.tensor([len(ids) for ids in rows])
     length = int(lengths.max())
     input_ids = torch.zeros(len(rows), length, dtype=torch.long)
@@ -371,7 +367,7 @@ def build_cache(
     written. Returns the final manifest.
     """
     directory = Path(directory)
-    dtype = _DTYPES[identity.settings["dtype"]]
+    dtype = ckpt_io.DTYPES[identity.settings["dtype"]]
     manifest_path = directory / MANIFEST_NAME
     if manifest_path.is_file():
         manifest = _read_manifest(directory)
@@ -524,7 +520,7 @@ class TargetCache:
     def __init__(self, directory: Path, manifest: dict):
         self.directory = Path(directory)
         self.manifest = manifest
-        self.dtype = _DTYPES[manifest["hidden_dtype"]]
+        self.dtype = ckpt_io.DTYPES[manifest["hidden_dtype"]]
         self.hidden_size = int(manifest["hidden_size"])
         self._where: dict[str, tuple[int, int, int]] = {}  # digest -> (shard, first row, length)
         for number, shard in enumerate(manifest["shards"]):
@@ -608,7 +604,7 @@ class TargetCache:
     def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs:
         """What `base_outputs(base, input_ids, attention_mask)` gives, read from the cache.
 
-        Rows are right-padded (as `train.collate` makes them); `attention_mask` (or, when
+        Rows are right-padded (as `loss.collate` makes them); `attention_mask` (or, when
         None, the full row) gives each row's real length. Padded positions, which no loss
         or metric scores, hold zeros.
         """
@@ -623,60 +619,16 @@ class TargetCache:
         return BaseOutputs(hidden=hidden.to(input_ids.device), greedy=greedy.to(input_ids.device))
 
 
-class TargetSource(Protocol):
-    """Where a training or evaluation step gets its targets: the cache, or the base online."""
-
-    def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs: ...
-
-    def provenance(self) -> dict: ...
-
-
-@dataclass(frozen=True)
-class OnlineTargets:
-    """The online path: the base runs on every batch (small runs, no cache)."""
-
-    base: torch.nn.Module
-    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
-
-    def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs:
-        return base_outputs(self.base, input_ids, attention_mask, self.logits_chunk_tokens)
-
-    def provenance(self) -> dict:
-        return {"source": "online"}
-
-
 def open_targets(
-    cache_dir: str | Path, base_dir: str | Path, data: PreparedData, dtype: str, attn_implementation: str, base=None
+    cache_dir: str | Path, base_dir: str | Path, windows: Sequence[Window], window_settings: dict, dtype: str,
+    attn_implementation: str, base=None,
 ) -> TargetSource:
-    """The target source of a run: the cache at `cache_dir` (checked against this run), or online when it is ""."""
+    """The target source of a run: the cache at `cache_dir` (checked against this run's windows), or online when it is ""."""
     if not str(cache_dir):
         if base is None:
             raise ValueError("no target cache configured, so the base itself is needed for the online path")
         return OnlineTargets(base)
-    return TargetCache.open(Path(cache_dir), cache_identity(Path(base_dir), data, dtype, attn_implementation))
-
-
-def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu"):
-    """Only the base's `embed_tokens` and `lm_head` (what the head borrows), not its layers.
-
-    With a cache the head trains and is evaluated without the base's 34.7B parameters:
-    these two tensors are 2 x 248,320 x 2048 (~2 GB in bf16) at real size.
-    """
-    from occamy_mtp.head import SharedWeights
-
-    base_dir = Path(base_dir)
-    text_config = ckpt_io.read_config(base_dir).text_config
-    ckpt = ckpt_io.SafetensorsCheckpoint(base_dir)
-    embed_key = ckpt_io.base_text_prefix(ckpt) + "embed_tokens.weight"
-    tied = bool(getattr(text_config, "tie_word_embeddings", False))
-    head_key = embed_key if tied else "lm_head.weight"
-    for key in {embed_key, head_key}:
-        if key not in ckpt:
-            raise ckpt_io.CheckpointError(f"{base_dir}: no tensor {key}, which the head shares with the base")
-    embed = torch.nn.Embedding.from_pretrained(ckpt.get(embed_key).to(device=device, dtype=dtype), freeze=True)
-    lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, device="meta")
-    lm_head.weight = embed.weight if tied else torch.nn.Parameter(ckpt.get(head_key).to(device=device, dtype=dtype), requires_grad=False)
-    return SharedWeights(embed, lm_head)
+    return TargetCache.open(Path(cache_dir), cache_identity(Path(base_dir), windows, window_settings, dtype, attn_implementation))
 
 
 # ----------------------------------------------------------------------------------
@@ -733,38 +685,47 @@ def build_for_config(
 ) -> dict:
     """Build (or resume, or confirm) the target cache of a run config; returns the manifest.
 
-    Loads only the base (not the donor head), on the GPU when there is one, and the
-    run's windows exactly as training builds them; see `make_compute` for the pass.
-    A complete cache of this identity that verifies is left as it is (the base is not loaded).
+    Loads only the base (not the donor head), on the GPU when there is one. The run's
+    windows are those training and export read (`run_setup.run_windows`); the base
+    first writes the self-generated continuations the run's store lacks, so that
+    training and export from this cache never need the base. See `make_compute` for
+    the pass. A complete cache of this identity that verifies is left as it is (the
+    base is not loaded).
     """
-    # Set-up helpers of the training stage, imported here so that the library part
-    # of this module stays upstream of train.py (as evaluate.py does for collate).
-    from occamy_mtp.train import DTYPES, load_tokenizer, prepare_data
-
-    data = prepare_data(config, load_tokenizer(config))
-    identity = cache_identity(Path(config.model.base), data, config.model.dtype, config.model.attn_implementation)
+    tokenizer = load_tokenizer(config)
+    data = prepare_data(config, tokenizer)
+    store = open_store(config, tokenizer)
     directory = Path(directory)
+    base = None
+    if store.missing(self_generated_needed(config, data)):
+        base = _load_base(config)
+    windows = run_windows(config, data, store, base, log).all()
+    identity = cache_identity(Path(config.model.base), windows, data.settings, config.model.dtype, config.model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
         manifest = _read_manifest(directory)
         if manifest.get("key") == identity.key and manifest.get("complete"):
             if all(_shard_problem(directory, s, identity.key) is None for s in manifest["shards"]):
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base = ckpt_io.load_base(
-        config.model.base, dtype=DTYPES[config.model.dtype], device=device, attn_implementation=config.model.attn_implementation
-    )
+    base = base or _load_base(config)
     compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens)
-    log(f"target cache: {len(all_windows(data))} windows ({len(data.train)} train, {len(data.heldout)} heldout) -> {directory} ({compute_name})")
+    log(f"target cache: {len(windows)} windows -> {directory} ({compute_name})")
     return build_cache(
         directory,
         identity,
-        all_window_ids(data),
+        window_ids(windows),
         compute,
         hidden_size=base.config.hidden_size,
         compute_name=compute_name,
         max_shard_bytes=max_shard_bytes,
         log=log,
+    )
+
+
+def _load_base(config):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return ckpt_io.load_base(
+        config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=device, attn_implementation=config.model.attn_implementation
     )
 
 

@@ -18,7 +18,6 @@ half file under the final name.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -39,6 +38,9 @@ HEAD_PREFIX = "mtp."
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
 VISION_PREFIX = "model.visual."
+
+# The dtypes a run config may name (model.dtype), by name.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 FUSED = "fused"
 PER_EXPERT = "per_expert"
@@ -64,32 +66,97 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------
 
 
+TEMPORARY_SUFFIX = ".tmp"
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def temporary_path(final: Path) -> Path:
+    """A new, empty file beside `final`: `.{name}.XXXX.tmp`."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=TEMPORARY_SUFFIX, dir=final.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def stale_temporaries(final: Path) -> list[Path]:
+    """Temporaries of `final` left behind by a killed writer."""
+    final = Path(final)
+    return sorted(final.parent.glob(f".{final.name}.*{TEMPORARY_SUFFIX}")) if final.parent.is_dir() else []
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temporary path beside `final`; rename it over `final` only on success."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
+    with atomic_paths([final]) as (tmp,):
+        yield tmp
+
+
+@contextlib.contextmanager
+def atomic_paths(finals: list[Path]) -> Iterator[list[Path]]:
+    """Yield one temporary path per final path; on success rename them all, in the given order.
+
+    A group of outputs that belong together (a head and the record of its hash) is
+    written completely before any of them replaces an earlier good file, and the last
+    path (the record) lands last. On failure every temporary is removed and no final
+    file is touched.
+    """
+    temporaries = []
     try:
-        yield tmp_path
-        os.replace(tmp_path, final)
+        for final in finals:
+            temporaries.append(temporary_path(final))
+        yield list(temporaries)
+        # mkstemp (and safetensors) create 0600 files whatever the umask: a server running
+        # as another user could not read the outputs. Give them the mode open() would.
+        mode = 0o666 & ~_current_umask()
+        for tmp in temporaries:
+            os.chmod(tmp, mode)
+        for tmp, final in zip(temporaries, finals):
+            os.replace(tmp, final)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+        for tmp in temporaries:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def json_text(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
 
 
 def write_json(path: Path, obj) -> None:
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+        tmp.write_text(json_text(obj))
+
+
+def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """One safetensors file at `path` (not atomic: see `save_safetensors`), byte for byte reproducible.
+
+    safetensors writes the `__metadata__` entries in an order that changes from process to
+    process, so the same tensors gave files of different sha256; the header is rewritten
+    in place with the entries sorted (same length, so nothing moves).
+    """
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(contiguous, str(path), metadata=metadata or {"format": "pt"})
+    with open(path, "r+b") as handle:
+        header_bytes = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_bytes))
+        ordered = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items())), **header}
+        text = json.dumps(ordered, separators=(",", ":")).encode()
+        if len(text) > header_bytes:  # cannot happen: the same entries, reordered
+            raise CheckpointError(f"{path}: the sorted safetensors header does not fit ({len(text)} > {header_bytes} bytes)")
+        handle.seek(8)
+        handle.write(text.ljust(header_bytes, b" "))
 
 
 def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file, written atomically."""
-    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    """One safetensors file, written atomically and reproducibly."""
     with atomic_path(path) as tmp:
-        save_file(contiguous, str(tmp), metadata=metadata or {"format": "pt"})
+        write_safetensors(tmp, tensors, metadata)
 
 
 def save_sharded(
@@ -457,16 +524,6 @@ def head_checkpoint_tensors(state: Mapping[str, torch.Tensor], layout: str) -> d
 # ----------------------------------------------------------------------------------
 
 
-def cache_kwarg(forward) -> str:
-    """The keyword a transformers forward takes its cache under.
-
-    transformers 5.2x renamed `past_key_values` to `cache`; 5.17 (still common on GPU
-    images) has the old name. `forward` is a function or bound method (decorators that
-    keep `__wrapped__` are seen through).
-    """
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
 def base_model_class(text_config):
     from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
@@ -581,3 +638,26 @@ def load_head(
     if shared is not None:
         head.attach(shared)
     return head, layout
+
+
+def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+    """Only the base's `embed_tokens` and `lm_head` (what the head borrows), not its layers.
+
+    With the target cache the head trains and is evaluated without the base's 34.7B
+    parameters: these two tensors are 2 x 248,320 x 2048 (~2 GB in bf16) at real size.
+    """
+    from occamy_mtp.head import SharedWeights
+
+    base_dir = Path(base_dir)
+    text_config = read_config(base_dir).text_config
+    ckpt = SafetensorsCheckpoint(base_dir)
+    embed_key = base_text_prefix(ckpt) + "embed_tokens.weight"
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    head_key = embed_key if tied else "lm_head.weight"
+    for key in {embed_key, head_key}:
+        if key not in ckpt:
+            raise CheckpointError(f"{base_dir}: no tensor {key}, which the head shares with the base")
+    embed = torch.nn.Embedding.from_pretrained(ckpt.get(embed_key).to(device=device, dtype=dtype), freeze=True)
+    lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, device="meta")
+    lm_head.weight = embed.weight if tied else torch.nn.Parameter(ckpt.get(head_key).to(device=device, dtype=dtype), requires_grad=False)
+    return SharedWeights(embed, lm_head)

@@ -51,6 +51,18 @@ class DataSettings:
     """Conversations in the train split (surplus conversations are counted, not used)."""
     heldout_conversations: int = 32
     """Conversations in the heldout split that every metric is measured on."""
+    validation_conversations: int = 32
+    """Conversations in the validation split that checkpoint selection (`train.select_every_steps`)
+    is measured on, so that the choice never sees the heldout split; 0 for none."""
+    answers: str = "self_generated"
+    """What the head trains on: self_generated (each train window's context continued greedily by
+    the base itself: the text serving drafts on), data (the recorded answers, teacher forced:
+    the original recipe) or mixed (both, each window twice)."""
+    self_generated_dir: str = ""
+    """Where the base's continuations are stored (`occamy_mtp.selfgen`); empty means
+    output.dir/self-generated. Runs with the same base and window settings may share it."""
+    self_generate_batch_size: int = 16
+    """Contexts per batch when the base writes the continuations."""
     split_seed: int = 0
     """Seed of the content hash that assigns conversations to train or heldout."""
     skip_bad_records: bool = False
@@ -94,6 +106,10 @@ class TrainSettings:
     """How many periodic checkpoints to keep on disk."""
     log_every_steps: int = 8
     """Log loss, lr and throughput every this many steps."""
+    select_every_steps: int = 64
+    """Measure the head on the self-generated validation windows every this many steps (and
+    before the first, which is the donor) and keep the best (`eval.served_steps`, decoder
+    replay); 0 keeps the last step's head."""
     tracker: str = "none"
     """Experiment tracker for accelerate: none, wandb, tensorboard (no network by default)."""
 
@@ -102,6 +118,13 @@ class TrainSettings:
 class EvalSettings:
     draft_steps: int = 3
     """Chained steps measured by the offline acceptance evaluation."""
+    served_steps: tuple[int, ...] = (1, 3)
+    """Draft step counts serving may run (`--speculative-num-steps`): the decoder replay is
+    reported for each, export refuses a head worse than the donor at any, and checkpoint
+    selection scores their mean accept length. Each <= draft_steps."""
+    decoder_check_windows: int = 4
+    """Heldout prompts decoded with the reference speculative decoder at export, for each head
+    and served step count, to check the replayed figures against it; 0 skips the check."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
 
@@ -128,10 +151,14 @@ class RunConfig:
     def fingerprint(self, sections: tuple[str, ...] = ("model", "data", "train")) -> str:
         """sha256 of the settings that determine the trained head (resume refuses a change)."""
         d = self.to_dict()
-        # Where the targets are read from does not change them (the cache holds exactly
-        # what the base computes for each window), so a run may switch between the two.
+        # Where the targets and the continuations are read from does not change them (the
+        # cache and the store hold exactly what the base computes), so a run may move them.
         d["data"].pop("target_cache", None)
-        blob = json.dumps({s: d[s] for s in sections}, sort_keys=True)
+        d["data"].pop("self_generated_dir", None)
+        parts = {s: d[s] for s in sections}
+        if "train" in sections and self.train.select_every_steps:
+            parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
+        blob = json.dumps(parts, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -275,6 +302,9 @@ def validate(config: RunConfig) -> None:
         (config.data.answer_tokens >= 2, "data.answer_tokens", ">= 2"),
         (config.data.train_conversations >= 1, "data.train_conversations", ">= 1"),
         (config.data.heldout_conversations >= 1, "data.heldout_conversations", ">= 1"),
+        (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
+        (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
+        (config.data.self_generate_batch_size >= 1, "data.self_generate_batch_size", ">= 1"),
         (config.train.epochs >= 1, "train.epochs", ">= 1"),
         (config.train.windows_per_step >= 1, "train.windows_per_step", ">= 1"),
         (config.train.lr > 0, "train.lr", "> 0"),
@@ -292,9 +322,21 @@ def validate(config: RunConfig) -> None:
         (config.train.checkpoint_every_steps >= 1, "train.checkpoint_every_steps", ">= 1"),
         (config.train.keep_checkpoints >= 1, "train.keep_checkpoints", ">= 1"),
         (config.train.log_every_steps >= 1, "train.log_every_steps", ">= 1"),
+        (config.train.select_every_steps >= 0, "train.select_every_steps", ">= 0"),
+        (
+            config.train.select_every_steps == 0 or config.data.validation_conversations >= 1,
+            "data.validation_conversations",
+            ">= 1 when train.select_every_steps > 0 (or set train.select_every_steps=0)",
+        ),
         (config.train.tracker in ("none", "wandb", "tensorboard"), "train.tracker", "none, wandb or tensorboard"),
         (config.eval.draft_steps >= 1, "eval.draft_steps", ">= 1"),
         (config.eval.windows_per_batch >= 1, "eval.windows_per_batch", ">= 1"),
+        (
+            len(config.eval.served_steps) >= 1 and all(1 <= k <= config.eval.draft_steps for k in config.eval.served_steps),
+            "eval.served_steps",
+            f"one or more step counts, each between 1 and eval.draft_steps ({config.eval.draft_steps})",
+        ),
+        (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
     ]
     for ok, option, expected in checks:

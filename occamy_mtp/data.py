@@ -57,6 +57,7 @@ DEFAULT_CONTEXT_TOKENS = 128
 DEFAULT_ANSWER_TOKENS = 382
 DEFAULT_TRAIN_CONVERSATIONS = 256  # the original run
 DEFAULT_HELDOUT_CONVERSATIONS = 32
+DEFAULT_VALIDATION_CONVERSATIONS = 0  # a third side for choosing among checkpoints; none unless asked
 TURN_CHOICES = ("last", "first", "every")
 
 # Where an error or an exclusion was found, kept per reason for the report.
@@ -74,7 +75,7 @@ EMPTY_ANSWER = "empty_answer"  # a selected assistant turn is empty or whitespac
 SPECIAL_TOKEN_IN_TEXT = "special_token_in_text"  # e.g. a literal "<|im_end|>" in a message
 TEMPLATE_ERROR = "template_error"  # the chat template refused the conversation
 TEMPLATE_PREFIX_MISMATCH = "template_prefix_mismatch"  # the turn does not extend the generation prompt
-BEYOND_SPLIT_SIZE = "beyond_split_size"  # more conversations than train + heldout asked for
+BEYOND_SPLIT_SIZE = "beyond_split_size"  # more conversations than train + validation + heldout asked for
 EXCLUSION_REASONS = (
     BAD_RECORD,
     TOOL_CALL_ROLES,
@@ -192,7 +193,12 @@ class _Tally:
 
 @dataclass(frozen=True)
 class PreparedData:
-    """Windows of the train and heldout conversations, and how they were obtained."""
+    """Windows of the train, validation and heldout conversations, and how they were obtained.
+
+    Heldout is what every reported metric is measured on; validation (empty unless asked
+    for) is what training may choose among its checkpoints with, so that the choice
+    never sees the heldout conversations.
+    """
 
     train: list[Window]
     heldout: list[Window]
@@ -205,10 +211,12 @@ class PreparedData:
     boundary_retokenized: int
     settings: dict[str, Any]
     tokenizer_identity: dict[str, Any]
+    validation: list[Window] = field(default_factory=list)
+    validation_hashes: list[str] = field(default_factory=list)
 
     @property
     def conversations_kept(self) -> int:
-        return len(self.train_hashes) + len(self.heldout_hashes)
+        return len(self.train_hashes) + len(self.validation_hashes) + len(self.heldout_hashes)
 
     def summary(self) -> dict[str, Any]:
         """The counts a user checks before training (what the CLI prints)."""
@@ -217,11 +225,13 @@ class PreparedData:
             "conversations_read": self.conversations_read,
             "conversations_kept": self.conversations_kept,
             "excluded": dict(self.excluded),
-            "windows_built": len(self.train) + len(self.heldout),
-            "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.heldout),
+            "windows_built": len(self.train) + len(self.validation) + len(self.heldout),
+            "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.validation) + _span_tokens(self.heldout),
             "train_conversations": len(self.train_hashes),
+            "validation_conversations": len(self.validation_hashes),
             "heldout_conversations": len(self.heldout_hashes),
             "train_windows": len(self.train),
+            "validation_windows": len(self.validation),
             "heldout_windows": len(self.heldout),
         }
 
@@ -234,22 +244,28 @@ class PreparedData:
             "excluded": dict(self.excluded),
             "excluded_examples": {reason: list(places) for reason, places in self.excluded_examples.items()},
             "windows": {
-                "built": len(self.train) + len(self.heldout),
+                "built": len(self.train) + len(self.validation) + len(self.heldout),
                 "train": len(self.train),
+                "validation": len(self.validation),
                 "heldout": len(self.heldout),
-                "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.heldout),
+                "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.validation) + _span_tokens(self.heldout),
                 "train_assistant_tokens": _span_tokens(self.train),
+                "validation_assistant_tokens": _span_tokens(self.validation),
                 "heldout_assistant_tokens": _span_tokens(self.heldout),
                 "boundary_retokenized": self.boundary_retokenized,
             },
             "split": {
                 "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
-                "heldout_fraction, train above; each side keeps its lowest keys up to its size",
+                "heldout_fraction, validation below heldout_fraction + validation_fraction, train above; "
+                "each side keeps its lowest keys up to its size",
                 "seed": self.settings["split_seed"],
                 "heldout_fraction": self.settings["heldout_fraction"],
+                "validation_fraction": self.settings["validation_fraction"],
                 "train_conversations": len(self.train_hashes),
+                "validation_conversations": len(self.validation_hashes),
                 "heldout_conversations": len(self.heldout_hashes),
                 "train_hashes": list(self.train_hashes),
+                "validation_hashes": list(self.validation_hashes),
                 "heldout_hashes": list(self.heldout_hashes),
             },
             "settings": dict(self.settings),
@@ -513,6 +529,7 @@ def _special_token_ids(tokenizer) -> frozenset[int]:
 # ---------------------------------------------------------------------------- split
 
 TRAIN = "train"
+VALIDATION = "validation"
 HELDOUT = "heldout"
 HASH_KEY_BITS = 64
 
@@ -523,8 +540,10 @@ def split_key(conversation_hash: str, seed: int) -> float:
     return int.from_bytes(digest[: HASH_KEY_BITS // 8], "big") / 2**HASH_KEY_BITS
 
 
-def default_heldout_fraction(train_conversations: int, heldout_conversations: int) -> float:
-    return heldout_conversations / (train_conversations + heldout_conversations)
+def default_fractions(train_conversations: int, heldout_conversations: int, validation_conversations: int = 0) -> tuple[float, float]:
+    """(heldout_fraction, validation_fraction): each side's share of the conversations asked for."""
+    total = train_conversations + heldout_conversations + validation_conversations
+    return heldout_conversations / total, validation_conversations / total
 
 
 def assign_split(
@@ -534,29 +553,42 @@ def assign_split(
     heldout_conversations: int,
     seed: int,
     heldout_fraction: float | None = None,
+    validation_conversations: int = 0,
+    validation_fraction: float | None = None,
 ) -> dict[str, str]:
-    """hash -> "train", "heldout" or BEYOND_SPLIT_SIZE.
+    """hash -> "train", "validation", "heldout" or BEYOND_SPLIT_SIZE.
 
-    A conversation's side is heldout iff its split key is below `heldout_fraction`
-    (default heldout / (train + heldout)); each side then keeps the conversations with
-    the lowest keys, up to its size. Guarantee, exactly: a conversation's side depends on
-    its own content and the seed only, so adding conversations never moves another one
-    from train to heldout or back. Adding one conversation changes at most one other
-    assignment: when the new one's side is full and its key is below that side's
-    largest kept key, that largest one becomes BEYOND_SPLIT_SIZE. While a side has
-    room, adding data changes nothing else at all. The input order never matters.
-    The price: a side can come out smaller than asked for when the data is just big
-    enough (the report shows the sizes reached).
+    A conversation's side is heldout iff its split key is below `heldout_fraction`,
+    validation iff it is below `heldout_fraction + validation_fraction`, train otherwise
+    (default fractions: each side's share of the sizes asked for; without validation
+    conversations the split is heldout / (train + heldout) as it always was); each side
+    then keeps the conversations with the lowest keys, up to its size. Guarantee,
+    exactly: a conversation's side depends on its own content, the seed and the
+    fractions only, so adding conversations never moves another one between sides.
+    Adding one conversation changes at most one other assignment: when the new one's
+    side is full and its key is below that side's largest kept key, that largest one
+    becomes BEYOND_SPLIT_SIZE. While a side has room, adding data changes nothing else
+    at all. The input order never matters. The price: a side can come out smaller than
+    asked for when the data is just big enough (the report shows the sizes reached).
     """
-    fraction = default_heldout_fraction(train_conversations, heldout_conversations) if heldout_fraction is None else heldout_fraction
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1], got {fraction}")
+    default_heldout, default_validation = default_fractions(train_conversations, heldout_conversations, validation_conversations)
+    heldout_fraction = default_heldout if heldout_fraction is None else heldout_fraction
+    validation_fraction = default_validation if validation_fraction is None else validation_fraction
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1], got {heldout_fraction}")
+    if not 0.0 <= validation_fraction <= 1.0 - heldout_fraction:
+        raise ValueError(f"validation_fraction must be in [0, 1 - heldout_fraction], got {validation_fraction}")
     keyed = sorted((split_key(h, seed), h) for h in set(conversation_hashes))
     assignment: dict[str, str] = {}
-    kept = {TRAIN: 0, HELDOUT: 0}
-    capacity = {TRAIN: train_conversations, HELDOUT: heldout_conversations}
+    kept = {TRAIN: 0, VALIDATION: 0, HELDOUT: 0}
+    capacity = {TRAIN: train_conversations, VALIDATION: validation_conversations, HELDOUT: heldout_conversations}
     for key, conversation_hash in keyed:
-        side = HELDOUT if key < fraction else TRAIN
+        if key < heldout_fraction:
+            side = HELDOUT
+        elif key < heldout_fraction + validation_fraction:
+            side = VALIDATION
+        else:
+            side = TRAIN
         if kept[side] < capacity[side]:
             assignment[conversation_hash] = side
             kept[side] += 1
@@ -581,6 +613,7 @@ def prepare_windows(
     heldout_fraction: float | None = None,
     skip_bad_records: bool = False,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
+    validation_conversations: int = DEFAULT_VALIDATION_CONVERSATIONS,
 ) -> PreparedData:
     """Read chat files, build assistant-only windows, split them; see the module docstring.
 
@@ -590,7 +623,7 @@ def prepare_windows(
     always raises. `exclude` lists which of OPTIONAL_EXCLUSIONS apply; the other reasons
     always do. Windows are ordered by split key, then turn.
     """
-    _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, exclude)
+    _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
     tally = _Tally()
@@ -630,11 +663,13 @@ def prepare_windows(
             boundary_retokenized += retokenized
         files.append({"path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size, "records": records})
 
-    fraction = default_heldout_fraction(train_conversations, heldout_conversations) if heldout_fraction is None else heldout_fraction
+    default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
+    fraction = default_heldout if heldout_fraction is None else heldout_fraction
     assignment = assign_split(
-        windows_by_hash, train_conversations=train_conversations, heldout_conversations=heldout_conversations, seed=split_seed, heldout_fraction=fraction
+        windows_by_hash, train_conversations=train_conversations, heldout_conversations=heldout_conversations, seed=split_seed,
+        heldout_fraction=fraction, validation_conversations=validation_conversations, validation_fraction=validation_fraction,
     )
-    members: dict[str, list[str]] = {TRAIN: [], HELDOUT: []}
+    members: dict[str, list[str]] = {TRAIN: [], VALIDATION: [], HELDOUT: []}
     for content_hash in sorted(windows_by_hash, key=lambda h: split_key(h, split_seed)):
         side = assignment[content_hash]
         if side == BEYOND_SPLIT_SIZE:
@@ -648,8 +683,10 @@ def prepare_windows(
         "turns": turns,
         "train_conversations": train_conversations,
         "heldout_conversations": heldout_conversations,
+        "validation_conversations": validation_conversations,
         "split_seed": split_seed,
         "heldout_fraction": fraction,
+        "validation_fraction": validation_fraction,
         "skip_bad_records": skip_bad_records,
         "exclude": sorted(exclude),
         "enable_thinking": False,
@@ -663,6 +700,8 @@ def prepare_windows(
         excluded_examples={reason: tally.examples[reason] for reason in EXCLUSION_REASONS if reason in tally.examples},
         train_hashes=members[TRAIN],
         heldout_hashes=members[HELDOUT],
+        validation=[w for h in members[VALIDATION] for w in windows_by_hash[h]],
+        validation_hashes=members[VALIDATION],
         boundary_retokenized=boundary_retokenized,
         settings=settings,
         tokenizer_identity=tokenizer_identity(tokenizer),
@@ -670,7 +709,8 @@ def prepare_windows(
 
 
 def _check_settings(
-    context_tokens: int, answer_tokens: int, turns: str, train_conversations: int, heldout_conversations: int, exclude: Collection[str]
+    context_tokens: int, answer_tokens: int, turns: str, train_conversations: int, heldout_conversations: int,
+    validation_conversations: int, exclude: Collection[str],
 ) -> None:
     checks = (
         (context_tokens >= 1, "context_tokens", ">= 1", context_tokens),
@@ -678,7 +718,9 @@ def _check_settings(
         (turns in TURN_CHOICES, "turns", " or ".join(TURN_CHOICES), turns),
         (train_conversations >= 0, "train_conversations", ">= 0", train_conversations),
         (heldout_conversations >= 0, "heldout_conversations", ">= 0", heldout_conversations),
-        (train_conversations + heldout_conversations >= 1, "train_conversations + heldout_conversations", ">= 1", None),
+        (validation_conversations >= 0, "validation_conversations", ">= 0", validation_conversations),
+        (train_conversations + heldout_conversations + validation_conversations >= 1,
+         "train_conversations + heldout_conversations + validation_conversations", ">= 1", None),
     )
     for ok, name, expected, value in checks:
         if not ok:
@@ -712,8 +754,9 @@ def _format_summary(summary: dict[str, Any]) -> str:
     else:
         lines.append("excluded: none")
     lines.append(
-        f"split: {summary['train_conversations']} train / {summary['heldout_conversations']} heldout conversations, "
-        f"{summary['train_windows']} / {summary['heldout_windows']} windows"
+        f"split: {summary['train_conversations']} train / {summary['validation_conversations']} validation / "
+        f"{summary['heldout_conversations']} heldout conversations, "
+        f"{summary['train_windows']} / {summary['validation_windows']} / {summary['heldout_windows']} windows"
     )
     lines.append(f"windows: {summary['windows_built']} built, {summary['assistant_tokens_scored']} assistant tokens scored")
     return "\n".join(lines)
@@ -731,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", choices=TURN_CHOICES, default="last")
     parser.add_argument("--train-conversations", type=int, default=DEFAULT_TRAIN_CONVERSATIONS)
     parser.add_argument("--heldout-conversations", type=int, default=DEFAULT_HELDOUT_CONVERSATIONS)
+    parser.add_argument("--validation-conversations", type=int, default=DEFAULT_VALIDATION_CONVERSATIONS)
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
     parser.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
@@ -766,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             turns=args.turns,
             train_conversations=args.train_conversations,
             heldout_conversations=args.heldout_conversations,
+            validation_conversations=args.validation_conversations,
             split_seed=args.split_seed,
             skip_bad_records=args.skip_bad_records,
             exclude=frozenset(exclude),
@@ -779,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(_format_summary(summary))
-        for side, asked in (("train", args.train_conversations), ("heldout", args.heldout_conversations)):
+        sides = (("train", args.train_conversations), ("validation", args.validation_conversations), ("heldout", args.heldout_conversations))
+        for side, asked in sides:
             if summary[f"{side}_conversations"] < asked:
                 fraction = data.settings["heldout_fraction"]
                 print(

@@ -47,7 +47,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
-from occamy_mtp.checkpoint import cache_kwarg
+from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for

@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp.loss import IGNORE, chain_batch
-from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
+from occamy_mtp.loss import IGNORE, chain_batch, collate
+from occamy_mtp.metrics import Acceptance, acceptance_from_counts, acceptance_summary, decoder_rounds, replayed_acceptance
 from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
 
 TEACHER_FORCED = "teacher_forced"
@@ -108,8 +108,6 @@ class _BatchChain:
 
 @torch.no_grad()
 def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
-    from occamy_mtp.train import collate  # the same batching as training
-
     batch = collate(windows, device)
     if hasattr(base, "outputs"):  # a target source (the offline cache) instead of the base
         targets = base.outputs(batch.input_ids, batch.attention_mask)
@@ -173,16 +171,20 @@ def evaluate_head(
     `base` is the frozen base, or a target source with `.outputs(input_ids, attention_mask)`
     such as `cache.TargetCache`, whose stored targets then stand in for the base forward.
     """
+    return _metrics(list(_batches(base, head, windows, draft_steps, windows_per_batch)), len(windows), draft_steps, text)
+
+
+def _metrics(results: list[_BatchChain], windows: int, draft_steps: int, text: str) -> Metrics:
     scored_positions = agree = data_matches = drafted = 0
     nll_sum = 0.0
     proposed = [0] * draft_steps
     accepted = [0] * draft_steps
-    for result in _batches(base, head, windows, draft_steps, windows_per_batch):
+    for result in results:
         scored_positions += int(result.scored[0].sum())
         agree += result.agree
         nll_sum += result.nll_sum
         data_matches += result.data_matches
-        drafted += int(result.scored.sum())
+        drafted += int(result.scored[:draft_steps].sum())
         previous = result.scored[0]  # step 1 is proposed wherever it is scored
         for k in range(draft_steps):
             proposing = previous & result.scored[k]
@@ -191,7 +193,7 @@ def evaluate_head(
             previous = result.hits[k]
     acceptance, length, rate = acceptance_summary(proposed, accepted, drafted)
     return Metrics(
-        windows=len(windows),
+        windows=windows,
         scored_positions=scored_positions,
         agreement=agree / scored_positions if scored_positions else 0.0,
         data_nll=nll_sum / scored_positions if scored_positions else float("nan"),
@@ -208,19 +210,61 @@ def evaluate_head(
     )
 
 
+def _outcomes(results: list[_BatchChain]) -> list[ChainOutcome]:
+    outcomes = []
+    for result in results:
+        scorable = result.scored.sum(0)  # (B, T)
+        accepted = result.hits.sum(0)
+        for row, length in enumerate(result.lengths):
+            outcomes.append(ChainOutcome(tuple(scorable[row, :length].tolist()), tuple(accepted[row, :length].tolist())))
+    return outcomes
+
+
 def chain_outcomes(base, head, windows, draft_steps: int = 3, windows_per_batch: int = 4) -> list[ChainOutcome]:
     """Per window and anchor: how many chained steps are scorable and how many were accepted.
 
     This is the evaluation of `evaluate_head` kept per anchor, so that it can be compared,
     decision by decision, with a decoder that drafted from some of the anchors.
     """
-    outcomes = []
-    for result in _batches(base, head, windows, draft_steps, windows_per_batch):
-        scorable = result.scored.sum(0)  # (B, T)
-        accepted = result.hits.sum(0)
-        for row, length in enumerate(result.lengths):
-            outcomes.append(ChainOutcome(tuple(scorable[row, :length].tolist()), tuple(accepted[row, :length].tolist())))
-    return outcomes
+    return _outcomes(list(_batches(base, head, windows, draft_steps, windows_per_batch)))
+
+
+def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4) -> dict[int, Acceptance]:
+    """What the reference speculative decoder measures at each served step count, on self-generated windows.
+
+    One offline chain pass gives every anchor's outcome (`chain_outcomes`); the decoder's
+    walk is replayed from them (`metrics.decoder_rounds`), which on the base's own
+    greedy text equals decoding every window's context with
+    `decode.speculative_decode` under a budget of `max_new_tokens` (the one the
+    continuations were written with). On any other text the figure means nothing.
+    """
+    return _served(chain_outcomes(base, head, windows, max(served_steps), windows_per_batch), windows, served_steps, max_new_tokens)
+
+
+def _served(outcomes: list[ChainOutcome], windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
+    texts = [(outcome.accepted, window.answer_start) for window, outcome in zip(windows, outcomes)]
+    return {k: replayed_acceptance(texts, max_new_tokens, k) for k in served_steps}
+
+
+def heldout_report(targets, head, self_generated, recorded, served_steps, draft_steps: int, max_new_tokens: int,
+                   windows_per_batch: int = 4) -> dict:
+    """Every heldout figure of one head, from one pass over each set of windows.
+
+    * `served`: per served step count, what the reference speculative decoder measures on
+      the self-generated windows (decoder replay; exact): the headline;
+    * `self_generated`: the per-anchor chain over every anchor of the same text (exact,
+      but another sample than the decoder's anchors);
+    * `teacher_forced`: agreement, NLL and the chain on the recorded answers (`recorded`);
+      the acceptance there is an approximation, and has pointed the wrong way.
+    """
+    steps = max(draft_steps, *served_steps)
+    results = list(_batches(targets, head, self_generated, steps, windows_per_batch))
+    served = _served(_outcomes(results), self_generated, served_steps, max_new_tokens)
+    return {
+        "served": {str(k): a.to_dict() for k, a in served.items()},
+        "self_generated": _metrics(results, len(self_generated), steps, SELF_GENERATED).to_dict(),
+        "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict(),
+    }
 
 
 # ----------------------------------------------------------------------------------
@@ -244,37 +288,35 @@ def self_generated_windows(base, windows, max_new_tokens: int, stop_token_ids, b
     disabled (see `occamy_mtp.data`). The answer span becomes the base's own greedy
     continuation of at most `max_new_tokens` tokens, ending with the first stop token,
     so every scored data token is the base's greedy token and the chained acceptance is
-    exact. Decoding is `occamy_mtp.generate.greedy_generate` (batched, left-padded, with
-    the transformers cache); a floating-point near-tie that resolves differently in the
-    batched pass than in the evaluation's full forward shows up as
-    `Metrics.data_matches_target` below 1.
+    exact (`occamy_mtp.selfgen`, which also keeps such windows on disk for a run). A
+    floating-point near-tie that resolves differently in the batched generation than in
+    the evaluation's full forward shows up as `Metrics.data_matches_target` below 1.
     """
-    from occamy_mtp.generate import greedy_generate
+    from occamy_mtp.selfgen import context_of, self_generate, with_continuation
 
     started = time.perf_counter()
-    prompts = [list(window.input_ids[: window.answer_start]) for window in windows]
-    continuations = greedy_generate(base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop_token_ids, batch_size=batch_size)
-    stop = frozenset(stop_token_ids)
-    out = [replace(w, input_ids=tuple(p) + tuple(c)) for w, p, c in zip(windows, prompts, continuations)]
+    continuations = self_generate(base, [context_of(w) for w in windows], max_new_tokens, stop_token_ids, batch_size)
     return SelfGenerated(
-        windows=out,
-        generated_tokens=sum(len(c) for c in continuations),
-        stopped=sum(bool(c) and c[-1] in stop for c in continuations),
+        windows=[with_continuation(w, c) for w, c in zip(windows, continuations)],
+        generated_tokens=sum(len(c.tokens) for c in continuations),
+        stopped=sum(c.finished for c in continuations),
         seconds=time.perf_counter() - started,
     )
 
 
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
                             windows_per_batch: int = 4) -> dict:
-    """Decode each window's prompt with the reference speculative decoder and set its
-    measured acceptance beside the offline chain on the text it produced.
+    """Decode each window's context with the reference speculative decoder and replay it offline.
 
-    `measured` is what the decoder counted; `offline_at_decoder_anchors` is the offline
-    chain at exactly the anchors the decoder drafted from (each round's drafts capped as
-    the decoder capped them); the two are equal decision for decision
-    (`decisions_equal` of `decisions`) unless a floating-point near-tie resolved
-    differently in the incremental and the full-sequence pass. `offline_all_anchors` is
-    the usual figure over every anchor of the same text: a different sample.
+    `measured` is what the decoder counted. `replayed` is `metrics.replayed_acceptance`
+    from the offline chain on the text the decoder wrote: equal to `measured` unless a
+    floating-point near-tie resolved differently in the incremental and the
+    full-sequence pass; `decisions_equal` of `decisions` counts the decoder's rounds
+    whose accepted drafts the replay reproduces at the same anchor. `texts_equal` counts
+    decoded texts identical to the given windows: where those are self-generated (a
+    run's store), that checks the stored continuations against the decoder.
+    `offline_all_anchors` is the per-anchor figure over every anchor of the same text:
+    another sample than the decoder's, which drafts only where a verification lands.
     """
     from occamy_mtp.decode import speculative_decode
 
@@ -285,33 +327,32 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     ]
     decoded = [replace(w, input_ids=r.text_ids) for w, r in zip(windows, results)]
     outcomes = chain_outcomes(base, head, decoded, draft_steps, windows_per_batch)
-    scorable, accepted, equal = [], [], 0
+    decisions = equal = 0
     for result, outcome in zip(results, outcomes):
-        for r in result.rounds:
-            steps = min(len(r.drafted), outcome.scorable[r.anchor])
-            scorable.append(steps)
-            accepted.append(min(outcome.accepted[r.anchor], steps))
-            equal += accepted[-1] == r.accepted
-    proposed, hits, drafted = counts_from_outcomes(scorable, accepted, draft_steps)
-
-    def figures(proposed: list[int], accepted: list[int], drafted: int) -> dict:
-        acceptance, length, rate = acceptance_summary(proposed, accepted, drafted)
-        return {"proposed": proposed, "accepted": accepted, "drafted": drafted, "acceptance": acceptance,
-                "mean_accept_length": length, "accept_rate": rate}
-
-    measured = [sum(values) for values in zip(*(r.proposed for r in results))], \
-        [sum(values) for values in zip(*(r.accepted for r in results))], sum(r.drafted for r in results)
-    emitted = sum(len(r.output_ids) for r in results)
-    passes = sum(r.base_passes for r in results)
+        rounds, _ = decoder_rounds(outcome.accepted, len(result.prompt_ids), max_new_tokens, draft_steps)
+        replayed_at = {r.anchor: r.accepted for r in rounds}
+        decisions += len(result.rounds)
+        equal += sum(replayed_at.get(r.anchor) == r.accepted for r in result.rounds)
+    measured = acceptance_from_counts(
+        draft_steps,
+        len(results),
+        [sum(values) for values in zip(*(r.proposed for r in results))],
+        [sum(values) for values in zip(*(r.accepted for r in results))],
+        sum(r.drafted for r in results),
+        sum(r.base_passes for r in results),
+        sum(len(r.output_ids) - 1 for r in results),
+    )
+    replayed = replayed_acceptance([(o.accepted, len(r.prompt_ids)) for r, o in zip(results, outcomes)], max_new_tokens, draft_steps)
     return {
         "windows": len(windows),
+        "draft_steps": draft_steps,
         "max_new_tokens": max_new_tokens,
-        "measured": {**figures(*measured), "output_tokens": emitted, "verify_passes": passes,
-                     "tokens_per_verify_pass": (emitted - len(results)) / passes if passes else 0.0},
-        "offline_at_decoder_anchors": figures(proposed, hits, drafted),
-        "offline_all_anchors": evaluate_head(base, head, decoded, draft_steps, windows_per_batch, SELF_GENERATED).to_dict(),
-        "decisions": len(scorable),
+        "measured": {**measured.to_dict(), "output_tokens": sum(len(r.output_ids) for r in results)},
+        "replayed": replayed.to_dict(),
+        "decisions": decisions,
         "decisions_equal": equal,
+        "texts_equal": sum(d.input_ids == w.input_ids for d, w in zip(decoded, windows)),
+        "offline_all_anchors": evaluate_head(base, head, decoded, draft_steps, windows_per_batch, SELF_GENERATED).to_dict(),
         "seconds": time.perf_counter() - started,
     }
 

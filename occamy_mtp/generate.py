@@ -87,6 +87,7 @@ import torch
 from occamy_mtp import __version__
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import data as D
+from occamy_mtp.compat import cache_kwarg
 
 # ---------------------------------------------------------------------------- settings
 
@@ -186,7 +187,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
     cache = DynamicCache(config=base.config)  # KV for full attention, conv + recurrent state for DeltaNet
-    cache_argument = {ckpt_io.cache_kwarg(base.forward): cache}
+    cache_argument = {cache_kwarg(base.forward): cache}
 
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * rows
@@ -713,7 +714,6 @@ def _progress_bar(total: int, enabled: bool):
 
 # ---------------------------------------------------------------------------- CLI
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _format_report(report: GenerateReport) -> str:
@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     parser.add_argument("--turns", choices=D.TURN_CHOICES, default="last", help="which assistant turns to regenerate")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="dtype of the base")
+    parser.add_argument("--dtype", choices=sorted(ckpt_io.DTYPES), default="bfloat16", help="dtype of the base")
     parser.add_argument("--limit", type=int, help="regenerate only the first N prompts (a later run continues)")
     parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
     parser.add_argument("--no-resume", action="store_true", help="refuse an existing output instead of continuing it")
@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         identity = checkpoint_fingerprint(args.base)
-        base = ckpt_io.load_base(args.base, dtype=_DTYPES[args.dtype], device=args.device)
+        base = ckpt_io.load_base(args.base, dtype=ckpt_io.DTYPES[args.dtype], device=args.device)
         report = regenerate_answers(
             args.data,
             tokenizer,

@@ -34,7 +34,7 @@ from torch import nn
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
-from occamy_mtp.checkpoint import cache_kwarg
+from occamy_mtp.compat import cache_kwarg
 
 # The parameters that adapt the donor head to a new base (docs/CONTRACT.md section 1).
 TRAINABLE_DEFAULT = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")

@@ -25,6 +25,35 @@ IGNORE = -100  # label of an unscored (step, anchor) pair
 
 
 @dataclass(frozen=True)
+class WindowBatch:
+    """Windows as one right-padded batch: what the base (or its cache) and `chain_batch` take."""
+
+    input_ids: torch.Tensor  # (B, T) right-padded with 0
+    assistant: torch.Tensor  # (B, T) bool
+    lengths: torch.Tensor  # (B,)
+    attention_mask: torch.Tensor | None  # (B, T), None when no row is padded
+
+
+def collate(windows, device) -> WindowBatch:
+    """Pad `data.Window`s into a batch (training and evaluation batch the same way)."""
+    length = max(len(w.input_ids) for w in windows)
+    input_ids = torch.zeros(len(windows), length, dtype=torch.long)
+    assistant = torch.zeros(len(windows), length, dtype=torch.bool)
+    lengths = torch.tensor([len(w.input_ids) for w in windows])
+    for row, window in enumerate(windows):
+        input_ids[row, : len(window.input_ids)] = torch.tensor(window.input_ids)
+        assistant[row, window.answer_start : len(window.input_ids)] = True
+    padded = bool((lengths < length).any())
+    attention_mask = (torch.arange(length)[None] < lengths[:, None]).long() if padded else None
+    return WindowBatch(
+        input_ids.to(device),
+        assistant.to(device),
+        lengths.to(device),
+        None if attention_mask is None else attention_mask.to(device),
+    )
+
+
+@dataclass(frozen=True)
 class ChainBatch:
     """Everything the head and the loss need for one padded (B, T) batch."""
 

@@ -14,8 +14,9 @@ DONOR_COLOR = "#8c8c8c"  # the donor in grey, every other head in colour
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
 
 
-def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained acceptance") -> Path:
-    """Write a bar chart of acc_k for k = 1..K for each named metrics dict (`Metrics.to_dict()`)."""
+def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained acceptance", image_format: str = "png") -> Path:
+    """Write a bar chart of acc_k for k = 1..K for each named figures dict (`Metrics.to_dict()`,
+    `Acceptance.to_dict()`) to `path`, as `image_format` whatever the file's suffix."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -43,5 +44,5 @@ def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained 
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    figure.savefig(path, format=image_format)
     return path

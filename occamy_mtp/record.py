@@ -20,7 +20,7 @@ import torch
 from occamy_mtp import __version__
 from occamy_mtp import checkpoint as ckpt_io
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
 _HASH_BLOCK_BYTES = 16 * 1024 * 1024
 
@@ -122,6 +122,12 @@ _METRICS = {
     "proposed": [int], "accepted": [int], "acceptance": [float], "mean_accept_length": float,
     "accept_rate": float, "text": str, "exact": bool,
 }
+_SERVED = {
+    "draft_steps": int, "texts": int, "proposed": [int], "accepted": [int], "drafted": int, "acceptance": [float],
+    "mean_accept_length": float, "accept_rate": float, "verify_passes": int, "tokens_per_verify_pass": float,
+}
+# "served" maps each served step count ("1", "3") to _SERVED; checked in validate_record.
+_HEAD_REPORT = {"served": dict, "self_generated": _METRICS, "teacher_forced": _METRICS}
 _IDENTITY = {
     "path": str, "revision": (str, None), "config_sha256": (str, None),
     "files": [{"name": str, "bytes": int, "sha256": str}],
@@ -141,9 +147,17 @@ SCHEMA = {
                 "trainable_tensors": [str], "donor_layout": str, "export_layout": str},
     "packages": {"python": str, "torch": str, "transformers": str, "accelerate": str, "safetensors": str},
     "hardware": {"platform": str, "cpu_count": (int, None), "processes": int, "cuda_devices": [str]},
-    "timings": {"train_seconds": float, "base_forward_seconds": float, "export_seconds": float},
-    "training": {"final_loss": (float, None), "loss_first_steps": [float], "loss_last_steps": [float]},
-    "metrics": {"heldout": {"donor": _METRICS, "trained": _METRICS}},
+    "timings": {"train_seconds": float, "base_forward_seconds": float, "self_generation_seconds": float,
+                "export_seconds": float},
+    "training": {"final_loss": (float, None), "loss_first_steps": [float], "loss_last_steps": [float],
+                 "selection": {"enabled": bool, "written_step": (int, None)}},
+    "self_generated": {"identity": dict, "windows": int, "finished": int, "generated_tokens": int},
+    "metrics": {
+        "format": int, "headline": str, "served_steps": [int], "max_new_tokens": int,
+        "heldout": {"donor": _HEAD_REPORT, "trained": _HEAD_REPORT},
+        "comparison": {"criterion": str, "steps": dict, "trained_not_worse": bool, "allow_worse": bool, "written": bool},
+        "decoder_check": {"donor": dict, "trained": dict},
+    },
     "export": {"tensors": int, "replaced": [str], "bit_identical_to_donor": int, "max_abs_rounding_error": float},
     "outputs": {"mtp-trained.safetensors": str, "mtp_head_config.json": str},
 }
@@ -189,4 +203,13 @@ def validate_record(record: dict) -> list[str]:
     """Every way `record` departs from SCHEMA (empty when it conforms)."""
     errors: list[str] = []
     _check(record, SCHEMA, "TRAINING", errors)
+    if not errors:
+        steps = [str(k) for k in record["metrics"]["served_steps"]]
+        for name, report in record["metrics"]["heldout"].items():
+            for k in steps:
+                where = f"TRAINING.metrics.heldout.{name}.served.{k}"
+                if k not in report["served"]:
+                    errors.append(f"{where}: missing")
+                else:
+                    _check(report["served"][k], _SERVED, where, errors)
     return errors

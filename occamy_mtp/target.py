@@ -13,6 +13,7 @@ logits is 30 GiB.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -54,3 +55,26 @@ def base_outputs(
     """
     hidden = base.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return BaseOutputs(hidden=hidden, greedy=chunked_greedy(hidden, base.lm_head, logits_chunk_tokens))
+
+
+class TargetSource(Protocol):
+    """Where a training or evaluation step gets its targets: the base online, or the offline cache
+    (`cache.TargetCache`), which stores exactly what `base_outputs` computes for each window."""
+
+    def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs: ...
+
+    def provenance(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class OnlineTargets:
+    """The online path: the base runs on every batch (small runs, no cache)."""
+
+    base: torch.nn.Module
+    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+
+    def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs:
+        return base_outputs(self.base, input_ids, attention_mask, self.logits_chunk_tokens)
+
+    def provenance(self) -> dict:
+        return {"source": "online"}

@@ -1,18 +1,28 @@
 """Training: distil the frozen base's greedy choices into the head's trainable tensors.
 
-`train(config)` reads top to bottom: set up (accelerate, models, data, optimizer,
-schedule), resume if asked, then for each step: base forward (no grad) -> head chain
--> loss -> backward -> clip -> optimizer and lr step -> log -> checkpoint. Helpers are
-plain functions beside it.
+`train(config)` reads top to bottom: set up (accelerate, data, models, the
+self-generated windows, optimizer, schedule), resume if asked, then for each step: base
+forward (no grad) -> head chain -> loss -> backward -> clip -> optimizer and lr step ->
+log -> select -> checkpoint. Helpers are plain functions beside it.
+
+Selection. Every `train.select_every_steps` steps, and before the first (the donor
+itself), the head is measured where serving runs it: the decoder replay
+(`evaluate.served_acceptance`) on the self-generated validation windows, at each of
+`eval.served_steps`, with the trainable tensors rounded as export rounds them. The
+best mean accept length is kept, and that head is what the run writes: a run never
+ends with a head that validation already saw losing to an earlier one, the donor
+included. The heldout windows, which the reported figures come from, are never seen.
 
 Checkpoints hold tensors and plain values only (loadable with `weights_only=True`):
-the fp32 master copies of the trainable tensors, the optimizer state, the step and the
-timings. The window order is a pure function of (seed, epoch), so a resumed run takes
-the same windows in the same order and, on CPU, ends with a bit-identical head.
+the fp32 master copies of the trainable tensors (and of the best so far), the
+optimizer state, the step, the selection history and the timings. The window order is
+a pure function of (seed, epoch), so a resumed run takes the same windows in the same
+order and, on CPU, ends with a bit-identical head.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -25,13 +35,15 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.cache import OnlineTargets, TargetSource, load_shared_weights, open_targets
+from occamy_mtp.cache import open_targets
 from occamy_mtp.config import ConfigError, RunConfig, dump_yaml, step_loss_weights
-from occamy_mtp.data import PreparedData, Window, prepare_windows
+from occamy_mtp.data import Window
+from occamy_mtp.evaluate import served_acceptance
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.loss import chain_batch, chain_loss
+from occamy_mtp.loss import chain_batch, chain_loss, collate
+from occamy_mtp.run_setup import load_tokenizer, open_store, prepare_data, run_windows
+from occamy_mtp.target import TargetSource
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 CHECKPOINT_DIR = "checkpoints"
 TRAINED_TENSORS = "trained-tensors.safetensors"
 TRAIN_SUMMARY = "train-summary.json"
@@ -50,6 +62,11 @@ class TrainState:
     elapsed_seconds: float = 0.0
     base_forward_seconds: float = 0.0
     history: list[dict] = field(default_factory=list)
+    selection: list[dict] = field(default_factory=list)
+    """One entry per selection measurement: step, score and accept length per served step count."""
+    best_step: int | None = None
+    best_score: float | None = None
+    selection_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -66,33 +83,20 @@ class Models:
 # ----------------------------------------------------------------------------------
 
 
-def tokenizer_path(config: RunConfig) -> str:
-    return config.model.tokenizer or config.model.base
-
-
-def load_tokenizer(config: RunConfig):
-    from transformers import AutoTokenizer
-
-    path = tokenizer_path(config)
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 def build_models(config: RunConfig, device, with_base: bool = True) -> Models:
     """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
     tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
     """
-    dtype = DTYPES[config.model.dtype]
+    dtype = ckpt_io.DTYPES[config.model.dtype]
     base_config = ckpt_io.read_config(config.model.base)
     if with_base:
         base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
     else:
         base = None
-        shared = load_shared_weights(config.model.base, dtype=dtype, device=device)
+        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
     head, layout = ckpt_io.load_head(
         config.model.donor_head,
         base_config.text_config,
@@ -116,6 +120,28 @@ def head_autocast(head: MTPHead, device: torch.device, dtype: torch.dtype):
         for n, p in head.named_parameters()
     )
     return torch.autocast(device.type, dtype=dtype, enabled=needs and dtype != torch.float32)
+
+
+@contextlib.contextmanager
+def as_served(head: MTPHead, dtype: torch.dtype):
+    """For the duration, every trainable fp32 master holds its value rounded to `dtype`, as
+    export writes it (and serving loads it); the masters are put back after."""
+    masters = {}
+    for name, param in head.named_parameters():
+        if param.requires_grad and param.dtype != dtype:
+            masters[name] = param.data
+            param.data = param.data.to(dtype).to(param.dtype)
+    try:
+        yield
+    finally:
+        for name, param in head.named_parameters():
+            if name in masters:
+                param.data = masters[name]
+
+
+def selection_score(served: dict) -> float:
+    """What selection maximises: the mean over the served step counts of the replayed mean accept length."""
+    return sum(a.mean_accept_length for a in served.values()) / len(served)
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, min_ratio: float) -> float:
@@ -145,32 +171,6 @@ def step_windows(windows: list[Window], step: int, windows_per_step: int, seed: 
     return [windows[i] for i in order[within * windows_per_step : (within + 1) * windows_per_step]]
 
 
-@dataclass(frozen=True)
-class WindowBatch:
-    input_ids: torch.Tensor  # (B, T) right-padded with 0
-    assistant: torch.Tensor  # (B, T) bool
-    lengths: torch.Tensor  # (B,)
-    attention_mask: torch.Tensor | None  # (B, T), None when no row is padded
-
-
-def collate(windows: list[Window], device) -> WindowBatch:
-    length = max(len(w.input_ids) for w in windows)
-    input_ids = torch.zeros(len(windows), length, dtype=torch.long)
-    assistant = torch.zeros(len(windows), length, dtype=torch.bool)
-    lengths = torch.tensor([len(w.input_ids) for w in windows])
-    for row, window in enumerate(windows):
-        input_ids[row, : len(window.input_ids)] = torch.tensor(window.input_ids)
-        assistant[row, window.answer_start : len(window.input_ids)] = True
-    padded = bool((lengths < length).any())
-    attention_mask = (torch.arange(length)[None] < lengths[:, None]).long() if padded else None
-    return WindowBatch(
-        input_ids.to(device),
-        assistant.to(device),
-        lengths.to(device),
-        None if attention_mask is None else attention_mask.to(device),
-    )
-
-
 # ----------------------------------------------------------------------------------
 # Checkpoints
 # ----------------------------------------------------------------------------------
@@ -180,14 +180,16 @@ def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().cpu() for n, p in head.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, fingerprint: str, keep: int) -> Path:
+def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, fingerprint: str, keep: int,
+                    best: dict[str, torch.Tensor] | None) -> Path:
     directory = output_dir / CHECKPOINT_DIR
     path = directory / f"step-{state.step:06d}.pt"
     payload = {
-        "format": 1,
+        "format": 2,
         "config_fingerprint": fingerprint,
         "state": dataclasses.asdict(state),
         "trainable": trainable_tensors(head),
+        "best_trainable": best or {},
         "optimizer": optimizer.state_dict(),
     }
     with ckpt_io.atomic_path(path) as tmp:
@@ -202,8 +204,11 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> TrainState:
+def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """Put the head and optimizer back to a checkpoint; returns its state and the best tensors so far."""
     payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("format") != 2:
+        raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads 2; use a new output.dir")
     if payload.get("config_fingerprint") != fingerprint:
         raise ConfigError(
             f"{path}: written by a run with different model/data/train settings; "
@@ -215,7 +220,7 @@ def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> T
             raise ConfigError(f"{path}: holds trainable tensor {name!r}, which this config does not train")
         params[name].data.copy_(tensor.to(params[name].device))
     optimizer.load_state_dict(payload["optimizer"])
-    return TrainState(**payload["state"])
+    return TrainState(**payload["state"]), dict(payload["best_trainable"])
 
 
 # ----------------------------------------------------------------------------------
@@ -245,21 +250,31 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     if existing is not None and not resume:
         raise ConfigError(f"{output_dir} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
 
-    # Data: windows from the chat files, split into train and heldout.
+    # Data: windows from the chat files, split into train, validation and heldout.
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
     if not data.train:
         raise ConfigError("data: no train windows were built; check data.files (see `python -m occamy_mtp.data`)")
+    if config.train.select_every_steps and not data.validation:
+        raise ConfigError(
+            "data: no validation windows were built, so checkpoints cannot be selected; check data.files and "
+            "data.validation_conversations, or set train.select_every_steps=0"
+        )
+    store = open_store(config, tokenizer)
 
     # Models: frozen base (unless its targets come from the cache), donor head with
     # fp32 master copies of what trains.
     cached = bool(config.data.target_cache)
     models = build_models(config, device, with_base=not cached)
     head = models.head
-    targets_source: TargetSource = (
-        open_targets(config.data.target_cache, config.model.base, data, config.model.dtype, config.model.attn_implementation)
-        if cached
-        else OnlineTargets(models.base)
+    # The base writes the continuations the store lacks: the main process, while the others wait.
+    with accelerator.main_process_first():
+        if not accelerator.is_main_process:
+            store = open_store(config, tokenizer)  # read what the main process wrote
+        windows = run_windows(config, data, store, models.base, log=accelerator.print)
+    targets_source: TargetSource = open_targets(
+        config.data.target_cache, config.model.base, windows.all(), data.settings, config.model.dtype,
+        config.model.attn_implementation, base=models.base,
     )
     trainable = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -271,14 +286,14 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     )
     head, optimizer = accelerator.prepare(head, optimizer)
     raw_head: MTPHead = accelerator.unwrap_model(head)
-    act_dtype = DTYPES[config.model.dtype]
+    act_dtype = ckpt_io.DTYPES[config.model.dtype]
 
-    per_epoch = steps_per_epoch(len(data.train), config.train.windows_per_step)
+    per_epoch = steps_per_epoch(len(windows.train), config.train.windows_per_step)
     total_steps = config.train.epochs * per_epoch
     weights = step_loss_weights(config.train)
-    state = TrainState()
+    state, best = TrainState(), None
     if resume and existing is not None:
-        state = load_checkpoint(existing, fingerprint, raw_head, optimizer)
+        state, best = load_checkpoint(existing, fingerprint, raw_head, optimizer)
         accelerator.print(f"resumed from {existing} at step {state.step}/{total_steps}")
 
     if accelerator.is_main_process:
@@ -288,17 +303,38 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     if config.train.tracker != "none":
         accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
 
+    def select() -> None:
+        """Measure the head on the validation windows as served; keep it when it is the best so far.
+
+        Every process measures the same windows with the same head, so all agree on the choice.
+        """
+        nonlocal best
+        started = time.perf_counter()
+        with as_served(raw_head, act_dtype), head_autocast(raw_head, device, act_dtype):
+            served = served_acceptance(targets_source, raw_head, windows.validation, config.eval.served_steps,
+                                       config.data.answer_tokens, config.eval.windows_per_batch)
+        score = selection_score(served)
+        state.selection.append({"step": state.step, "score": score,
+                                **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
+        if state.best_score is None or score > state.best_score:
+            state.best_step, state.best_score, best = state.step, score, trainable_tensors(raw_head)
+        state.selection_seconds += time.perf_counter() - started
+        accelerator.print(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
+
+    select_every = config.train.select_every_steps
     progress = _progress(accelerator, total_steps, state.step)
     head.train()
     started = time.perf_counter() - state.elapsed_seconds
+    if select_every and not state.selection:
+        select()  # step 0: the donor itself
     while state.step < total_steps:
         lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
 
         # This process's share of the step's windows.
-        windows = step_windows(data.train, state.step, config.train.windows_per_step, config.train.seed)
-        batch = collate(windows[accelerator.process_index :: world], device)
+        step_batch = step_windows(windows.train, state.step, config.train.windows_per_step, config.train.seed)
+        batch = collate(step_batch[accelerator.process_index :: world], device)
 
         # Frozen base (or its cache): post-norm hidden states and greedy targets, no gradients.
         base_started = time.perf_counter()
@@ -325,10 +361,13 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
         progress.update(1)
 
+        if select_every and (state.step % select_every == 0 or state.step == total_steps):
+            select()
+            state.elapsed_seconds = time.perf_counter() - started
         if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
-                save_checkpoint(output_dir, state, raw_head, optimizer, fingerprint, config.train.keep_checkpoints)
+                save_checkpoint(output_dir, state, raw_head, optimizer, fingerprint, config.train.keep_checkpoints, best)
     progress.close()
 
     accelerator.wait_for_everyone()
@@ -345,31 +384,39 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         "config_fingerprint": fingerprint,
         "final_loss": state.history[-1]["loss"] if state.history else None,
         "history": state.history,
+        "selection": _selection_summary(config, state, len(windows.validation)),
         "data": data.provenance(),
+        "answers": config.data.answers,
+        "train_windows": len(windows.train),
+        "self_generated": windows.self_generated,
         "targets": targets_source.provenance(),
     }
     if accelerator.is_main_process:
-        tensors = {n: t.float() for n, t in trainable_tensors(raw_head).items()}
+        written = best if select_every else trainable_tensors(raw_head)
+        tensors = {n: t.float() for n, t in written.items()}
         ckpt_io.save_safetensors(output_dir / TRAINED_TENSORS, tensors, metadata={"format": "pt", "config_fingerprint": fingerprint})
         ckpt_io.write_json(output_dir / TRAIN_SUMMARY, summary)
     accelerator.end_training()
     return summary
 
 
-def prepare_data(config: RunConfig, tokenizer) -> PreparedData:
-    if not config.data.files:
-        raise ConfigError("data.files: no chat data files given")
-    return prepare_windows(
-        list(config.data.files),
-        tokenizer,
-        context_tokens=config.data.context_tokens,
-        answer_tokens=config.data.answer_tokens,
-        turns=config.data.turns,
-        train_conversations=config.data.train_conversations,
-        heldout_conversations=config.data.heldout_conversations,
-        split_seed=config.data.split_seed,
-        skip_bad_records=config.data.skip_bad_records,
-    )
+def _selection_summary(config: RunConfig, state: TrainState, validation_windows: int) -> dict:
+    """What selection measured and chose: the step whose tensors the run writes."""
+    if not config.train.select_every_steps:
+        return {"enabled": False, "written_step": state.step}
+    return {
+        "enabled": True,
+        "every_steps": config.train.select_every_steps,
+        "metric": "mean over eval.served_steps of the decoder-replay mean accept length on the self-generated validation windows",
+        "served_steps": list(config.eval.served_steps),
+        "validation_windows": validation_windows,
+        "history": state.selection,
+        "donor_score": state.selection[0]["score"] if state.selection else None,
+        "best_step": state.best_step,
+        "best_score": state.best_score,
+        "written_step": state.best_step,
+        "seconds": state.selection_seconds,
+    }
 
 
 def _step_record(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:

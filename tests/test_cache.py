@@ -133,7 +133,7 @@ def test_padded_ids_are_collate_s(world):
     short = [windows[0], Window(windows[1].conversation_hash, 0, windows[1].input_ids[:20], 4)]
     for batch in (windows, short):
         input_ids, mask = C.padded_ids([w.input_ids for w in batch])
-        collated = train_module.collate(batch, "cpu")
+        collated = loss_module.collate(batch, "cpu")
         assert torch.equal(input_ids, collated.input_ids)
         assert (mask is None and collated.attention_mask is None) or torch.equal(mask, collated.attention_mask)
 
