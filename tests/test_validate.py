@@ -236,6 +236,22 @@ def test_parse_response_refuses_malformed_shapes():
     assert without["token_ids"] == [5, 7] and without["tokens"] is None and without["speculative"] is None
 
 
+def test_prometheus_counters_are_read_as_vllm_writes_them():
+    """vLLM 0.32's /metrics around two requests: the counters' growth equals the sum of the two
+    responses' own `metrics.speculative_decoding` (the engine's two reports of the same steps)."""
+    before, after = (V.parse_spec_counters((FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text()) for i in (0, 2))
+    delta = V.counter_delta({"counters": before}, {"counters": after})
+    spec = [r["metrics"]["speculative_decoding"] for r in _fixture("vllm-0.32.0-chat-mtp3.json")["responses"]]
+    assert delta["drafts"] == sum(s["num_spec_steps"] for s in spec)
+    assert delta["draft_tokens"] == sum(s["num_draft_tokens"] for s in spec)
+    assert delta["accepted_tokens"] == sum(s["num_accepted_draft_tokens"] for s in spec)
+    histogram = [sum(h) for h in zip(*(s["acceptance_histogram"] for s in spec))]
+    assert delta["accepted_per_position"] == [sum(histogram[k + 1 :]) for k in range(3)]  # position k: >= k+1 accepted
+    assert V.parse_spec_counters((FIXTURES / "vllm-0.32.0-metrics-mtp-off-2.txt").read_text()) is None  # speculation off
+    with pytest.raises(V.RequestFailed, match="not a count"):
+        V.parse_spec_counters('vllm:spec_decode_num_drafts_total{engine="0"} -3.0\n')
+
+
 def test_unreachable_server_and_bad_arguments(tmp_path, capsys):
     prompts = V.prompt_set(2, [])
     run = V.collect("http://127.0.0.1:9", prompts, 0, V.RequestSettings(timeout_seconds=5), max_consecutive_errors=1)
@@ -366,3 +382,74 @@ def test_divergence_is_located_with_the_reference_margin(tmp_path):
     assert (detail["position"], detail["reference"], detail["candidate"]) == (3, 6303, 17545)
     assert detail["reference_margin"] == pytest.approx(1.75) and detail["candidate_took_reference_runner_up"]
     assert "first differing output token at 3" in V.format_summary(report)
+
+
+def _vllm_server(name: str) -> ReplayServer:
+    fixture = _fixture(f"vllm-0.32.0-chat-{name}.json")
+    metrics = [(FIXTURES / f"vllm-0.32.0-metrics-{name}-{i}.txt").read_text() for i in range(3)]
+    return ReplayServer(fixture["responses"], {"/v1/models": fixture["models"], "/version": fixture["version_endpoint"]}, metrics)
+
+
+def test_vllm_acceptance_per_request_and_from_metrics(tmp_path):
+    """vLLM 0.32's real responses and /metrics pages (captured, tests/fixtures): per-request
+    figures preferred, the /metrics counters read before and after agree with them."""
+    prompts = V.prompt_set(2, [])
+    with _vllm_server("mtp-off") as off, _vllm_server("mtp3") as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, V.RequestSettings(max_tokens=24, timeout_seconds=60),
+                            cold_warm=0, tolerance=0.05)
+        sent = on.posted[0]
+    assert sent["return_tokens_as_token_ids"] is True and sent["return_token_ids"] is True and sent["logprobs"] is True
+    assert report["passed"], V.format_summary(report)
+    assert report["prompts"][0]["comparisons"]["cold"]["compared_by"] == "token_ids"
+    assert 0 < report["max_logprob_diff"] <= 0.05  # bf16: the verify pass and one-token decode round differently
+    spec = [r["metrics"]["speculative_decoding"] for r in _fixture("vllm-0.32.0-chat-mtp3.json")["responses"]]
+    acceptance = report["acceptance"]["candidate"]
+    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("vllm", "0.32.0", V.VLLM_PER_REQUEST)
+    assert acceptance["verify_passes"] == sum(s["num_spec_steps"] for s in spec)
+    assert acceptance["accepted_tokens"] == sum(s["num_accepted_draft_tokens"] for s in spec)
+    assert acceptance["accept_length"] == pytest.approx(
+        1 + sum(s["num_accepted_draft_tokens"] for s in spec) / sum(s["num_spec_steps"] for s in spec))
+    metrics = acceptance["metrics"]
+    assert metrics["source"] == V.VLLM_METRICS and metrics["per_position"] == acceptance["per_position"]
+    assert (metrics["drafts"], metrics["accepted_tokens"], metrics["draft_tokens"]) == (
+        acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"])
+    assert report["acceptance"]["reference"] is None  # MTP off: no counters, no per-request figures
+
+
+def test_vllm_metrics_alone(tmp_path):
+    """Without --per-request-spec-decode-metrics the /metrics counters are the only source."""
+    fixture = _fixture("vllm-0.32.0-chat-mtp3.json")
+    for response in fixture["responses"]:
+        response["metrics"] = None
+    metrics = [(FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text() for i in range(3)]
+    prompts = V.prompt_set(2, [])
+    with _vllm_server("mtp-off") as off, ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}, metrics) as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, V.RequestSettings(max_tokens=24, timeout_seconds=60),
+                            cold_warm=0, tolerance=0.05)
+    acceptance = report["acceptance"]["candidate"]
+    assert report["passed"] and acceptance["source"] == V.VLLM_METRICS and acceptance["engine_version"] is None
+    before, after = (V.parse_spec_counters(metrics[i]) for i in (0, 2))
+    assert acceptance["verify_passes"] == after["drafts"] - before["drafts"] > 0
+    assert "from vllm: /metrics counters" in V.format_summary(report)
+
+
+def test_vllm_that_does_not_speculate_with_logprobs_gets_an_acceptance_pass(tmp_path):
+    """An engine that drafts nothing on logprob requests (older vLLM): the counters stand still
+    during the logprob run, so the prompts go once more without logprobs, and that pass
+    supplies the acceptance and a token comparison."""
+    fixture = _fixture("vllm-0.32.0-chat-mtp3.json")
+    for response in fixture["responses"]:
+        response["metrics"] = None
+    counters = [(FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text() for i in range(3)]
+    # 2 logprob requests: the counters stay; then 2 plain requests: they advance.
+    metrics = [counters[0]] * 3 + [counters[1], counters[2]]
+    prompts = V.prompt_set(2, [])
+    with _vllm_server("mtp-off") as off, ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}, metrics) as on:
+        report = V.validate(off.url, on.url, prompts, tmp_path, V.RequestSettings(max_tokens=24, timeout_seconds=60),
+                            cold_warm=0, tolerance=0.05)
+        plain = on.posted[2:]
+    assert len(plain) == 2 and all("logprobs" not in body for body in plain)
+    assert report["acceptance"]["candidate"]["drafted_nothing"] is True
+    assert report["acceptance"]["acceptance_pass"]["drafted_nothing"] is False
+    assert report["acceptance_pass"] == {"of": 2, "compared_by": ["token_ids"], "differences": []}
+    assert report["passed"], V.format_summary(report)
