@@ -411,13 +411,14 @@ def request_body(prompt: ValidationPrompt, settings: RequestSettings, model: str
             body.update(logprobs=True, top_logprobs=settings.top_logprobs)
         if settings.engine_fields:
             body["return_meta_info"] = True  # SGLang: choices[i].meta_info (chat only)
-    elif prompt.prompt_ids is not None:
-        body["prompt"] = list(prompt.prompt_ids)  # token ids: no template, no tokenizer on either side
     else:
-        if tokenizer is None:
+        if prompt.prompt_ids is not None:
+            body["prompt"] = list(prompt.prompt_ids)  # token ids: no template, no tokenizer on either side
+        elif tokenizer is None:
             raise ValidationError("--endpoint completions needs --tokenizer to render the chat template")
-        text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False, enable_thinking=False)
-        body["prompt"] = text
+        else:
+            body["prompt"] = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
+                                                           tokenize=False, enable_thinking=False)
         if settings.logprobs:
             body["logprobs"] = max(1, settings.top_logprobs)  # completions: the count includes the chosen token
     if settings.engine_fields:

@@ -193,6 +193,31 @@ def test_mtp_off_candidate_fails_for_drafting_nothing(recorded, servers, tmp_pat
     assert "FAIL: the candidate reported no speculative counts" in V.format_summary(report)
 
 
+def test_window_contexts_go_as_token_ids_to_completions(tiny, servers, tmp_path):
+    """--prompt-source windows: the heldout windows' contexts, as token ids, exactly the prompts
+    `occamy_mtp.evaluate --reference-decoder` decodes; acceptance read from /v1/completions."""
+    from occamy_mtp import data as D
+
+    split = dict(train_conversations=4, heldout_conversations=3)
+    prompts = V.heldout_window_contexts([tiny["data"]], tiny["tokenizer"], **split)
+    windows = D.prepare_windows([tiny["data"]], tiny["tokenizer"], **split).heldout
+    assert [p.prompt_ids for p in prompts] == [tuple(w.input_ids[: w.answer_start]) for w in windows]
+    completions = V.RequestSettings(endpoint=V.COMPLETIONS, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
+    body = V.request_body(prompts[0], completions, "m")
+    assert body["prompt"] == list(prompts[0].prompt_ids) and body["logprobs"] == V.DEFAULT_TOP_LOGPROBS
+    with pytest.raises(V.ValidationError, match="completions"):
+        V.request_body(prompts[0], settings(), "m")
+    V.validate(servers["urls"]["greedy"], None, prompts, tmp_path / "off", completions, cold_warm=0)
+    report = V.validate(str(tmp_path / "off" / "responses-reference.json"), servers["urls"]["speculative"], [], tmp_path / "on",
+                        completions, tolerance=SPEC_LOGPROB_TOLERANCE)
+    assert report["passed"], V.format_summary(report)
+    assert report["fixed"] == {"exact": len(prompts), "of": len(prompts)} and report["endpoint"] == V.COMPLETIONS
+    acceptance = report["acceptance"]["candidate"]
+    assert acceptance["source"] == V.SGLANG_SGLEXT  # no meta_info on completions (as in SGLang); sglext is there
+    assert acceptance["responses"] == len(prompts) and acceptance["verify_passes"] > 0
+    assert acceptance["metrics"]["accepted_tokens"] == acceptance["accepted_tokens"]
+
+
 def test_faulty_server_is_flagged_token_logprob_malformed_and_death(recorded, servers, tmp_path):
     report = V.validate(str(recorded["path"]), servers["urls"]["faulty"], [], tmp_path, settings(), max_consecutive_errors=2,
                         require_drafts=False, acceptance_pass="never")
