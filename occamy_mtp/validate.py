@@ -802,17 +802,22 @@ def _sequence(response: dict, by_ids: bool):
 
 def compare_responses(reference: dict, candidate: dict, tolerance: float) -> dict:
     """Token identity (ids when both give them, else token strings, else the text) and the
-    largest logprob difference (over the tokens both have logprobs for)."""
+    largest logprob difference (over the tokens both have logprobs for, before the first
+    differing token)."""
     by_ids = reference["token_ids"] is not None and candidate["token_ids"] is not None
     by_tokens = not by_ids and reference["tokens"] is not None and candidate["tokens"] is not None
-    if by_ids or by_tokens:
+    compared_tokens = by_ids or by_tokens
+    if compared_tokens:
         a, b = _sequence(reference, by_ids), _sequence(candidate, by_ids)
     else:
         a, b = reference["text"], candidate["text"]  # characters: the position is a character index
     first_difference = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if first_difference is None and len(a) != len(b):
         first_difference = min(len(a), len(b))
+    # Logprobs are compared up to the first differing token: after it they belong to other texts.
     same_length = min(len(reference["logprobs"]), len(candidate["logprobs"]))
+    if first_difference is not None and compared_tokens:
+        same_length = min(same_length, first_difference)
     diffs = [abs(x - y) for x, y in zip(reference["logprobs"][:same_length], candidate["logprobs"][:same_length])]
     max_diff = max(diffs, default=0.0)
     worst = diffs.index(max_diff) if diffs and max_diff > 0 else None
@@ -1102,7 +1107,8 @@ def format_summary(report: dict) -> str:
     for detail in divergence["details"]:
         text = f"  {detail['prompt']} at output token {detail['position']}: {detail['reference']!r} vs {detail['candidate']!r}"
         if "reference_margin" in detail:
-            text += f"; reference top-2 margin {detail['reference_margin']:.4g}"
+            margin = detail["reference_margin"]
+            text += f"; reference top-2 margin {margin:.4g}" + (" (a tie)" if margin == 0 else "")
             if detail.get("candidate_took_reference_runner_up"):
                 text += " (the candidate took the reference's runner-up)"
         lines.append(text)

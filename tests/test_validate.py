@@ -406,6 +406,7 @@ def test_divergence_is_located_with_the_reference_margin(tmp_path):
     detail = report["divergence"]["details"][0]
     assert (detail["position"], detail["reference"], detail["candidate"]) == (3, 6303, 17545)
     assert detail["reference_margin"] == pytest.approx(1.75) and detail["candidate_took_reference_runner_up"]
+    assert report["prompts"][0]["max_logprob_diff"] == 0.0  # logprobs compared before the divergence only
     assert "first differing output token at 3" in V.format_summary(report)
 
 
