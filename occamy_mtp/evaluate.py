@@ -18,18 +18,24 @@ Exact or approximate. On teacher-forced data the hidden states and step-1 tokens
 from the recorded answer, not from the base's own continuation, so the figure is exact
 only where the data token equals the base's greedy token (`data_matches_target` says how
 often it does). On text the base generated greedily itself (`self_generated_windows`,
-`--self-generated`) every data token is the greedy token, and the chain at anchor i is
-exactly what a speculative decoder drafting from anchor i proposes and verifies: the
-reference decoder's accept/reject decisions equal `chain_outcomes` at its anchors
-(tested in tests/test_decode.py). The decoder visits only the anchors where a
-verification lands, a subset that depends on earlier outcomes, so its aggregate equals
-the offline aggregate over those anchors, not over all of them.
+`occamy_mtp.selfgen`) every data token is the greedy token, and the chain at anchor i
+is exactly what a speculative decoder drafting from anchor i proposes and verifies.
+
+Served, or every anchor. A decoder drafts only from the anchors where a verification
+lands, a subset that depends on earlier outcomes, and its per-step acceptance over
+that subset is not the per-anchor average over every anchor (on repetitive text the two
+have moved in opposite directions; bench/RESULTS.md). `served_acceptance` replays the
+decoder's walk from the per-anchor outcomes (`metrics.decoder_rounds`): on
+self-generated text it gives exactly what `decode.speculative_decode` measures, at any
+number of draft steps, from one batched pass (tests/test_metrics.py). That is the
+headline figure; `heldout_report` gathers it with the per-anchor and teacher-forced ones.
 
     python -m occamy_mtp.evaluate --base DIR --head FILE --donor DIR --data FILES \
-        --tokenizer DIR --steps 3 --self-generated --max-new-tokens 128 --out runs/eval
+        --tokenizer DIR --served-steps 1,3 --out runs/eval
 
 `--reference-decoder` also runs `occamy_mtp.decode.speculative_decode` on every heldout
-prompt and reports its measured acceptance beside the offline chain at its anchors.
+prompt at each served step count and checks the replayed figures against what it counts;
+`--teacher-forced-only` skips the base's continuations (the approximate figures only).
 """
 
 from __future__ import annotations
@@ -51,8 +57,7 @@ TEACHER_FORCED = "teacher_forced"
 SELF_GENERATED = "self_generated"
 EVALUATION_FILE = "evaluation.json"
 PLOT_FILE = "acceptance.png"
-EVALUATION_FORMAT = 1
-DEFAULT_SELF_GENERATED_TOKENS = 128  # new tokens per heldout prompt when the base writes the text
+EVALUATION_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -391,64 +396,63 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def run_evaluation(
-    base,
-    heads: dict,
-    windows,
-    draft_steps: int,
-    out_dir: Path,
-    windows_per_batch: int = 4,
-    text: str = TEACHER_FORCED,
-    extra: dict | None = None,
-) -> dict:
-    """Evaluate each named head on the same windows; write evaluation.json and acceptance.png."""
-    from occamy_mtp.plot import plot_acceptance
-
-    started = time.perf_counter()
-    results = {name: evaluate_head(base, head, windows, draft_steps, windows_per_batch, text).to_dict() for name, head in heads.items()}
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_acceptance(results, out_dir / PLOT_FILE, title=f"chained acceptance ({'exact' if text == SELF_GENERATED else 'teacher-forced, approximate'})")
-    report = {
-        "format": EVALUATION_FORMAT,
-        "text": text,
-        "exact": text == SELF_GENERATED,
-        "draft_steps": draft_steps,
-        "heads": results,
-        "eval_seconds": time.perf_counter() - started,
-        "plot": PLOT_FILE,
-        **(extra or {}),
-    }
-    from occamy_mtp.checkpoint import write_json
-
-    write_json(out_dir / EVALUATION_FILE, report)
-    return report
+def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -> str:
+    """The headline of `heldout_report`s side by side, one column per head: per served step
+    count, each step's acceptance, the mean accept length and the tokens per verify pass."""
+    names = list(reports)
+    first = reports[names[0]]["served"][str(served_steps[0])]
+    width = 18
+    lines = [
+        "served acceptance (exact): the reference speculative decoder on the base's own greedy continuation of "
+        f"{first['texts']} heldout prompts (<= {max_new_tokens} new tokens each; decoder replay)",
+        f"  {'':<40}" + "".join(f"{name:>{width}}" for name in names),
+    ]
+    for k in served_steps:
+        figures = [reports[name]["served"][str(k)] for name in names]
+        for j in range(k):
+            lines.append(f"  {f'{k}-step drafts: step {j + 1} acceptance':<40}" + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
+        for label, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
+            lines.append(f"  {f'{k}-step drafts: {label}':<40}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+    rows = [
+        ("target top-1 agreement (recorded answers)", lambda r: f"{r['teacher_forced']['agreement']:.2%}"),
+        ("data-answer NLL (recorded answers)", lambda r: f"{r['teacher_forced']['data_nll']:.4f}"),
+        ("accept length, teacher-forced (approx.)", lambda r: f"{r['teacher_forced']['mean_accept_length']:.3f}"),
+        ("accept length, every self-gen. anchor", lambda r: f"{r['self_generated']['mean_accept_length']:.3f}"),
+    ]
+    lines.append("secondary: the recorded answers, teacher forced (acceptance approximate), and every anchor of the self-generated text")
+    lines += [f"  {label:<40}" + "".join(f"{cell(reports[name]):>{width}}" for name in names) for label, cell in rows]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     from occamy_mtp import data as data_module
+    from occamy_mtp.config import DataSettings
 
+    split = DataSettings()  # the training defaults, so that the heldout split is the run's
     parser = argparse.ArgumentParser(
         prog="python -m occamy_mtp.evaluate",
-        description="Offline chained acceptance, agreement and NLL of MTP heads against the frozen base, side by side.",
+        description="Served acceptance (exact, on the base's own greedy text), agreement and NLL of MTP heads, side by side.",
     )
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
     parser.add_argument("--head", required=True, type=Path, help="trained head: safetensors file or checkpoint directory")
     parser.add_argument("--donor", type=Path, help="donor head (file or directory) to show beside the trained one")
     parser.add_argument("--data", required=True, nargs="+", type=Path, help="chat data files (the heldout split is evaluated)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --base)")
-    parser.add_argument("--steps", type=int, default=3, help="chained draft steps K")
-    parser.add_argument("--self-generated", action="store_true", help="evaluate on the base's own greedy continuation of each heldout prompt (exact)")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_SELF_GENERATED_TOKENS, help="bound of each self-generated continuation")
+    parser.add_argument("--steps", type=int, default=3, help="chained steps of the per-anchor figures")
+    parser.add_argument("--served-steps", default="1,3", help="draft step counts to report the served figures for, e.g. 1,3")
+    parser.add_argument("--teacher-forced-only", action="store_true",
+                        help="skip the base's own continuations: only the approximate figures on the recorded answers")
+    parser.add_argument("--max-new-tokens", type=int, help="bound of each self-generated continuation (default: --answer-tokens)")
     parser.add_argument("--generate-batch-size", type=int, default=8, help="prompts per batch when the base writes the text")
     parser.add_argument("--reference-decoder", action="store_true",
-                        help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) and "
-                             "report its measured acceptance beside the offline chain at its anchors")
-    parser.add_argument("--context-tokens", type=int, default=data_module.DEFAULT_CONTEXT_TOKENS)
-    parser.add_argument("--answer-tokens", type=int, default=data_module.DEFAULT_ANSWER_TOKENS)
-    parser.add_argument("--train-conversations", type=int, default=data_module.DEFAULT_TRAIN_CONVERSATIONS, help="as in training, so the split is the same")
-    parser.add_argument("--heldout-conversations", type=int, default=data_module.DEFAULT_HELDOUT_CONVERSATIONS)
-    parser.add_argument("--split-seed", type=int, default=0)
+                        help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
+                             "each served step count and check the served figures against it")
+    parser.add_argument("--context-tokens", type=int, default=split.context_tokens)
+    parser.add_argument("--answer-tokens", type=int, default=split.answer_tokens)
+    parser.add_argument("--train-conversations", type=int, default=split.train_conversations, help="as in training, so the split is the same")
+    parser.add_argument("--validation-conversations", type=int, default=split.validation_conversations)
+    parser.add_argument("--heldout-conversations", type=int, default=split.heldout_conversations)
+    parser.add_argument("--split-seed", type=int, default=split.split_seed)
     parser.add_argument("--windows-per-batch", type=int, default=4)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -459,16 +463,23 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not path.exists():
             print(f"error: {flag} {path}: no such file or directory", file=sys.stderr)
             return 2
-    if min(args.steps, args.max_new_tokens, args.generate_batch_size, args.windows_per_batch) < 1:
+    try:
+        served_steps = tuple(int(k) for k in args.served_steps.split(","))
+    except ValueError:
+        served_steps = ()
+    if not served_steps or min(served_steps) < 1:
+        print(f"error: --served-steps {args.served_steps!r}: expected step counts >= 1 separated by commas, e.g. 1,3", file=sys.stderr)
+        return 2
+    max_new_tokens = args.answer_tokens if args.max_new_tokens is None else args.max_new_tokens
+    if min(args.steps, max_new_tokens, args.generate_batch_size, args.windows_per_batch) < 1:
         print("error: --steps, --max-new-tokens, --generate-batch-size and --windows-per-batch must be >= 1", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
     from occamy_mtp import checkpoint as ckpt_io
     from occamy_mtp.head import SharedWeights
-    from occamy_mtp.train import DTYPES
 
-    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    dtype, device = ckpt_io.DTYPES[args.dtype], torch.device(args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.base), local_files_only=True)
         data = data_module.prepare_windows(
@@ -478,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             answer_tokens=args.answer_tokens,
             train_conversations=args.train_conversations,
             heldout_conversations=args.heldout_conversations,
+            validation_conversations=args.validation_conversations,
             split_seed=args.split_seed,
         )
         base = ckpt_io.load_base(args.base, dtype=dtype, device=device)
@@ -494,45 +506,59 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no heldout windows; check --data and --heldout-conversations", file=sys.stderr)
         return 2
 
-    windows, text = data.heldout, TEACHER_FORCED
-    extra = {
+    from occamy_mtp.checkpoint import write_json
+    from occamy_mtp.generate import default_eos_token_ids
+    from occamy_mtp.plot import plot_acceptance
+
+    started = time.perf_counter()
+    report = {
+        "format": EVALUATION_FORMAT,
         "inputs": {"base": str(args.base), "head": str(args.head), "donor": None if args.donor is None else str(args.donor),
                    "data": [str(p) for p in args.data], "dtype": args.dtype, "device": str(device)},
         "dataset": {k: v for k, v in data.provenance().items() if k in ("files", "windows", "settings")},
+        "plot": PLOT_FILE,
     }
-    if args.self_generated:
-        from occamy_mtp.generate import default_eos_token_ids
-
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.teacher_forced_only:
+        results = {name: evaluate_head(base, head, data.heldout, args.steps, args.windows_per_batch).to_dict() for name, head in heads.items()}
+        report.update(text=TEACHER_FORCED, exact=False, draft_steps=args.steps, heads=results)
+        plot_acceptance(results, args.out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
+        printed = format_table(results)
+    else:
         stop = default_eos_token_ids(tokenizer, args.base)
-        generated = self_generated_windows(base, windows, args.max_new_tokens, stop, args.generate_batch_size)
-        windows, text = generated.windows, SELF_GENERATED
-        extra["self_generated"] = {
-            "max_new_tokens": args.max_new_tokens,
-            "stop_token_ids": sorted(stop),
-            "windows": len(windows),
-            "generated_tokens": generated.generated_tokens,
-            "stopped": generated.stopped,
-            "seconds": generated.seconds,
-            "decoder": "occamy_mtp.generate.greedy_generate",
-            "batch_size": args.generate_batch_size,
-            "enable_thinking": False,
-        }
-    if args.reference_decoder:
-        from occamy_mtp.generate import default_eos_token_ids
-
-        stop = default_eos_token_ids(tokenizer, args.base)
-        extra["reference_decoder"] = {
-            name: reference_decoder_check(base, head, data.heldout, args.steps, args.max_new_tokens, stop, args.windows_per_batch)
+        generated = self_generated_windows(base, data.heldout, max_new_tokens, stop, args.generate_batch_size)
+        results = {
+            name: heldout_report(base, head, generated.windows, data.heldout, served_steps, args.steps, max_new_tokens, args.windows_per_batch)
             for name, head in heads.items()
         }
-    report = run_evaluation(base, heads, windows, args.steps, args.out, args.windows_per_batch, text, extra)
-    print(format_table(report["heads"]))
-    for name, check in report.get("reference_decoder", {}).items():
-        measured, offline = check["measured"], check["offline_at_decoder_anchors"]
-        steps = ", ".join(f"{a}/{p}" for a, p in zip(measured["accepted"], measured["proposed"]))
-        print(f"reference decoder ({name}): accepted/proposed per step {steps}, accept length {measured['mean_accept_length']:.3f}, "
-              f"{measured['tokens_per_verify_pass']:.3f} tokens per verify pass; offline chain at the same anchors "
-              f"{offline['mean_accept_length']:.3f}; {check['decisions_equal']}/{check['decisions']} decisions equal")
+        report.update(
+            text=SELF_GENERATED, exact=True, headline="served", served_steps=list(served_steps), max_new_tokens=max_new_tokens,
+            heads=results,
+            self_generated={"max_new_tokens": max_new_tokens, "stop_token_ids": sorted(stop), "windows": len(generated.windows),
+                            "generated_tokens": generated.generated_tokens, "stopped": generated.stopped,
+                            "seconds": generated.seconds, "decoder": "occamy_mtp.generate.greedy_generate",
+                            "batch_size": args.generate_batch_size, "enable_thinking": False},
+        )
+        largest = str(max(served_steps))
+        plot_acceptance({name: r["served"][largest] for name, r in results.items()}, args.out / PLOT_FILE,
+                        title=f"served acceptance, {largest}-step drafts (self-generated heldout, exact)")
+        printed = format_served(results, served_steps, max_new_tokens)
+        if args.reference_decoder:
+            report["reference_decoder"] = {
+                name: {str(k): reference_decoder_check(base, head, generated.windows, k, max_new_tokens, stop, args.windows_per_batch)
+                       for k in served_steps}
+                for name, head in heads.items()
+            }
+            for name, checks in report["reference_decoder"].items():
+                for k, check in checks.items():
+                    equal = all(check["measured"][f] == check["replayed"][f] for f in ("proposed", "accepted", "drafted", "verify_passes"))
+                    printed += (f"\nreference decoder ({name}, {k}-step): accept length {check['measured']['mean_accept_length']:.3f}, "
+                                f"{check['measured']['tokens_per_verify_pass']:.3f} tokens per verify pass; replayed counts "
+                                f"{'equal' if equal else 'DIFFER'}; {check['decisions_equal']}/{check['decisions']} decisions equal; "
+                                f"{check['texts_equal']}/{check['windows']} texts equal")
+    report["eval_seconds"] = time.perf_counter() - started
+    write_json(args.out / EVALUATION_FILE, report)
+    print(printed)
     print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
     return 0
 

@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-worse", action="store_true",
                         help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides (the same as for training)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and overrides in any order
     from occamy_mtp.data import DataError
 
     try:

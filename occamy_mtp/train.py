@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -465,15 +466,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/512step.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and overrides in any order
     from occamy_mtp.config import load_config
     from occamy_mtp.data import DataError
+    from occamy_mtp.selfgen import SelfGenError
 
     try:
         config = load_config(args.config, args.overrides)
         train(config, resume=args.resume)
-    except (ConfigError, ckpt_io.CheckpointError, DataError) as err:
-        print(f"error: {err}", flush=True)
+    except (ConfigError, ckpt_io.CheckpointError, DataError, SelfGenError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from occamy_mtp import cache as C
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import loss as loss_module
 from occamy_mtp import train as train_module
 from occamy_mtp.config import load_config
 from occamy_mtp.data import Window, prepare_windows
@@ -60,13 +61,26 @@ def world(tmp_path_factory, sample_tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     data = prepare_windows([data_file], tokenizer, **WINDOW_SETTINGS)
     model = ckpt_io.load_base(base.path, dtype=torch.float32)
-    identity = C.cache_identity(base.path, data, "float32", "sdpa")
+    identity = identity_of(base.path, data, "float32", "sdpa")
     directory = root / "targets"
-    C.build_cache(directory, identity, C.all_window_ids(data), C.plain_compute(model), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    C.build_cache(directory, identity, window_ids(data), C.plain_compute(model), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     return {
         "root": root, "base_path": base.path, "donor_path": donor.path, "tokenizer": tokenizer, "data_file": data_file,
         "data": data, "base": model, "identity": identity, "directory": directory,
     }
+
+
+def windows_of(data):
+    """The windows these tests cache: train, then heldout."""
+    return list(data.train) + list(data.heldout)
+
+
+def window_ids(data):
+    return C.window_ids(windows_of(data))
+
+
+def identity_of(base_path, data, dtype, attn_implementation):
+    return C.cache_identity(base_path, windows_of(data), data.settings, dtype, attn_implementation)
 
 
 def online(base, windows):
@@ -98,7 +112,7 @@ def copy_cache(world, name: str) -> Path:
 
 def test_cached_outputs_equal_online_outputs_exactly(world):
     cache = C.TargetCache.open(world["directory"], world["identity"])
-    windows = C.all_windows(world["data"])
+    windows = windows_of(world["data"])
     assert len(cache) == len(windows) == 8
     manifest = json.loads((world["directory"] / C.MANIFEST_NAME).read_text())
     assert manifest["complete"] and len(manifest["shards"]) == 4
@@ -113,7 +127,7 @@ def test_cached_outputs_equal_online_outputs_exactly(world):
 def test_padded_batch_equals_online_when_batched_alike(world, tmp_path):
     """Windows of different lengths in one padded batch: the pass batched the same way
     gives the online batch's values bit for bit on every real position, zeros on padding."""
-    full = C.all_windows(world["data"])[:3]
+    full = windows_of(world["data"])[:3]
     windows = [Window(w.conversation_hash, w.turn_index, w.input_ids[:length], w.answer_start) for w, length in zip(full, (64, 37, 50))]
     identity = C.CacheIdentity(world["identity"].base, {"windows": "truncated"}, world["identity"].settings)
     C.build_cache(tmp_path / "c", identity, [w.input_ids for w in windows], C.plain_compute(world["base"], windows_per_batch=3),
@@ -129,7 +143,7 @@ def test_padded_batch_equals_online_when_batched_alike(world, tmp_path):
 
 
 def test_padded_ids_are_collate_s(world):
-    windows = C.all_windows(world["data"])[:2]
+    windows = windows_of(world["data"])[:2]
     short = [windows[0], Window(windows[1].conversation_hash, 0, windows[1].input_ids[:20], 4)]
     for batch in (windows, short):
         input_ids, mask = C.padded_ids([w.input_ids for w in batch])
@@ -143,8 +157,11 @@ def run_config(world, output: Path) -> Path:
     settings = "\n".join(f"  {k}: {v}" for k, v in WINDOW_SETTINGS.items())
     path.write_text(
         f"model:\n  base: {world['base_path']}\n  donor_head: {world['donor_path']}\n  dtype: float32\n"
-        f"data:\n  files: [{world['data_file']}]\n{settings}\n"
+        f"data:\n  files: [{world['data_file']}]\n{settings}\n  validation_conversations: 2\n"
+        f"  self_generated_dir: {world['root'] / 'self-generated'}\n"
         "train:\n  epochs: 1\n  windows_per_step: 1\n  lr: 1.0e-2\n  lr_warmup_steps: 1\n  checkpoint_every_steps: 100\n"
+        "  select_every_steps: 3\n"
+        "eval:\n  decoder_check_windows: 0\n"
         f"output:\n  dir: {output}\n"
     )
     return path
@@ -153,14 +170,23 @@ def run_config(world, output: Path) -> Path:
 def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
+    from occamy_mtp import export as export_module
+    from occamy_mtp.run_setup import open_store, prepare_data, run_windows
+
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     directory = world["root"] / "targets-cli"
     online_config = load_config(run_config(world, world["root"] / "run-online"))
     cached_config = load_config(run_config(world, world["root"] / "run-cached"), [f"data.target_cache={directory}"])
+    # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert C.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
-    # The CLI built exactly the cache of the library pass.
-    assert shard_bytes(directory) == shard_bytes(world["directory"])
+    data = prepare_data(cached_config, world["tokenizer"])
+    windows = run_windows(cached_config, data, open_store(cached_config, world["tokenizer"]), base=None).all()
+    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 2  # self-generated, + recorded heldout
+    library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
+    C.build_cache(library, C.cache_identity(world["base_path"], windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
+                  C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    assert shard_bytes(directory) == shard_bytes(library)
     with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded for a complete cache"))
         assert C.build_for_config(cached_config, directory, log=lambda m: None)["complete"]
@@ -170,31 +196,30 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded although targets are cached"))
         summary = train_module.train(cached_config)
     assert summary["targets"]["source"] != "online"
-    # Export evaluates from the cache too, without the base.
-    from occamy_mtp import export as export_module
-
-    online_record = export_module.export(online_config)
+    assert summary["selection"]["enabled"] and [e["step"] for e in summary["selection"]["history"]] == [0, 3, 6]
+    # Export evaluates from the cache too, without the base (random models: the head may lose to the donor).
+    online_record = export_module.export(online_config, allow_worse=True, log=lambda m: None)
     with monkeypatch.context() as patch:
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("export loaded the base although targets are cached"))
-        cached_record = export_module.export(cached_config)
+        cached_record = export_module.export(cached_config, allow_worse=True, log=lambda m: None)
     for head in ("donor", "trained"):
         online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
-        assert online["scored_positions"] == cached["scored_positions"]
-        # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties
-        assert abs(online["agreement"] - cached["agreement"]) <= 2 / online["scored_positions"]
+        for part in ("teacher_forced", "self_generated"):
+            assert online[part]["scored_positions"] == cached[part]["scored_positions"]
+            # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties
+            assert abs(online[part]["agreement"] - cached[part]["agreement"]) <= 2 / online[part]["scored_positions"]
+    assert cached_record["metrics"]["decoder_check"]["trained"] == {"skipped": "data.target_cache is set (no base loaded)"}
     trained_online = load_file(world["root"] / "run-online" / train_module.TRAINED_TENSORS)
     trained_cached = load_file(world["root"] / "run-cached" / train_module.TRAINED_TENSORS)
     assert trained_online.keys() == trained_cached.keys() and trained_online
     for name in trained_online:
         assert torch.equal(trained_online[name], trained_cached[name]), name
-    donor = ckpt_io.SafetensorsCheckpoint(world["donor_path"])
-    assert not torch.equal(trained_online["fc.weight"].to(torch.bfloat16), donor.get("mtp.fc.weight"))  # it did train
 
 
 def test_the_fast_pass_plugs_in(world, tmp_path):
     """fastbase.FastBasePass is a `compute` as it is: the cache stores exactly what it gives."""
     fastbase = pytest.importorskip("occamy_mtp.fastbase")
-    windows = C.all_window_ids(world["data"])[:3]
+    windows = window_ids(world["data"])[:3]
     fast = fastbase.FastBasePass(world["base"], max_tokens_per_batch=256)
     identity = C.CacheIdentity(world["identity"].base, {"windows": "first three"}, world["identity"].settings)
     C.build_cache(tmp_path / "fast", identity, windows, fast, hidden_size=HIDDEN_SIZE, compute_name="fastbase")
@@ -239,16 +264,16 @@ def test_fastbase_tokens_argument():
 
 
 def test_online_source_is_base_outputs(world):
-    source = C.open_targets("", world["base_path"], world["data"], "float32", "sdpa", base=world["base"])
-    window = C.all_windows(world["data"])[0]
+    source = C.open_targets("", world["base_path"], windows_of(world["data"]), world["data"].settings, "float32", "sdpa", base=world["base"])
+    window = windows_of(world["data"])[0]
     expected, got = online(world["base"], [window]), source.outputs(*C.padded_ids([window.input_ids]))
     assert torch.equal(got.hidden, expected.hidden) and source.provenance() == {"source": "online"}
     with pytest.raises(ValueError, match="base itself is needed"):
-        C.open_targets("", world["base_path"], world["data"], "float32", "sdpa")
+        C.open_targets("", world["base_path"], windows_of(world["data"]), world["data"].settings, "float32", "sdpa")
 
 
 def test_shared_weights_only_are_the_base_s(world):
-    shared = C.load_shared_weights(world["base_path"], dtype=torch.float32)
+    shared = ckpt_io.load_shared_weights(world["base_path"], dtype=torch.float32)
     assert torch.equal(shared.embed_tokens.weight, world["base"].model.embed_tokens.weight)
     assert torch.equal(shared.lm_head.weight, world["base"].lm_head.weight)
     assert not shared.embed_tokens.weight.requires_grad and not shared.lm_head.weight.requires_grad
@@ -262,7 +287,7 @@ def test_shared_weights_only_are_the_base_s(world):
 def test_foreign_base_is_refused(world):
     """Same config, other weights (what a fine-tuned base looks like): the base part differs."""
     other = build_tiny_checkpoint(world["root"] / "other-base", seed=3, with_head=False)
-    identity = C.cache_identity(other.path, world["data"], "float32", "sdpa")
+    identity = identity_of(other.path, world["data"], "float32", "sdpa")
     with pytest.raises(C.CacheError) as err:
         C.TargetCache.open(world["directory"], identity)
     message = str(err.value)
@@ -276,7 +301,7 @@ def test_changed_data_is_refused(world):
     shifted.write_text("\n".join(SAMPLE_DATA_PATH.read_text().splitlines()[CONVERSATIONS : 2 * CONVERSATIONS]) + "\n")
     data = prepare_windows([shifted], world["tokenizer"], **WINDOW_SETTINGS)
     with pytest.raises(C.CacheError) as err:
-        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], data, "float32", "sdpa"))
+        C.TargetCache.open(world["directory"], identity_of(world["base_path"], data, "float32", "sdpa"))
     message = str(err.value)
     assert "data: window_ids_sha256" in message
     assert "base:" not in message and "settings:" not in message
@@ -284,29 +309,29 @@ def test_changed_data_is_refused(world):
 
 def test_changed_settings_are_refused(world):
     with pytest.raises(C.CacheError, match="settings: dtype: float32 in the cache vs bfloat16 for this run"):
-        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa"))
+        C.TargetCache.open(world["directory"], identity_of(world["base_path"], world["data"], "bfloat16", "sdpa"))
     with pytest.raises(C.CacheError, match="settings: attn_implementation"):
-        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], world["data"], "float32", "eager"))
+        C.TargetCache.open(world["directory"], identity_of(world["base_path"], world["data"], "float32", "eager"))
     shorter = prepare_windows([world["data_file"]], world["tokenizer"], **{**WINDOW_SETTINGS, "answer_tokens": 40})
     with pytest.raises(C.CacheError) as err:
-        C.TargetCache.open(world["directory"], C.cache_identity(world["base_path"], shorter, "float32", "sdpa"))
+        C.TargetCache.open(world["directory"], identity_of(world["base_path"], shorter, "float32", "sdpa"))
     assert "settings: windows.answer_tokens: 48 in the cache vs 40 for this run" in str(err.value)
 
 
 def test_pass_refuses_another_cache_or_a_non_cache_directory(world, tmp_path):
-    bf16 = C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa")
+    bf16 = identity_of(world["base_path"], world["data"], "bfloat16", "sdpa")
     with pytest.raises(C.CacheError, match="holds a target cache for another base, data or settings"):
-        C.build_cache(world["directory"], bf16, C.all_window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+        C.build_cache(world["directory"], bf16, window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(C.CacheError, match="not empty"):
-        C.build_cache(tmp_path, world["identity"], C.all_window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+        C.build_cache(tmp_path, world["identity"], window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
     with pytest.raises(C.CacheError, match="no target cache here"):
         C.TargetCache.open(tmp_path, world["identity"])
 
 
 def test_a_window_not_in_the_cache_is_an_error(world):
     cache = C.TargetCache.open(world["directory"], world["identity"], verify=False)
-    window = C.all_windows(world["data"])[0]
+    window = windows_of(world["data"])[0]
     with pytest.raises(C.CacheError, match="no window with these 63 token ids"):
         cache.outputs(torch.tensor([window.input_ids[:63]]))
 
@@ -318,7 +343,7 @@ def test_a_window_not_in_the_cache_is_an_error(world):
 
 def test_interrupted_pass_resumes_into_the_identical_cache(world, tmp_path):
     directory = tmp_path / "targets"
-    windows = C.all_window_ids(world["data"])
+    windows = window_ids(world["data"])
     plain = C.plain_compute(world["base"])
     calls = []
 
@@ -369,9 +394,9 @@ def test_corrupted_or_truncated_shard_is_detected_and_recomputed(world):
 
     calls = []
     plain = C.plain_compute(world["base"])
-    C.build_cache(directory, world["identity"], C.all_window_ids(world["data"]), counting(plain, calls),
+    C.build_cache(directory, world["identity"], window_ids(world["data"]), counting(plain, calls),
                   hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
-    assert calls == [list(C.all_window_ids(world["data"])[2:4]), list(C.all_window_ids(world["data"])[4:6])]  # the damaged shards only
+    assert calls == [list(window_ids(world["data"])[2:4]), list(window_ids(world["data"])[4:6])]  # the damaged shards only
     assert shard_bytes(directory) == shard_bytes(world["directory"])
     C.TargetCache.open(directory, world["identity"])
 
@@ -379,8 +404,8 @@ def test_corrupted_or_truncated_shard_is_detected_and_recomputed(world):
 def test_a_shard_from_another_cache_is_detected(world, tmp_path):
     """A shard file copied in from another cache, manifest edited to match its size and hash."""
     directory = copy_cache(world, "mixed")
-    bf16 = C.cache_identity(world["base_path"], world["data"], "bfloat16", "sdpa")
-    windows = C.all_window_ids(world["data"])[:2]
+    bf16 = identity_of(world["base_path"], world["data"], "bfloat16", "sdpa")
+    windows = window_ids(world["data"])[:2]
     other = tmp_path / "other"
     plain = C.plain_compute(world["base"])
 

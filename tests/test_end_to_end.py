@@ -4,6 +4,10 @@ Checks the output files, that only fc and the two pre-fc norms changed, that eve
 exported tensor is bit-identical to the donor's, that TRAINING.json fits its schema and
 its metrics equal a recomputation, that a run killed midway and resumed ends with the
 identical head, and that a 2-process CPU run (gloo) works through accelerate.
+
+The models here are random (base and donor unrelated), so the trained head has nothing to
+win over the donor; export is run with --allow-worse. tests/test_recipe.py runs the
+recipe on a small demo build, where it must win.
 """
 
 from __future__ import annotations
@@ -43,14 +47,14 @@ def models(tmp_path_factory, sample_tokenizer_dir):
 def write_config(path: Path, models: dict, output: Path, **train) -> Path:
     train_lines = "\n".join(f"  {k}: {v}" for k, v in {
         "epochs": 2, "windows_per_step": 2, "lr": 1.0e-2, "lr_warmup_steps": 2,
-        "checkpoint_every_steps": 2, "log_every_steps": 2, **train}.items())
+        "checkpoint_every_steps": 2, "log_every_steps": 2, "select_every_steps": 0, **train}.items())
     path.write_text(
         "# tiny end-to-end config\n"
         f"model:\n  base: {models['base']}\n  donor_head: {models['donor']}\n  dtype: float32\n"
         f"data:\n  files: [{SAMPLE_DATA_PATH}]\n  context_tokens: 24\n  answer_tokens: 40\n"
-        "  train_conversations: 12\n  heldout_conversations: 4\n"
+        "  train_conversations: 12\n  validation_conversations: 4\n  heldout_conversations: 4\n"
         f"train:\n{train_lines}\n"
-        "eval:\n  draft_steps: 2\n"
+        "eval:\n  draft_steps: 2\n  served_steps: [1, 2]\n  decoder_check_windows: 2\n"
         f"output:\n  dir: {output}\n"
     )
     return path
@@ -71,7 +75,7 @@ def trained(tmp_path_factory, models):
     root = tmp_path_factory.mktemp("e2e-run")
     config = write_config(root / "run.yaml", models, root / "out")
     ok(run(["train.py", "--config", str(config)]))
-    ok(run(["export.py", "--config", str(config)]))
+    ok(run(["export.py", "--config", str(config), "--allow-worse"]))
     return {"config": config, "out": root / "out"}
 
 
@@ -95,15 +99,18 @@ def test_outputs_exist_and_only_trainable_tensors_changed(trained, models):
 def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from transformers import AutoTokenizer
 
+    from occamy_mtp.config import load_config
     from occamy_mtp.data import prepare_windows
-    from occamy_mtp.evaluate import evaluate_head
+    from occamy_mtp.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.head import SharedWeights
+    from occamy_mtp.run_setup import open_store
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
     assert record["derived"]["trainable_tensors"] == sorted(TRAINED)
     assert record["settings"]["train"]["epochs"] == 2
-    assert record["dataset"]["windows"]["train"] == 12 and record["dataset"]["windows"]["heldout"] == 4
+    windows = record["dataset"]["windows"]
+    assert (windows["train"], windows["validation"], windows["heldout"]) == (12, 4, 4)
     assert record["export"]["bit_identical_to_donor"] == record["export"]["tensors"] - len(TRAINED)
     assert [f["name"] for f in record["base"]["files"]] == [p.name for p in ckpt_io.SafetensorsCheckpoint(models["base"]).files()]
 
@@ -115,20 +122,31 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     assert layout == "fused"
     tokenizer = AutoTokenizer.from_pretrained(models["tokenizer"], local_files_only=True)
     data = prepare_windows([SAMPLE_DATA_PATH], tokenizer, context_tokens=24, answer_tokens=40,
-                           train_conversations=12, heldout_conversations=4)
+                           train_conversations=12, validation_conversations=4, heldout_conversations=4)
     metrics = evaluate_head(base, head, data.heldout, draft_steps=2)
     recorded = record["metrics"]["heldout"]["trained"]
-    assert metrics.scored_positions == recorded["scored_positions"]
-    assert metrics.agreement == pytest.approx(recorded["agreement"], abs=1e-9)
-    assert metrics.data_nll == pytest.approx(recorded["data_nll"], rel=1e-6)
-    assert metrics.accepted == recorded["accepted"] and metrics.proposed == recorded["proposed"]
+    teacher_forced = recorded["teacher_forced"]
+    assert metrics.scored_positions == teacher_forced["scored_positions"]
+    assert metrics.agreement == pytest.approx(teacher_forced["agreement"], abs=1e-9)
+    assert metrics.data_nll == pytest.approx(teacher_forced["data_nll"], rel=1e-6)
+    assert metrics.accepted == teacher_forced["accepted"] and metrics.proposed == teacher_forced["proposed"]
+    # The headline, from the run's stored self-generated heldout windows.
+    store = open_store(load_config(trained["config"]), tokenizer)
+    served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40)
+    for k, figures in served.items():
+        assert figures.to_dict() == recorded["served"][str(k)]  # integer counts, and the figures made from them
+    comparison = record["metrics"]["comparison"]
+    assert comparison["allow_worse"] and comparison["written"]
+    assert set(comparison["steps"]) == {"1", "2"}
+    for check in record["metrics"]["decoder_check"]["trained"].values():  # the reference decoder agrees with the replay
+        assert check["counts_equal"] and check["decisions_equal"] == check["decisions"] > 0 and check["texts_equal_to_store"] == 2
 
 
 def test_training_refuses_to_overwrite_and_export_refuses_foreign_tensors(trained, models, tmp_path):
     result = run(["train.py", "--config", str(trained["config"])])
-    assert result.returncode == 2 and "--resume" in result.stdout
+    assert result.returncode == 2 and "--resume" in result.stderr
     result = run(["export.py", "--config", str(trained["config"]), "train.lr=0.5"])
-    assert result.returncode == 2 and "different model/data/train settings" in result.stdout
+    assert result.returncode == 2 and "different model/data/train settings" in result.stderr
 
 
 def test_resume_after_kill_gives_identical_head(models, tmp_path):
@@ -182,7 +200,7 @@ def test_unrolled_training_with_a_widened_trainable_set(models, tmp_path):
         trainable="[fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.0.self_attn]",
     )
     ok(run(["train.py", "--config", str(config), "model.dtype=bfloat16"]))
-    ok(run(["export.py", "--config", str(config), "model.dtype=bfloat16", "eval.draft_steps=3"]))
+    ok(run(["export.py", "--config", str(config), "model.dtype=bfloat16", "eval.draft_steps=3", "--allow-worse"]))
     record = json.loads((tmp_path / "mtp3" / "TRAINING.json").read_text())
     attention = {k for k in record["derived"]["trainable_tensors"] if ".self_attn." in k}
     assert attention == {f"mtp.layers.0.self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
@@ -196,4 +214,4 @@ def test_unrolled_training_with_a_widened_trainable_set(models, tmp_path):
         assert same != (key in trained), key
     summary = json.loads((tmp_path / "mtp3" / "train-summary.json").read_text())
     assert all(summary["history"][-1][f"scored_step{k}"] > 0 for k in (1, 2, 3))
-    assert len(record["metrics"]["heldout"]["trained"]["acceptance"]) == 3
+    assert len(record["metrics"]["heldout"]["trained"]["teacher_forced"]["acceptance"]) == 3

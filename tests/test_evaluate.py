@@ -145,39 +145,47 @@ def checkpoints(tmp_path_factory, sample_tokenizer_dir):
     return {"base": base.path, "donor": donor.path, "tokenizer": tokenizer, "data": data}
 
 
-@pytest.mark.parametrize("self_generated", [False, True])
-def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, self_generated):
+@pytest.mark.parametrize("teacher_forced_only", [True, False])
+def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_forced_only):
     out = tmp_path / "eval"
     argv = [
         "--base", str(checkpoints["base"]), "--head", str(checkpoints["base"]), "--donor", str(checkpoints["donor"]),
         "--data", str(checkpoints["data"]), "--tokenizer", str(checkpoints["tokenizer"]), "--steps", "2",
-        "--context-tokens", "16", "--answer-tokens", "12", "--train-conversations", "4", "--heldout-conversations", "2",
-        "--dtype", "float32", "--out", str(out),
+        "--context-tokens", "16", "--answer-tokens", "12", "--train-conversations", "4", "--validation-conversations", "0",
+        "--heldout-conversations", "2", "--dtype", "float32", "--out", str(out),
     ]
-    if self_generated:
-        argv += ["--self-generated", "--max-new-tokens", "8", "--reference-decoder"]
+    if teacher_forced_only:
+        argv += ["--teacher-forced-only"]
+    else:
+        argv += ["--max-new-tokens", "8", "--served-steps", "1,2", "--reference-decoder"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "evaluation.json").read_text())
     assert (out / "acceptance.png").read_bytes()[:8] == PNG_MAGIC
     assert set(report["heads"]) == {"donor", "trained"}
-    assert report["exact"] is self_generated and report["text"] == (SELF_GENERATED if self_generated else TEACHER_FORCED)
-    for metrics in report["heads"].values():
-        assert len(metrics["acceptance"]) == 2 and metrics["windows"] == 2
-        assert metrics["exact"] is self_generated
-    assert "donor" in printed and "trained" in printed and "acceptance step 2" in printed
-    if self_generated:
-        assert report["self_generated"]["max_new_tokens"] == 8
-        assert 0 < report["self_generated"]["generated_tokens"] <= 16
-        assert all(m["data_matches_target"] == 1.0 for m in report["heads"].values())
-        assert "exact" in printed
-        for check in report["reference_decoder"].values():
+    assert report["exact"] is not teacher_forced_only
+    assert report["text"] == (TEACHER_FORCED if teacher_forced_only else SELF_GENERATED)
+    assert "donor" in printed and "trained" in printed
+    if teacher_forced_only:
+        for metrics in report["heads"].values():
+            assert len(metrics["acceptance"]) == 2 and metrics["windows"] == 2 and not metrics["exact"]
+        assert "approximate" in printed and "acceptance step 2" in printed
+        return
+    assert report["self_generated"]["max_new_tokens"] == 8
+    assert 0 < report["self_generated"]["generated_tokens"] <= 16
+    for head_report in report["heads"].values():
+        assert set(head_report["served"]) == {"1", "2"}
+        assert head_report["self_generated"]["exact"] and head_report["self_generated"]["data_matches_target"] == 1.0
+        assert not head_report["teacher_forced"]["exact"] and head_report["teacher_forced"]["windows"] == 2
+    assert "served acceptance (exact)" in printed and "2-step drafts: step 2 acceptance" in printed
+    for name, checks in report["reference_decoder"].items():
+        for k, check in checks.items():
             assert check["decisions"] > 0 and check["decisions_equal"] == check["decisions"]
-            for key in ("proposed", "accepted", "drafted"):
-                assert check["measured"][key] == check["offline_at_decoder_anchors"][key]
-        assert "reference decoder (trained)" in printed
-    else:
-        assert "approximate" in printed
+            assert check["texts_equal"] == check["windows"] == 2
+            for key in ("proposed", "accepted", "drafted", "verify_passes"):
+                # the decoder's own counts, the replay on its text, and the headline on the stored text agree
+                assert check["measured"][key] == check["replayed"][key] == report["heads"][name]["served"][k][key]
+    assert "reference decoder (trained, 2-step)" in printed
 
 
 def test_cli_refuses_missing_inputs(tmp_path, capsys):

@@ -22,17 +22,23 @@ def test_reference_record_fits_schema(reference):
 
 def test_reference_record_is_the_demo_recipe(reference):
     assert reference["derived"]["total_steps"] == 512
-    assert reference["dataset"]["windows"]["train"] == 256 and reference["dataset"]["windows"]["heldout"] == 32
+    windows = reference["dataset"]["windows"]
+    assert (windows["train"], windows["validation"], windows["heldout"]) == (256, 32, 32)
+    assert reference["settings"]["data"]["answers"] == "self_generated"
     assert reference["derived"]["trainable_tensors"] == [
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"]
-    heldout = reference["metrics"]["heldout"]
-    assert heldout["trained"]["agreement"] > heldout["donor"]["agreement"]
+    metrics = reference["metrics"]
+    assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]
+    for k in ("1", "3"):  # the headline: the trained head ahead of the donor where serving runs it
+        donor, trained = (metrics["heldout"][name]["served"][k] for name in ("donor", "trained"))
+        assert trained["mean_accept_length"] > donor["mean_accept_length"], k
 
 
 @pytest.mark.parametrize(
     "path, value, message",
     [
-        (("metrics", "heldout", "trained", "agreement"), "high", "expected a number"),
+        (("metrics", "heldout", "trained", "teacher_forced", "agreement"), "high", "expected a number"),
+        (("metrics", "heldout", "donor", "served", "1", "accepted"), 3, "expected a list"),
         (("base", "files"), {"name": "x"}, "expected a list"),
         (("library", "version"), 1, "expected str"),
         (("derived", "total_steps"), True, "expected an integer"),
@@ -52,3 +58,9 @@ def test_missing_section_is_rejected(reference):
     broken = copy.deepcopy(reference)
     del broken["donor"]
     assert "TRAINING.donor: missing" in validate_record(broken)
+
+
+def test_missing_served_step_is_rejected(reference):
+    broken = copy.deepcopy(reference)
+    del broken["metrics"]["heldout"]["trained"]["served"]["3"]
+    assert "TRAINING.metrics.heldout.trained.served.3: missing" in validate_record(broken)

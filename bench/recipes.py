@@ -1,0 +1,118 @@
+"""Recipes compared where serving runs the head: one demo build, the same heldout, one run.
+
+    python bench/recipes.py --models runs/demo/models --out runs/recipes [--recipes data,default,...]
+
+Each recipe is the embedded default's config (`configs/demo.yaml`) with overrides. It is
+trained with `train.py`'s own `train()` and measured with `export.py`'s own `export()`
+(`--allow-worse`, so that a losing head is measured too), all in one process and
+sharing one store of self-generated windows, so every recipe is measured on the same
+heldout windows with the same code. The table lists the headline (the reference
+decoder's acceptance on the base's own greedy text, decoder replay; K = 1 and 3) for
+the donor and each recipe, then the secondary teacher-forced figures. Writes
+`recipes.json` and `recipes.md` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from occamy_mtp.config import load_config  # noqa: E402
+from occamy_mtp.export import METRICS_FILE, export  # noqa: E402
+from occamy_mtp.train import train  # noqa: E402
+
+NO_SELECTION = "train.select_every_steps=0"
+RECIPES = {
+    # name: (what it is, overrides on configs/demo.yaml)
+    "data": ("recorded answers, last step (the original recipe)", ["data.answers=data", NO_SELECTION]),
+    "data-select": ("recorded answers, best validation step", ["data.answers=data"]),
+    "selfgen": ("self-generated answers, last step", [NO_SELECTION]),
+    "default": ("self-generated answers, best validation step (the default)", []),
+    "mixed": ("recorded + self-generated answers, best validation step", ["data.answers=mixed"]),
+    "lr5e-4": ("as default, lr 5e-4", ["train.lr=5e-4"]),
+    "steps1024": ("as default, 4 epochs (1024 steps)", ["train.epochs=4"]),
+    "mtp3": ("as default, 3-step chain loss (0.5/0.25/0.25)", ["train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]),
+    "wide": ("as default, also trains mtp.norm and the attention", [
+        "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]"]),
+}
+
+
+def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -> dict:
+    common = [
+        f"model.base={models / 'base'}",
+        f"model.donor_head={models / 'donor'}",
+        f"data.self_generated_dir={out / 'self-generated'}",
+        f"eval.decoder_check_windows={decoder_check_windows}",
+    ]
+    results = {}
+    for name in names:
+        what, overrides = RECIPES[name]
+        config = load_config(ROOT / "configs" / "demo.yaml", [*common, *overrides, f"output.dir={out / name}"])
+        started = time.perf_counter()
+        if not (Path(config.output.dir) / "train-summary.json").is_file():
+            train(config)
+        record = export(config, allow_worse=True, log=lambda message: None)
+        results[name] = {
+            "what": what,
+            "overrides": overrides,
+            "seconds": time.perf_counter() - started,
+            "selected_step": record["training"]["selection"]["written_step"],
+            "metrics": json.loads((Path(config.output.dir) / METRICS_FILE).read_text()),
+        }
+        print(f"{name}: done in {results[name]['seconds']:.0f} s", flush=True)
+        (out / "recipes.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def table(results: dict) -> str:
+    first = next(iter(results.values()))["metrics"]
+    donor = first["heldout"]["donor"]
+    rows = [("donor", "the donor's head, unchanged", "-", donor)]
+    rows += [(name, r["what"], str(r["selected_step"]), r["metrics"]["heldout"]["trained"]) for name, r in results.items()]
+    lines = [
+        "| recipe | what | step | K=1 acc | K=1 length | K=3 acc (1/2/3) | K=3 length | every anchor, K=3 length "
+        "| teacher-forced agreement | teacher-forced K=3 length (approx.) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, what, step, report in rows:
+        k1, k3 = report["served"]["1"], report["served"]["3"]
+        lines.append(
+            f"| {name} | {what} | {step} | {k1['acceptance'][0]:.1%} | {k1['mean_accept_length']:.3f} | "
+            + "/".join(f"{a:.1%}" for a in k3["acceptance"])
+            + f" | {k3['mean_accept_length']:.3f} | {report['self_generated']['mean_accept_length']:.3f} | "
+            f"{report['teacher_forced']['agreement']:.1%} | {report['teacher_forced']['mean_accept_length']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp.testing.demo_models)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
+    parser.add_argument("--decoder-check-windows", type=int, default=0, help="eval.decoder_check_windows for every recipe")
+    args = parser.parse_args(argv)
+    names = [n for n in args.recipes.split(",") if n]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        print(f"error: unknown recipe {unknown[0]!r}; known: {', '.join(RECIPES)}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run(args.models, args.out, names, args.decoder_check_windows)
+    text = table(results)
+    (args.out / "recipes.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
