@@ -1,0 +1,74 @@
+"""Imports inside occamy_mtp point one way: no module imports itself back through others.
+
+Every import counts, at the top of a module or inside a function: a deferred import
+only hides a cycle from the interpreter, not from the reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "occamy_mtp"
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its source)."""
+    modules = {module_name(p, package): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from occamy_mtp import checkpoint` imports the submodule when there is one
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+                found.add(node.module)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import path per cycle found by depth-first search (empty when the graph is acyclic)."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "occamy_mtp.train" in graph and "occamy_mtp.checkpoint" in graph["occamy_mtp.train"]
+    assert cycles(graph) == [], "import cycles: " + "; ".join(" -> ".join(c) for c in cycles(graph))
+
+
+def test_a_cycle_is_found(tmp_path):
+    package = tmp_path / "occamy_mtp"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from occamy_mtp import b\n")
+    (package / "b.py").write_text("def late():\n    from occamy_mtp.c import x\n")
+    (package / "c.py").write_text("import occamy_mtp.a\nx = 1\n")
+    (package / "d.py").write_text("from occamy_mtp.a import b\n")  # imports into the cycle, is not in it
+    assert cycles(import_graph(package)) == [["occamy_mtp.a", "occamy_mtp.b", "occamy_mtp.c", "occamy_mtp.a"]]
