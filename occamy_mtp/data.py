@@ -27,6 +27,12 @@ The flow, top to bottom:
    Where tokenizing `turn` in one piece would merge tokens across the boundary, the
    window still uses the split form and the event is counted
    (`windows.boundary_retokenized` in the provenance).
+   Only the text a window keeps is tokenized (`tokenize_window`): a tail of the prompt
+   and a head of the span, each grown until it provably gives the tokens the whole
+   text gives there, so that the work per conversation is bounded by the window, not
+   by the conversation (`tokenize_turn`, which tokenizes everything, is the reference
+   it is tested against). A conversation whose text exceeds `max_record_bytes` is
+   excluded as RECORD_TOO_LARGE before it is rendered.
 4. Split. Conversations (never windows) go to train or heldout by a seeded hash of
    their content; see `assign_split` for the exact guarantee when data is added.
 
@@ -64,11 +70,21 @@ TURN_CHOICES = ("last", "first", "every")
 EXAMPLE_LOCATIONS_KEPT = 5
 # Bytes read at a time when hashing input files.
 HASH_CHUNK_BYTES = 1 << 20
+# A conversation's text (UTF-8 bytes of its messages) beyond this is refused: Qwen3.5's
+# longest context, 262,144 tokens, holds about 1 MiB of text, so a record eight times
+# that is not a conversation the base was served (a concatenated corpus, a log dump).
+DEFAULT_MAX_RECORD_BYTES = 8 * 2**20
+# Bounded tokenization (tokenize_window). A text cut at an arbitrary character may
+# tokenize differently within a few tokens of the cut; no token that close to a cut is
+# ever kept. The first cut allows this many characters per token wanted, and doubles.
+CUT_MARGIN_TOKENS = 16
+CUT_CHARS_PER_TOKEN = 16
 
 # Exclusion reasons, in the order they are checked (a conversation counts under the first).
 BAD_RECORD = "bad_record"  # only with skip_bad_records; otherwise a DataError
 TOOL_CALL_ROLES = "tool_call_roles"  # tool/function roles or tool calls: no normalised form
 NON_TEXT_CONTENT = "non_text_content"  # image, audio, video or file parts
+RECORD_TOO_LARGE = "record_too_large"  # more text than max_record_bytes
 DUPLICATE_CONVERSATION = "duplicate_conversation"  # same normalised content as an earlier record
 NO_ASSISTANT_TURN = "no_assistant_turn"
 EMPTY_ANSWER = "empty_answer"  # a selected assistant turn is empty or whitespace only
@@ -80,6 +96,7 @@ EXCLUSION_REASONS = (
     BAD_RECORD,
     TOOL_CALL_ROLES,
     NON_TEXT_CONTENT,
+    RECORD_TOO_LARGE,
     DUPLICATE_CONVERSATION,
     NO_ASSISTANT_TURN,
     EMPTY_ANSWER,
@@ -213,6 +230,10 @@ class PreparedData:
     tokenizer_identity: dict[str, Any]
     validation: list[Window] = field(default_factory=list)
     validation_hashes: list[str] = field(default_factory=list)
+    # Kept out of `settings` (which the target cache's identity compares): it decides
+    # which conversations are kept, never what a window holds, and the cache compares
+    # the windows themselves too.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
 
     @property
     def conversations_kept(self) -> int:
@@ -269,6 +290,7 @@ class PreparedData:
                 "heldout_hashes": list(self.heldout_hashes),
             },
             "settings": dict(self.settings),
+            "max_record_bytes": self.max_record_bytes,
             "tokenizer": dict(self.tokenizer_identity),
         }
 
@@ -361,14 +383,17 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
 # ---------------------------------------------------------------------------- normalising
 
 
-def normalise_record(record: Any, location: str, *, drop_non_text: bool = False) -> Conversation | Excluded:
+def normalise_record(
+    record: Any, location: str, *, drop_non_text: bool = False, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> Conversation | Excluded:
     """One record -> a Conversation, or an Excluded reason; DataError if malformed.
 
     OpenAI style: {"messages": [{"role", "content"}]} with content a string, null or a
     list of parts ({"type": "text", "text": ...}, image/audio/file parts). ShareGPT
     style: {"conversations": [{"from", "value"}]} (a top-level "system" string becomes
     the system turn). Unknown keys are ignored; so is any per-message reasoning field:
-    windows are built with thinking disabled.
+    windows are built with thinking disabled. A conversation whose messages hold more
+    than `max_record_bytes` of text (UTF-8) is RECORD_TOO_LARGE.
     """
     if isinstance(record, _Malformed):
         raise DataError(f"{location}: {record.problem}")
@@ -405,7 +430,14 @@ def normalise_record(record: Any, location: str, *, drop_non_text: bool = False)
         messages.append(Message(ROLE_SPELLINGS[spelled], text))
     if has_non_text and not drop_non_text:
         return Excluded(NON_TEXT_CONTENT)
+    text_bytes = sum(_utf8_length(message.content) for message in messages)
+    if text_bytes > max_record_bytes:
+        return Excluded(RECORD_TOO_LARGE, f"{text_bytes} bytes of text, over the limit of {max_record_bytes} (max_record_bytes)")
     return Conversation(tuple(messages), location)
+
+
+def _utf8_length(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", errors="surrogatepass"))
 
 
 def _content_text(content: Any, where: str) -> tuple[str, bool]:
@@ -467,17 +499,95 @@ def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tupl
 
 
 def tokenize_turn(tokenizer, prompt: str, span: str) -> _TurnTokens:
-    """Token ids of the prompt and of the assistant span, each tokenized on its own.
+    """Token ids of the whole prompt and of the whole assistant span, each tokenized on its own.
 
     The span ends with its first special token (the template's end of turn); what
-    follows it (Qwen: a newline) is never generated, so it is dropped.
+    follows it (Qwen: a newline) is never generated, so it is dropped. Work and memory
+    grow with the texts (a 50 MB message took minutes and gigabytes): windows use
+    `tokenize_window`, of which this is the reference.
     """
-    prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    rendered_span_ids = list(tokenizer(span, add_special_tokens=False)["input_ids"])
-    whole_ids = list(tokenizer(prompt + span, add_special_tokens=False)["input_ids"])
-    special_ids = _special_token_ids(tokenizer)
-    end = next((i + 1 for i, token_id in enumerate(rendered_span_ids) if token_id in special_ids), len(rendered_span_ids))
+    prompt_ids = _encode(tokenizer, prompt)
+    rendered_span_ids = _encode(tokenizer, span)
+    whole_ids = _encode(tokenizer, prompt + span)
+    end = _through_first_special(rendered_span_ids, _special_token_ids(tokenizer))
     return _TurnTokens(prompt_ids, rendered_span_ids[:end], whole_ids != prompt_ids + rendered_span_ids)
+
+
+@dataclass(frozen=True)
+class WindowTokens:
+    context_ids: list[int]  # tokenize_turn(...).prompt_ids[-context_tokens:]
+    answer_ids: list[int]  # tokenize_turn(...).span_ids[:answer_tokens]
+    boundary_retokenized: bool  # as tokenize_turn's
+
+
+def tokenize_window(tokenizer, prompt: str, span: str, context_tokens: int, answer_tokens: int) -> WindowTokens:
+    """What `tokenize_turn` gives of a window, tokenizing only about the text the window keeps.
+
+    The context is read from a tail of the prompt, the answer from a head of the span
+    (`_last_tokens`, `_first_tokens`): the work is bounded by the window's token counts
+    (times the characters a token spans), whatever the length of the conversation. The
+    boundary check compares the same tail and head tokenized in one piece and apart;
+    the tokens the pieces were cut from lie far from the boundary, on both sides alike.
+    """
+    special_ids = _special_token_ids(tokenizer)
+    context_ids, tail, tail_ids = _last_tokens(tokenizer, prompt, context_tokens)
+    answer_ids, head, head_ids = _first_tokens(tokenizer, span, answer_tokens, special_ids)
+    retokenized = _encode(tokenizer, tail + head) != tail_ids + head_ids
+    return WindowTokens(context_ids, answer_ids, retokenized)
+
+
+def _last_tokens(tokenizer, text: str, count: int) -> tuple[list[int], str, list[int]]:
+    """(tokens(text)[-count:], the tail of `text` tokenized, its tokens), tokenizing a tail only.
+
+    A tail starts at an arbitrary character, so its first tokens can differ from the
+    whole text's. A tail is trusted once it holds CUT_MARGIN_TOKENS more tokens than the
+    `count` kept and a tail twice as long ends in the same `count` tokens (the cut moved
+    and the kept tokens did not); otherwise the tail doubles, up to the whole text,
+    which is exact by definition.
+    """
+    budget = (count + CUT_MARGIN_TOKENS) * CUT_CHARS_PER_TOKEN
+    shorter: list[int] | None = None
+    while budget < len(text):
+        tail = text[-budget:]
+        ids = _encode(tokenizer, tail)
+        if shorter is not None and ids[-count:] == shorter:
+            return ids[-count:], tail, ids
+        shorter = ids[-count:] if len(ids) >= count + CUT_MARGIN_TOKENS else None
+        budget *= 2
+    ids = _encode(tokenizer, text)
+    return ids[-count:], text, ids
+
+
+def _first_tokens(tokenizer, text: str, count: int, special_ids: frozenset[int]) -> tuple[list[int], str, list[int]]:
+    """(tokens(text) through its first special token, first `count` of them; the head of
+    `text` tokenized; its tokens), tokenizing a head only.
+
+    As `_last_tokens`, from the other end, with one more way to be exact: a head that
+    holds a special token tokenizes everything before it as the whole text does (the
+    tokenizer splits its input at special tokens first), and nothing after it is kept.
+    """
+    budget = (count + CUT_MARGIN_TOKENS) * CUT_CHARS_PER_TOKEN
+    shorter: list[int] | None = None
+    while budget < len(text):
+        head = text[:budget]
+        ids = _encode(tokenizer, head)
+        if any(token_id in special_ids for token_id in ids):
+            return ids[: _through_first_special(ids, special_ids)][:count], head, ids
+        if shorter is not None and ids[:count] == shorter:
+            return ids[:count], head, ids
+        shorter = ids[:count] if len(ids) >= count + CUT_MARGIN_TOKENS else None
+        budget *= 2
+    ids = _encode(tokenizer, text)
+    return ids[: _through_first_special(ids, special_ids)][:count], text, ids
+
+
+def _through_first_special(ids: Sequence[int], special_ids: Collection[int]) -> int:
+    """The length of `ids` up to and including the first special token (all of them if none)."""
+    return next((i + 1 for i, token_id in enumerate(ids) if token_id in special_ids), len(ids))
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def conversation_windows(
@@ -509,10 +619,9 @@ def conversation_windows(
         rendered = render_turn(tokenizer, conversation.messages, k)
         if isinstance(rendered, Excluded):
             return rendered
-        tokens = tokenize_turn(tokenizer, *rendered)
+        tokens = tokenize_window(tokenizer, *rendered, context_tokens, answer_tokens)
         retokenized += tokens.boundary_retokenized
-        context = tokens.prompt_ids[-context_tokens:]
-        answer = tokens.span_ids[:answer_tokens]
+        context, answer = tokens.context_ids, tokens.answer_ids
         windows.append(Window(content_hash, k, tuple(context + answer), len(context)))
     return windows, retokenized
 
@@ -614,6 +723,7 @@ def prepare_windows(
     skip_bad_records: bool = False,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
     validation_conversations: int = DEFAULT_VALIDATION_CONVERSATIONS,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> PreparedData:
     """Read chat files, build assistant-only windows, split them; see the module docstring.
 
@@ -621,9 +731,12 @@ def prepare_windows(
     With `skip_bad_records`, malformed records are counted as BAD_RECORD (first few
     locations in the report) instead of raising DataError; a missing or unreadable file
     always raises. `exclude` lists which of OPTIONAL_EXCLUSIONS apply; the other reasons
-    always do. Windows are ordered by split key, then turn.
+    always do. A conversation with more than `max_record_bytes` of text is excluded
+    (RECORD_TOO_LARGE) before it is rendered. Windows are ordered by split key, then turn.
     """
     _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
+    if max_record_bytes < 1:
+        raise ValueError(f"max_record_bytes must be >= 1, got {max_record_bytes!r}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
     tally = _Tally()
@@ -638,7 +751,9 @@ def prepare_windows(
             records += 1
             conversations_read += 1
             try:
-                conversation = normalise_record(record, location, drop_non_text=NON_TEXT_CONTENT not in exclude)
+                conversation = normalise_record(
+                    record, location, drop_non_text=NON_TEXT_CONTENT not in exclude, max_record_bytes=max_record_bytes
+                )
             except DataError as err:
                 if not skip_bad_records:
                     raise
@@ -705,6 +820,7 @@ def prepare_windows(
         boundary_retokenized=boundary_retokenized,
         settings=settings,
         tokenizer_identity=tokenizer_identity(tokenizer),
+        max_record_bytes=max_record_bytes,
     )
 
 
@@ -779,6 +895,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
     parser.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
     parser.add_argument("--keep-empty-answers", action="store_true", help="keep empty answers (a one-token window)")
+    parser.add_argument(
+        "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
+        help=f"exclude (and count) a conversation with more text than this (default {DEFAULT_MAX_RECORD_BYTES})",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
     args = parser.parse_args(argv)
 
@@ -814,6 +934,7 @@ def main(argv: list[str] | None = None) -> int:
             split_seed=args.split_seed,
             skip_bad_records=args.skip_bad_records,
             exclude=frozenset(exclude),
+            max_record_bytes=args.max_record_bytes,
         )
     except (DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

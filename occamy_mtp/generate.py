@@ -13,7 +13,10 @@ The flow, top to bottom:
    the assistant turn(s) to regenerate (`turns`, "last" by default).
 2. Render each prompt exactly as a window's context is rendered: the template up to the
    chosen turn, `add_generation_prompt=True`, `enable_thinking=False`
-   (`data.render_turn`), tokenized on its own.
+   (`data.render_turn`), tokenized on its own. The base reads the whole prompt, so it is
+   tokenized whole (a window keeps only its tail, and `data` tokenizes only that); a
+   conversation with more text than `max_record_bytes` is excluded first, as
+   `prepare_windows` excludes it (RECORD_TOO_LARGE).
 3. Generate greedily with `greedy_generate` (batched; token-identical to decoding each
    prompt alone with a full forward per step, see there), until an end-of-turn token or
    `max_new_tokens`.
@@ -275,6 +278,7 @@ def read_prompts(
     turns: str = "last",
     exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
     skip_bad_records: bool = False,
+    max_record_bytes: int = D.DEFAULT_MAX_RECORD_BYTES,
 ) -> Prompts:
     """The prompts of the selected assistant turns, in file order, with data.py's exclusions.
 
@@ -284,6 +288,8 @@ def read_prompts(
     """
     if turns not in D.TURN_CHOICES:
         raise ValueError(f"turns must be {' or '.join(D.TURN_CHOICES)}, got {turns!r}")
+    if max_record_bytes < 1:
+        raise ValueError(f"max_record_bytes must be >= 1, got {max_record_bytes!r}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise D.DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
     excluded: dict[str, int] = {}
@@ -305,7 +311,9 @@ def read_prompts(
             records += 1
             conversations_read += 1
             try:
-                conversation = D.normalise_record(record, location, drop_non_text=D.NON_TEXT_CONTENT not in exclude)
+                conversation = D.normalise_record(
+                    record, location, drop_non_text=D.NON_TEXT_CONTENT not in exclude, max_record_bytes=max_record_bytes
+                )
             except D.DataError as err:
                 if not skip_bad_records:
                     raise
@@ -362,9 +370,11 @@ def roundtrip_outcome(
     end_text = "" if end_of_turn_id is None else _decode(tokenizer, [end_of_turn_id])
     if isinstance(rendered, D.Excluded) or not rendered[1].startswith(text + end_text):
         return TEMPLATE_REWROTE_TEXT
-    span_ids = D.tokenize_turn(tokenizer, *rendered).span_ids
     expected = content_ids + ([] if end_of_turn_id is None else [end_of_turn_id])
-    return ROUNDTRIP_EXACT if span_ids[: len(expected)] == expected else RETOKENIZED
+    # Only the answer's first len(expected) tokens are compared: the prompt, however
+    # long, is not tokenized for it (one context token is the least a window asks for).
+    answer_ids = D.tokenize_window(tokenizer, *rendered, 1, len(expected)).answer_ids
+    return ROUNDTRIP_EXACT if answer_ids == expected else RETOKENIZED
 
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
@@ -579,6 +589,7 @@ def regenerate_answers(
     exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
     skip_bad_records: bool = False,
     progress: bool = False,
+    max_record_bytes: int = D.DEFAULT_MAX_RECORD_BYTES,
 ) -> GenerateReport:
     """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
 
@@ -606,6 +617,7 @@ def regenerate_answers(
         "dtype": str(parameter.dtype).removeprefix("torch."),
         "exclude": sorted(exclude),
         "skip_bad_records": skip_bad_records,
+        "max_record_bytes": max_record_bytes,  # recorded, not compared on resume: it only keeps prompts out
     }
     tokenizer_identity = D.tokenizer_identity(tokenizer)
     sidecar = {"format": SIDECAR_FORMAT, "library_version": __version__, "settings": settings, "base": dict(base_identity), "tokenizer": tokenizer_identity}
@@ -630,7 +642,9 @@ def regenerate_answers(
         runs = []
 
     # 2. The prompts (a DataError stops here, before anything is written).
-    read = read_prompts(files, tokenizer, turns=turns, exclude=exclude, skip_bad_records=skip_bad_records)
+    read = read_prompts(
+        files, tokenizer, turns=turns, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes
+    )
     selected = read.prompts if limit is None else read.prompts[:limit]
     done = existing.keys
     missing = [p for p in selected if p.key not in done]
@@ -749,6 +763,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(ckpt_io.DTYPES), default="bfloat16", help="dtype of the base")
     parser.add_argument("--limit", type=int, help="regenerate only the first N prompts (a later run continues)")
     parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
+    parser.add_argument(
+        "--max-record-bytes", type=int, default=D.DEFAULT_MAX_RECORD_BYTES,
+        help=f"exclude (and count) a conversation with more text than this (default {D.DEFAULT_MAX_RECORD_BYTES})",
+    )
     parser.add_argument("--no-resume", action="store_true", help="refuse an existing output instead of continuing it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -761,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"--tokenizer {tokenizer_dir}: no such directory")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         problems.append(f"--device {args.device}: CUDA is not available on this machine")
-    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("limit", 0)):
+    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("limit", 0), ("max_record_bytes", 1)):
         value = getattr(args, name)
         if value is not None and value < least:
             problems.append(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
@@ -793,6 +811,7 @@ def main(argv: list[str] | None = None) -> int:
             limit=args.limit,
             skip_bad_records=args.skip_bad_records,
             progress=not args.no_progress,
+            max_record_bytes=args.max_record_bytes,
         )
     except (D.DataError, GenerateError, ckpt_io.CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
