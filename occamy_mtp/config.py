@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -150,6 +151,11 @@ class RunConfig:
 
     def fingerprint(self, sections: tuple[str, ...] = ("model", "data", "train")) -> str:
         """sha256 of the settings that determine the trained head (resume refuses a change)."""
+        return hashlib.sha256(json.dumps(self.fingerprinted(sections), sort_keys=True).encode()).hexdigest()
+
+    def fingerprinted(self, sections: tuple[str, ...] = ("model", "data", "train")) -> dict:
+        """The settings `fingerprint` hashes, as a plain tree (kept in checkpoints, so that a
+        refused resume can name what changed)."""
         d = self.to_dict()
         # Where the targets and the continuations are read from does not change them (the
         # cache and the store hold exactly what the base computes), so a run may move them.
@@ -158,8 +164,20 @@ class RunConfig:
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
-        blob = json.dumps(parts, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return parts
+
+
+def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
+    """`dotted.key: then -> now` for every setting that differs between two `fingerprinted` trees."""
+    lines = []
+    for key in sorted(set(then) | set(now)):
+        a, b = then.get(key), now.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += differing_settings(a, b, name + ".")
+        elif a != b:
+            lines.append(f"{name}: {a!r} -> {b!r}")
+    return lines
 
 
 def _plain(obj):
@@ -307,17 +325,25 @@ def validate(config: RunConfig) -> None:
         (config.data.self_generate_batch_size >= 1, "data.self_generate_batch_size", ">= 1"),
         (config.train.epochs >= 1, "train.epochs", ">= 1"),
         (config.train.windows_per_step >= 1, "train.windows_per_step", ">= 1"),
-        (config.train.lr > 0, "train.lr", "> 0"),
+        (math.isfinite(config.train.lr) and config.train.lr > 0, "train.lr", "a finite number > 0"),
         (config.train.lr_warmup_steps >= 0, "train.lr_warmup_steps", ">= 0"),
         (0 <= config.train.lr_min_ratio <= 1, "train.lr_min_ratio", "between 0 and 1"),
-        (config.train.grad_clip_norm >= 0, "train.grad_clip_norm", ">= 0"),
+        (math.isfinite(config.train.weight_decay) and config.train.weight_decay >= 0, "train.weight_decay", "a finite number >= 0"),
+        (0 <= config.train.adam_beta1 < 1, "train.adam_beta1", "in [0, 1)"),
+        (0 <= config.train.adam_beta2 < 1, "train.adam_beta2", "in [0, 1)"),
+        (math.isfinite(config.train.adam_eps) and config.train.adam_eps > 0, "train.adam_eps", "a finite number > 0"),
+        (math.isfinite(config.train.grad_clip_norm) and config.train.grad_clip_norm >= 0, "train.grad_clip_norm",
+         "a finite number >= 0"),
         (config.train.draft_steps >= 1, "train.draft_steps", ">= 1"),
         (
             not config.train.step_loss_weights or len(config.train.step_loss_weights) == config.train.draft_steps,
             "train.step_loss_weights",
             f"empty or {config.train.draft_steps} weights (one per draft step)",
         ),
-        (all(w >= 0 for w in config.train.step_loss_weights), "train.step_loss_weights", "non-negative weights"),
+        (all(math.isfinite(w) and w >= 0 for w in config.train.step_loss_weights), "train.step_loss_weights",
+         "finite, non-negative weights"),
+        (not config.train.step_loss_weights or sum(config.train.step_loss_weights) > 0, "train.step_loss_weights",
+         "weights that do not sum to 0"),
         (len(config.train.trainable) >= 1, "train.trainable", "at least one head submodule"),
         (config.train.checkpoint_every_steps >= 1, "train.checkpoint_every_steps", ">= 1"),
         (config.train.keep_checkpoints >= 1, "train.keep_checkpoints", ">= 1"),

@@ -39,10 +39,21 @@ from safetensors import safe_open
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import record as rec
 from occamy_mtp.cache import open_targets
-from occamy_mtp.config import ConfigError, RunConfig, load_config
+from occamy_mtp.config import ConfigError, RunConfig, differing_settings, load_config
 from occamy_mtp.evaluate import PLOT_FILE, heldout_report, reference_decoder_check
 from occamy_mtp.plot import plot_acceptance
-from occamy_mtp.run_setup import RunWindows, load_tokenizer, open_store, prepare_data, run_windows, stop_token_ids
+from occamy_mtp.run_setup import (
+    RunWindows,
+    check_run,
+    check_split,
+    load_tokenizer,
+    log_stderr,
+    open_store,
+    output_lock,
+    prepare_data,
+    run_windows,
+    stop_token_ids,
+)
 from occamy_mtp.selfgen import SelfGenError
 from occamy_mtp.train import TRAIN_SUMMARY, TRAINED_TENSORS, build_models
 
@@ -65,18 +76,25 @@ class ExportError(RuntimeError):
     """The trained tensors do not belong to this config, the written head failed its check, or it is worse than the donor."""
 
 
-def read_trained_tensors(output_dir: Path, fingerprint: str) -> dict[str, torch.Tensor]:
+def read_trained_tensors(output_dir: Path, config: RunConfig, summary: dict) -> dict[str, torch.Tensor]:
+    """The trained fp32 masters, refused when another config trained them or when any is not finite."""
     path = output_dir / TRAINED_TENSORS
     if not path.is_file():
         raise ExportError(f"{path}: no trained tensors; run train.py with this config first")
     with safe_open(str(path), framework="pt") as handle:
         found = (handle.metadata() or {}).get("config_fingerprint")
-        if found != fingerprint:
+        if found != config.fingerprint():
+            changed = differing_settings(summary.get("fingerprinted_settings", {}), config.fingerprinted())
             raise ExportError(
-                f"{path}: was trained with different model/data/train settings (fingerprint {found}, "
-                f"this config {fingerprint}); export with the config it was trained with"
+                f"{path}: was trained with different model/data/train settings ({'; '.join(changed) or 'unknown'}); "
+                "export with the config it was trained with"
             )
-        return {k: handle.get_tensor(k) for k in handle.keys()}
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ExportError(f"{path}: tensor {name} holds {int((~torch.isfinite(tensor)).sum())} non-finite values; "
+                              "nothing was exported (train again, e.g. with a lower train.lr)")
+    return tensors
 
 
 def head_config_json(text_config, layout: str, trained: list[str], tensors: dict[str, torch.Tensor]) -> dict:
@@ -146,31 +164,32 @@ def decoder_check(base, head, windows: RunWindows, config: RunConfig, stop: set[
     return out
 
 
-def export(config: RunConfig, allow_worse: bool = False, log=print) -> dict:
+def export(config: RunConfig, allow_worse: bool = False, log=log_stderr) -> dict:
     """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir."""
+    check_run(config)
+    with output_lock(config):
+        return _export(config, allow_worse, log)
+
+
+def _export(config: RunConfig, allow_worse: bool, log) -> dict:
     started = time.perf_counter()
     output_dir = Path(config.output.dir)
     summary_path = output_dir / TRAIN_SUMMARY
     if not summary_path.is_file():
         raise ExportError(f"{summary_path}: missing; run train.py with this config first")
     summary = json.loads(summary_path.read_text())
-    fingerprint = config.fingerprint()
-    masters = read_trained_tensors(output_dir, fingerprint)
+    masters = read_trained_tensors(output_dir, config, summary)
     for name in OUTPUT_FILES:  # what a killed export left behind
         for stale in ckpt_io.stale_temporaries(output_dir / name):
             stale.unlink()
 
     tokenizer = load_tokenizer(config)
-    data = prepare_data(config, tokenizer)
-    if not data.heldout:
-        raise ExportError(
-            "data: no heldout windows were built, so the head cannot be measured; "
-            "check data.files and data.heldout_conversations (see `python -m occamy_mtp.data`)"
-        )
+    data = prepare_data(config, tokenizer, log=log)
+    check_split(config, data)
     store = open_store(config, tokenizer)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cached = bool(config.data.target_cache)
-    models = build_models(config, device, with_base=not cached)
+    models = build_models(config, device, with_base=not cached, log=log)
     head = models.head
     windows = run_windows(config, data, store, models.base, log=log)
     # The frozen base's targets: read from the offline cache when there is one.
@@ -237,10 +256,9 @@ def export(config: RunConfig, allow_worse: bool = False, log=print) -> dict:
     head_config = head_config_json(base_text_config, layout, list(trained_disk), disk)
     hash_cache_path = output_dir / HASH_CACHE_FILE
     hash_cache = rec.load_hash_cache(hash_cache_path)
-    log("export: hashing the base and donor files for TRAINING.json")
     identities = {
-        "base": rec.checkpoint_identity(Path(config.model.base), hash_cache),
-        "donor": rec.checkpoint_identity(Path(config.model.donor_head), hash_cache),
+        "base": rec.checkpoint_identity(Path(config.model.base), hash_cache, log),
+        "donor": rec.checkpoint_identity(Path(config.model.donor_head), hash_cache, log),
     }
     largest = max(config.eval.served_steps)
 

@@ -25,11 +25,15 @@ _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "
 _HASH_BLOCK_BYTES = 16 * 1024 * 1024
 
 
+def _hash_cache_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
 def sha256_file(path: Path, cache: dict | None = None) -> str:
     """sha256 of a file; `cache` maps (path, size, mtime) to a known digest so a 67 GB base is hashed once."""
     path = Path(path)
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = _hash_cache_key(path)
     if cache is not None and key in cache:
         return cache[key]
     digest = hashlib.sha256()
@@ -67,10 +71,20 @@ def _revision(path: Path) -> str | None:
     return None
 
 
-def checkpoint_identity(path: Path, hash_cache: dict) -> dict:
-    """Config hash and sha256 of every safetensors file of a checkpoint (directory or one file)."""
+def checkpoint_identity(path: Path, hash_cache: dict, log=None) -> dict:
+    """Config hash and sha256 of every safetensors file of a checkpoint (directory or one file).
+
+    `log`, when given, hears of every file that is hashed (not found in `hash_cache`): at
+    real size that is minutes of reading.
+    """
     path = Path(path)
     ckpt = ckpt_io.SafetensorsCheckpoint(path)
+    if log is not None:
+        files = ckpt.files()
+        for number, f in enumerate(files, start=1):
+            if _hash_cache_key(f) not in hash_cache:
+                log(f"hashing {f} ({number}/{len(files)}, {f.stat().st_size / 2**30:.2f} GiB)")
+                sha256_file(f, hash_cache)
     config_path = path / "config.json" if path.is_dir() else None
     identity = {
         "path": str(path.resolve()),

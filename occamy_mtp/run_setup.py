@@ -11,15 +11,95 @@ base writes the missing ones when it is loaded (online runs and the cache pass).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import fcntl
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.data import PreparedData, Window, prepare_windows
+from occamy_mtp.head import MTPHead, set_trainable
 from occamy_mtp.selfgen import SelfGenError, SelfGeneratedStore, store_identity
 
 SELF_GENERATED_DIR = "self-generated"  # under output.dir unless data.self_generated_dir says otherwise
+LOCK_FILE = ".lock"
+
+
+def log_stderr(message: str) -> None:
+    """Progress of the slow phases, on stderr so that stdout keeps the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def check_run(config: RunConfig) -> None:
+    """The checks that need no data and no weights, before anything slow starts.
+
+    The base and donor exist and the base's config reads; no output of the run
+    (output.dir, the store, the target cache) is a file or lies inside the base or the
+    donor directory (symlinks resolved: the base is never written into); every name in
+    `train.trainable` is a head submodule (checked on a head built on the meta device).
+    """
+    base, donor = Path(config.model.base), Path(config.model.donor_head)
+    base_config = ckpt_io.read_config(base)
+    if not donor.exists():
+        raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
+    protected = [("model.base", base)] + ([("model.donor_head", donor)] if donor.is_dir() else [])
+    outputs = [("output.dir", Path(config.output.dir)), ("data.self_generated_dir", self_generated_dir(config))]
+    if config.data.target_cache:
+        outputs.append(("data.target_cache", Path(config.data.target_cache)))
+    for option, path in outputs:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{option}: {path} is a file; a directory is expected there")
+        for source, directory in protected:
+            if _inside(path, directory):
+                raise ConfigError(
+                    f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
+                )
+    with torch.device("meta"):
+        head = MTPHead(base_config.text_config)
+    try:
+        set_trainable(head, config.train.trainable)
+    except ValueError as err:
+        raise ConfigError(f"train.trainable: {err}") from None
+
+
+@contextlib.contextmanager
+def output_lock(config: RunConfig) -> Iterator[None]:
+    """Hold an exclusive lock on output.dir (its `.lock` file, with the holder's pid) while a run writes there.
+
+    Two trainings into one directory would both run and the last would silently win;
+    the second one now stops at once, naming the process that holds the directory.
+    """
+    directory = Path(config.output.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = open(directory / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise ConfigError(
+                f"output.dir: {directory} is in use by another run (pid {holder}); wait for it, or use another output.dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
 
 
 def tokenizer_path(config: RunConfig) -> str:
@@ -35,10 +115,14 @@ def load_tokenizer(config: RunConfig):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def prepare_data(config: RunConfig, tokenizer) -> PreparedData:
+def prepare_data(config: RunConfig, tokenizer, log: Callable[[str], None] | None = None) -> PreparedData:
     if not config.data.files:
         raise ConfigError("data.files: no chat data files given")
-    return prepare_windows(
+    if log is not None:
+        size = sum(Path(f).stat().st_size for f in config.data.files if Path(f).is_file())
+        log(f"data: reading {len(config.data.files)} file(s) ({size / 2**20:.1f} MiB) into windows")
+    started = time.perf_counter()
+    data = prepare_windows(
         list(config.data.files),
         tokenizer,
         context_tokens=config.data.context_tokens,
@@ -50,6 +134,26 @@ def prepare_data(config: RunConfig, tokenizer) -> PreparedData:
         split_seed=config.data.split_seed,
         skip_bad_records=config.data.skip_bad_records,
     )
+    if log is not None:
+        summary = data.summary()
+        log(f"data: {summary['conversations_read']} conversations read, {summary['conversations_kept']} kept; "
+            f"{summary['train_windows']} train / {summary['validation_windows']} validation / {summary['heldout_windows']} "
+            f"heldout windows ({time.perf_counter() - started:.1f} s)")
+    return data
+
+
+def check_split(config: RunConfig, data: PreparedData) -> None:
+    """Refuse a split that leaves the run nothing to train, select or report on."""
+    sides = [("train", data.train, "data.train_conversations"), ("heldout", data.heldout, "data.heldout_conversations")]
+    if config.train.select_every_steps:
+        sides.append(("validation", data.validation, "data.validation_conversations (or set train.select_every_steps=0)"))
+    for side, windows, option in sides:
+        if not windows:
+            raise ConfigError(
+                f"data: no {side} windows were built, so the run would have nothing to "
+                f"{'train on' if side == 'train' else 'measure'}; check data.files and {option} "
+                "(see `python -m occamy_mtp.data`)"
+            )
 
 
 def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:

@@ -37,12 +37,21 @@ from accelerate.utils import set_seed
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.cache import open_targets
-from occamy_mtp.config import ConfigError, RunConfig, dump_yaml, step_loss_weights
+from occamy_mtp.config import ConfigError, RunConfig, differing_settings, dump_yaml, step_loss_weights
 from occamy_mtp.data import Window
 from occamy_mtp.evaluate import served_acceptance
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.loss import chain_batch, chain_loss, collate
-from occamy_mtp.run_setup import load_tokenizer, open_store, prepare_data, run_windows
+from occamy_mtp.run_setup import (
+    check_run,
+    check_split,
+    load_tokenizer,
+    log_stderr,
+    open_store,
+    output_lock,
+    prepare_data,
+    run_windows,
+)
 from occamy_mtp.target import TargetSource
 
 CHECKPOINT_DIR = "checkpoints"
@@ -84,7 +93,11 @@ class Models:
 # ----------------------------------------------------------------------------------
 
 
-def build_models(config: RunConfig, device, with_base: bool = True) -> Models:
+def _quiet(message: str) -> None:
+    """The log of every process but the main one, and of callers that want none."""
+
+
+def build_models(config: RunConfig, device, with_base: bool = True, log=_quiet) -> Models:
     """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
@@ -92,10 +105,15 @@ def build_models(config: RunConfig, device, with_base: bool = True) -> Models:
     """
     dtype = ckpt_io.DTYPES[config.model.dtype]
     base_config = ckpt_io.read_config(config.model.base)
+    started = time.perf_counter()
+    files = ckpt_io.SafetensorsCheckpoint(Path(config.model.base)).files()
+    size = sum(f.stat().st_size for f in files) / 2**30
     if with_base:
+        log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
         base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
     else:
+        log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
         base = None
         shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
     head, layout = ckpt_io.load_head(
@@ -111,6 +129,7 @@ def build_models(config: RunConfig, device, with_base: bool = True) -> Models:
         if param.requires_grad:
             param.data = param.data.float()  # fp32 master copy; the forward rounds it as serving stores it
     total, _ = count_parameters(head)
+    log(f"models: loaded in {time.perf_counter() - started:.1f} s; head {total:,} parameters, {trainable:,} trainable")
     return Models(base, head, layout, trainable, total)
 
 
@@ -181,13 +200,14 @@ def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().cpu() for n, p in head.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, fingerprint: str, keep: int,
+def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, config: RunConfig, keep: int,
                     best: dict[str, torch.Tensor] | None) -> Path:
     directory = output_dir / CHECKPOINT_DIR
     path = directory / f"step-{state.step:06d}.pt"
     payload = {
         "format": 2,
-        "config_fingerprint": fingerprint,
+        "config_fingerprint": config.fingerprint(),
+        "settings": config.fingerprinted(),
         "state": dataclasses.asdict(state),
         "trainable": trainable_tensors(head),
         "best_trainable": best or {},
@@ -205,14 +225,15 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
+def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """Put the head and optimizer back to a checkpoint; returns its state and the best tensors so far."""
     payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("format") != 2:
         raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads 2; use a new output.dir")
-    if payload.get("config_fingerprint") != fingerprint:
+    if payload.get("config_fingerprint") != config.fingerprint():
+        changed = differing_settings(payload.get("settings", {}), config.fingerprinted())
         raise ConfigError(
-            f"{path}: written by a run with different model/data/train settings; "
+            f"{path}: written by a run with other settings ({'; '.join(changed) or 'unknown'}); "
             "resume with the same config, or use a new output.dir"
         )
     params = dict(head.named_parameters())
@@ -232,173 +253,190 @@ def load_checkpoint(path: Path, fingerprint: str, head: MTPHead, optimizer) -> t
 def train(config: RunConfig, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir."""
     output_dir = Path(config.output.dir)
+    check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
         cpu=not torch.cuda.is_available(),
         log_with=None if config.train.tracker == "none" else config.train.tracker,
         project_dir=str(output_dir),
     )
-    set_seed(config.train.seed)
-    device = accelerator.device
-    world = accelerator.num_processes
-    if config.train.windows_per_step % world:
-        raise ConfigError(
-            f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
-            f"over {world} processes; use a multiple of {world}"
+    # One run at a time writes into output.dir (the main process holds its lock).
+    with output_lock(config) if accelerator.is_main_process else contextlib.nullcontext():
+        set_seed(config.train.seed)
+        device = accelerator.device
+        world = accelerator.num_processes
+        if config.train.windows_per_step % world:
+            raise ConfigError(
+                f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
+                f"over {world} processes; use a multiple of {world}"
+            )
+        fingerprint = config.fingerprint()
+        existing = latest_checkpoint(output_dir)
+        if existing is not None and not resume:
+            raise ConfigError(f"{output_dir} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
+
+        # Data: windows from the chat files, split into train, validation and heldout.
+        tokenizer = load_tokenizer(config)
+        log = log_stderr if accelerator.is_main_process else _quiet  # progress of the slow phases, once
+        data = prepare_data(config, tokenizer, log=log)
+        check_split(config, data)
+        store = open_store(config, tokenizer)
+
+        # Models: frozen base (unless its targets come from the cache), donor head with
+        # fp32 master copies of what trains.
+        cached = bool(config.data.target_cache)
+        models = build_models(config, device, with_base=not cached, log=log)
+        head = models.head
+        # The base writes the continuations the store lacks: the main process, while the others wait.
+        with accelerator.main_process_first():
+            if not accelerator.is_main_process:
+                store = open_store(config, tokenizer)  # read what the main process wrote
+            windows = run_windows(config, data, store, models.base, log=log)
+        targets_source: TargetSource = open_targets(
+            config.data.target_cache, config.model.base, windows.all(), data.settings, config.model.dtype,
+            config.model.attn_implementation, base=models.base,
         )
-    fingerprint = config.fingerprint()
-    existing = latest_checkpoint(output_dir)
-    if existing is not None and not resume:
-        raise ConfigError(f"{output_dir} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
-
-    # Data: windows from the chat files, split into train, validation and heldout.
-    tokenizer = load_tokenizer(config)
-    data = prepare_data(config, tokenizer)
-    if not data.train:
-        raise ConfigError("data: no train windows were built; check data.files (see `python -m occamy_mtp.data`)")
-    if config.train.select_every_steps and not data.validation:
-        raise ConfigError(
-            "data: no validation windows were built, so checkpoints cannot be selected; check data.files and "
-            "data.validation_conversations, or set train.select_every_steps=0"
+        trainable = [p for p in head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            trainable,
+            lr=config.train.lr,
+            betas=(config.train.adam_beta1, config.train.adam_beta2),
+            eps=config.train.adam_eps,
+            weight_decay=config.train.weight_decay,
         )
-    store = open_store(config, tokenizer)
+        head, optimizer = accelerator.prepare(head, optimizer)
+        raw_head: MTPHead = accelerator.unwrap_model(head)
+        act_dtype = ckpt_io.DTYPES[config.model.dtype]
 
-    # Models: frozen base (unless its targets come from the cache), donor head with
-    # fp32 master copies of what trains.
-    cached = bool(config.data.target_cache)
-    models = build_models(config, device, with_base=not cached)
-    head = models.head
-    # The base writes the continuations the store lacks: the main process, while the others wait.
-    with accelerator.main_process_first():
-        if not accelerator.is_main_process:
-            store = open_store(config, tokenizer)  # read what the main process wrote
-        windows = run_windows(config, data, store, models.base, log=accelerator.print)
-    targets_source: TargetSource = open_targets(
-        config.data.target_cache, config.model.base, windows.all(), data.settings, config.model.dtype,
-        config.model.attn_implementation, base=models.base,
-    )
-    trainable = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable,
-        lr=config.train.lr,
-        betas=(config.train.adam_beta1, config.train.adam_beta2),
-        eps=config.train.adam_eps,
-        weight_decay=config.train.weight_decay,
-    )
-    head, optimizer = accelerator.prepare(head, optimizer)
-    raw_head: MTPHead = accelerator.unwrap_model(head)
-    act_dtype = ckpt_io.DTYPES[config.model.dtype]
+        per_epoch = steps_per_epoch(len(windows.train), config.train.windows_per_step)
+        total_steps = config.train.epochs * per_epoch
+        weights = step_loss_weights(config.train)
+        state, best = TrainState(), None
+        if resume and existing is not None:
+            state, best = load_checkpoint(existing, config, raw_head, optimizer)
+            log(f"resumed from {existing} at step {state.step}/{total_steps}")
 
-    per_epoch = steps_per_epoch(len(windows.train), config.train.windows_per_step)
-    total_steps = config.train.epochs * per_epoch
-    weights = step_loss_weights(config.train)
-    state, best = TrainState(), None
-    if resume and existing is not None:
-        state, best = load_checkpoint(existing, fingerprint, raw_head, optimizer)
-        accelerator.print(f"resumed from {existing} at step {state.step}/{total_steps}")
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            with ckpt_io.atomic_path(output_dir / RESOLVED_CONFIG) as tmp:
+                tmp.write_text(dump_yaml(config))
+        if config.train.tracker != "none":
+            accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
 
-    if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with ckpt_io.atomic_path(output_dir / RESOLVED_CONFIG) as tmp:
-            tmp.write_text(dump_yaml(config))
-    if config.train.tracker != "none":
-        accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
+        def select() -> None:
+            """Measure the head on the validation windows as served; keep it when it is the best so far.
 
-    def select() -> None:
-        """Measure the head on the validation windows as served; keep it when it is the best so far.
+            Every process measures the same windows with the same head, so all agree on the choice.
+            """
+            nonlocal best
+            started = time.perf_counter()
+            with as_served(raw_head, act_dtype), head_autocast(raw_head, device, act_dtype):
+                served = served_acceptance(targets_source, raw_head, windows.validation, config.eval.served_steps,
+                                           config.data.answer_tokens, config.eval.windows_per_batch)
+            score = selection_score(served)
+            state.selection.append({"step": state.step, "score": score,
+                                    **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
+            if state.best_score is None or score > state.best_score:
+                state.best_step, state.best_score, best = state.step, score, trainable_tensors(raw_head)
+            state.selection_seconds += time.perf_counter() - started
+            log(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
 
-        Every process measures the same windows with the same head, so all agree on the choice.
-        """
-        nonlocal best
-        started = time.perf_counter()
-        with as_served(raw_head, act_dtype), head_autocast(raw_head, device, act_dtype):
-            served = served_acceptance(targets_source, raw_head, windows.validation, config.eval.served_steps,
-                                       config.data.answer_tokens, config.eval.windows_per_batch)
-        score = selection_score(served)
-        state.selection.append({"step": state.step, "score": score,
-                                **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
-        if state.best_score is None or score > state.best_score:
-            state.best_step, state.best_score, best = state.step, score, trainable_tensors(raw_head)
-        state.selection_seconds += time.perf_counter() - started
-        accelerator.print(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
+        select_every = config.train.select_every_steps
+        progress = _progress(accelerator, total_steps, state.step)
+        head.train()
+        started = time.perf_counter() - state.elapsed_seconds
+        if select_every and not state.selection:
+            select()  # step 0: the donor itself
+        while state.step < total_steps:
+            lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-    select_every = config.train.select_every_steps
-    progress = _progress(accelerator, total_steps, state.step)
-    head.train()
-    started = time.perf_counter() - state.elapsed_seconds
-    if select_every and not state.selection:
-        select()  # step 0: the donor itself
-    while state.step < total_steps:
-        lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+            # This process's share of the step's windows.
+            step_batch = step_windows(windows.train, state.step, config.train.windows_per_step, config.train.seed)
+            batch = collate(step_batch[accelerator.process_index :: world], device)
 
-        # This process's share of the step's windows.
-        step_batch = step_windows(windows.train, state.step, config.train.windows_per_step, config.train.seed)
-        batch = collate(step_batch[accelerator.process_index :: world], device)
+            # Frozen base (or its cache): post-norm hidden states and greedy targets, no gradients.
+            base_started = time.perf_counter()
+            targets = targets_source.outputs(batch.input_ids, batch.attention_mask)
+            state.base_forward_seconds += time.perf_counter() - base_started
 
-        # Frozen base (or its cache): post-norm hidden states and greedy targets, no gradients.
-        base_started = time.perf_counter()
-        targets = targets_source.outputs(batch.input_ids, batch.attention_mask)
-        state.base_forward_seconds += time.perf_counter() - base_started
-
-        chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, config.train.draft_steps)
-        with head_autocast(raw_head, device, act_dtype):
-            head_hidden = head(chain.step_token_ids, targets.hidden, detach_chain=config.train.detach_chain)
-            loss, stats = chain_loss(raw_head, head_hidden, chain.labels, weights)
-        accelerator.backward(loss)
-        grad_norm = None
-        if config.train.grad_clip_norm > 0:
-            grad_norm = accelerator.clip_grad_norm_(trainable, config.train.grad_clip_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.elapsed_seconds = time.perf_counter() - started
-
-        record = _step_record(accelerator, state, lr, loss, stats, grad_norm)
-        state.history.append(record)
-        if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
-            accelerator.log(record, step=state.step)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
-        progress.update(1)
-
-        if select_every and (state.step % select_every == 0 or state.step == total_steps):
-            select()
+            chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, config.train.draft_steps)
+            with head_autocast(raw_head, device, act_dtype):
+                head_hidden = head(chain.step_token_ids, targets.hidden, detach_chain=config.train.detach_chain)
+                loss, stats = chain_loss(raw_head, head_hidden, chain.labels, weights)
+            if not torch.isfinite(loss.detach()):
+                _stop(output_dir, state.step + 1, f"the loss is {float(loss):g}", lr)
+            accelerator.backward(loss)
+            grad_norm = None
+            if config.train.grad_clip_norm > 0:
+                grad_norm = accelerator.clip_grad_norm_(trainable, config.train.grad_clip_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            broken = [n for n, p in raw_head.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+            if broken:  # caught before a checkpoint could keep it
+                _stop(output_dir, state.step + 1, f"the update made {', '.join(broken)} non-finite", lr)
+            state.step += 1
             state.elapsed_seconds = time.perf_counter() - started
-        if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                save_checkpoint(output_dir, state, raw_head, optimizer, fingerprint, config.train.keep_checkpoints, best)
-    progress.close()
 
-    accelerator.wait_for_everyone()
-    summary = {
-        "steps": total_steps,
-        "steps_per_epoch": per_epoch,
-        "processes": world,
-        "device": str(device),
-        "train_seconds": state.elapsed_seconds,
-        "base_forward_seconds": state.base_forward_seconds,
-        "trainable_parameters": models.trainable_parameters,
-        "head_parameters": models.head_parameters,
-        "donor_layout": models.donor_layout,
-        "config_fingerprint": fingerprint,
-        "final_loss": state.history[-1]["loss"] if state.history else None,
-        "history": state.history,
-        "selection": _selection_summary(config, state, len(windows.validation)),
-        "data": data.provenance(),
-        "answers": config.data.answers,
-        "train_windows": len(windows.train),
-        "self_generated": windows.self_generated,
-        "targets": targets_source.provenance(),
-    }
-    if accelerator.is_main_process:
-        written = best if select_every else trainable_tensors(raw_head)
-        tensors = {n: t.float() for n, t in written.items()}
-        ckpt_io.save_safetensors(output_dir / TRAINED_TENSORS, tensors, metadata={"format": "pt", "config_fingerprint": fingerprint})
-        ckpt_io.write_json(output_dir / TRAIN_SUMMARY, summary)
-    accelerator.end_training()
-    return summary
+            record = _step_record(accelerator, state, lr, loss, stats, grad_norm)
+            state.history.append(record)
+            if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
+                accelerator.log(record, step=state.step)
+                progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
+            progress.update(1)
+
+            if select_every and (state.step % select_every == 0 or state.step == total_steps):
+                select()
+                state.elapsed_seconds = time.perf_counter() - started
+            if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    save_checkpoint(output_dir, state, raw_head, optimizer, config, config.train.keep_checkpoints, best)
+        progress.close()
+
+        accelerator.wait_for_everyone()
+        summary = {
+            "steps": total_steps,
+            "steps_per_epoch": per_epoch,
+            "processes": world,
+            "device": str(device),
+            "train_seconds": state.elapsed_seconds,
+            "base_forward_seconds": state.base_forward_seconds,
+            "trainable_parameters": models.trainable_parameters,
+            "head_parameters": models.head_parameters,
+            "donor_layout": models.donor_layout,
+            "config_fingerprint": fingerprint,
+            "fingerprinted_settings": config.fingerprinted(),
+            "final_loss": state.history[-1]["loss"] if state.history else None,
+            "history": state.history,
+            "selection": _selection_summary(config, state, len(windows.validation)),
+            "data": data.provenance(),
+            "answers": config.data.answers,
+            "train_windows": len(windows.train),
+            "self_generated": windows.self_generated,
+            "targets": targets_source.provenance(),
+        }
+        if accelerator.is_main_process:
+            written = best if select_every else trainable_tensors(raw_head)
+            tensors = {n: t.float() for n, t in written.items()}
+            ckpt_io.save_safetensors(output_dir / TRAINED_TENSORS, tensors, metadata={"format": "pt", "config_fingerprint": fingerprint})
+            ckpt_io.write_json(output_dir / TRAIN_SUMMARY, summary)
+        accelerator.end_training()
+        return summary
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss or update); says where and what is kept."""
+
+
+def _stop(output_dir: Path, step: int, what: str, lr: float) -> None:
+    last = latest_checkpoint(output_dir)
+    kept = f"the last good checkpoint, {last}, is kept" if last is not None else "no checkpoint had been written yet"
+    raise TrainingError(
+        f"step {step}: {what}; training stopped and nothing of this step was kept ({kept}). "
+        f"The learning rate was {lr:g}: try a lower train.lr, in a new output.dir"
+    )
 
 
 def _selection_summary(config: RunConfig, state: TrainState, validation_windows: int) -> dict:
@@ -474,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         train(config, resume=args.resume)
-    except (ConfigError, ckpt_io.CheckpointError, DataError, SelfGenError) as err:
+    except (ConfigError, ckpt_io.CheckpointError, DataError, SelfGenError, TrainingError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
