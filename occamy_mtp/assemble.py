@@ -4,11 +4,21 @@
 
 The new directory holds
 
-* an absolute symlink to every base file that is used unchanged (weight shards,
-  tokenizer, generation config, ...). Absolute, so that the assembled directory can
-  be moved; it must stay where the links point, i.e. the base must not move. No hard
-  links: a hard link to a writable base file would let a write through the new
-  directory change the base;
+* every base weight shard used unchanged (`--weights`, default `auto`): a copy-on-write
+  clone where the filesystem of `--out` can clone the base's files (btrfs, XFS with
+  reflink: no space used, an independent file); else an absolute symlink where the
+  base lies on a read-only filesystem (nothing can write through it; the base must
+  then stay where it is); else a copy.
+  A link into a writable base is never made unasked: a tool that writes a shard in
+  place through the assembled directory (safetensors' `save_file`, `open(..., "wb")`)
+  would rewrite the base's file. A hard link is no better (it is the base's file:
+  in-place writes and chmod reach the base as through a symlink, and the sharing is
+  not even visible), and permission bits do not stop root. `--weights symlink` links
+  anyway (the report notes it); `--weights copy` always copies;
+* a copy of every other base file used unchanged (tokenizer files, generation config,
+  chat template, ...), so that `save_pretrained` into the assembled directory writes
+  its own files. Subdirectories, and weight files the base index does not name, are
+  not carried over (the engines read the top level and the indexed shards);
 * a copy of the head file (checked: every `mtp.*` tensor present, shapes from the
   base config, bf16, nothing but `mtp.*`), so the directory holds the bytes that were
   checked, whatever later happens to the training output;
@@ -17,11 +27,18 @@ The new directory holds
 * a rewritten `config.json` with the fields that make the engines build the MTP draft,
   and, for a ModelOpt-quantized base, the head's modules added to the quantization
   exclusions (also in `hf_quant_config.json` when the base has one);
-* `assembly.json`: what was done, for the record.
+* `assembly.json`: what was done, for the record, and the marker of a directory this
+  module wrote (`written_by`, and the `entries` it wrote). `--force` replaces an existing
+  `--out` only when its assembly.json says so and it holds nothing else; any other
+  directory is refused, whatever it holds (nothing is deleted).
 
-The base directory is only read. Everything is written into a temporary directory
-beside `--out` and renamed into place at the end, so an interrupted assembly never
-leaves a half directory under the final name.
+The base directory is only read; `--out` may lie neither inside the base nor around it,
+nor be (or contain) the head's directory. Everything is written into a temporary
+directory beside `--out` and renamed into place at the end, so an interrupted assembly
+never leaves a half directory under the final name. Directories and files are created
+with the mode a plain mkdir/open gives under the umask (never mkdtemp's 0700), so that a
+server running as another user can read them. A head with a non-finite value (NaN or
+inf) is refused, naming the tensor.
 
 What the engines do (read from their sources, see also docs/CONTRACT.md section 3):
 
@@ -31,9 +48,9 @@ What the engines do (read from their sources, see also docs/CONTRACT.md section 
   they then read EVERY tensor of each kept file, whatever the index says about single
   keys. So a base shard that still holds old `mtp.*` tensors would load the old head
   too (the order of the two decides which one wins). Hence: a base shard holding only
-  `mtp.*` tensors is not linked at all, and a shard mixing `mtp.*` with base tensors
-  is rewritten without them into the new directory (reported). `*.safetensors` files
-  the base index does not name are not linked either.
+  `mtp.*` tensors is not carried over at all, and a shard mixing `mtp.*` with base
+  tensors is rewritten without them into the new directory (reported). `*.safetensors`
+  files the base index does not name are not carried over either.
 * The head's tensor names. SGLang's `Qwen3_5ForCausalLMMTP.load_weights`
   (`srt/models/qwen3_5_mtp.py`) and vLLM's `Qwen3_5MTP.load_weights`
   (`model_executor/models/qwen3_5_mtp.py`) take `mtp.*` tensors from that stream
@@ -68,12 +85,13 @@ exclusions differently; assembling onto such a base is refused rather than guess
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
 import shutil
 import struct
-import tempfile
+import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,7 +105,10 @@ from occamy_mtp.head import MTPHead
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 RECORD_NAME = "assembly.json"
+WRITTEN_BY = "occamy_mtp.assemble"  # assembly.json's marker: a directory this module wrote
 SAFETENSORS_SUFFIX = ".safetensors"
+# Weight files of other formats: never copied (the engines load the indexed *.safetensors).
+WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
 HEAD_DTYPE = "BF16"  # safetensors' name for bfloat16
 
 # Quantization-exclusion entries that cover the whole head (see the module docstring
@@ -103,10 +124,21 @@ SGLANG_DRAFT_ARCHITECTURES = {
 _HEADER_LENGTH_BYTES = 8  # safetensors files start with a little-endian u64 header length
 _MAX_HEADER_BYTES = 100 * 2**20
 _COPY_CHUNK_BYTES = 16 * 2**20
+_FINITE_CHECK_ELEMENTS = 2**24  # elements checked at a time (bounds the mask's memory)
+_FICLONE = 0x40049409  # Linux ioctl: _IOW(0x94, 9, int), a copy-on-write clone of a whole file
+_NO_CLONE_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS})
+_GIB = 2**30
 
-LINK = "link"
+LINK = "link"  # the shard is used unchanged: placed by `--weights`
 REWRITE = "rewrite"
 DROP = "drop"
+
+# How an unchanged weight shard is placed (--weights).
+AUTO = "auto"  # CLONE where possible, else SYMLINK into a read-only base, else COPY
+CLONE = "clone"
+SYMLINK = "symlink"
+COPY = "copy"
+WEIGHT_MODES = (AUTO, CLONE, SYMLINK, COPY)
 
 
 class AssemblyError(ValueError):
@@ -139,7 +171,9 @@ class AssemblyReport:
     head_sha256: str
     head_tensors: int
     head_layout: str
-    linked: list[str] = field(default_factory=list)  # names symlinked (absolute) into the base
+    weights_mode: str = AUTO
+    weight_files: dict[str, str] = field(default_factory=dict)  # unchanged base shard -> CLONE, SYMLINK or COPY
+    copied: list[str] = field(default_factory=list)  # other base files, copied
     rewritten_shards: list[dict] = field(default_factory=list)  # {name, removed_mtp_tensors, kept_tensors}
     dropped_shards: list[str] = field(default_factory=list)  # base shards holding only mtp.* tensors
     skipped: list[str] = field(default_factory=list)  # base entries deliberately not carried over
@@ -149,6 +183,8 @@ class AssemblyReport:
     quantization: dict | None = None  # {method, quant_algo, added: {location: [entries]}}
     notes: list[str] = field(default_factory=list)
     replaced_existing_out: bool = False
+    written_by: str = WRITTEN_BY
+    entries: list[str] = field(default_factory=list)  # every name written into `out` (assembly.json included)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -211,6 +247,13 @@ def _resolve(path: Path) -> Path:
 
 
 def check_paths(base_dir: Path, head_file: Path, out_dir: Path, force: bool) -> tuple[Path, Path, Path]:
+    """(base, head, out) as absolute paths, or an AssemblyError saying which path is wrong and why.
+
+    `--out` must lie outside the base (symlinks resolved), must not contain it, must not
+    be the head's directory or contain the head (a directory beside the head, e.g. in
+    the training run's output.dir, is fine), and an existing `--out` is replaced only
+    with `--force` and only if this module wrote it (`check_replaceable`).
+    """
     # The head keeps the name it was given (a symlink, e.g. into a hub cache, may point
     # at a blob without the .safetensors suffix the engines look for).
     base, head, out = _resolve(base_dir), Path(os.path.abspath(head_file)), _resolve(out_dir)
@@ -221,9 +264,17 @@ def check_paths(base_dir: Path, head_file: Path, out_dir: Path, force: bool) -> 
     if not head.name.endswith(SAFETENSORS_SUFFIX):
         raise AssemblyError(f"--head {head_file}: engines only load *{SAFETENSORS_SUFFIX} files; rename it")
     if out == base or base in out.parents:
-        raise AssemblyError(f"--out {out_dir} is inside --base {base_dir}; the base directory is never written to")
+        raise AssemblyError(f"--out {out_dir} is inside --base {base_dir} (as {out}); the base directory is never written to")
     if out in base.parents:
         raise AssemblyError(f"--out {out_dir} contains --base {base_dir}; choose a directory outside it")
+    # The head as given (its directory resolved) and the file it resolves to.
+    for head_location in (_resolve(head.parent) / head.name, head.resolve()):
+        if out == head_location.parent:
+            raise AssemblyError(
+                f"--out {out_dir} is the directory of --head {head_file} ({out}); choose a directory of its own"
+            )
+        if out in head_location.parents:
+            raise AssemblyError(f"--out {out_dir} contains --head {head_file} ({head_location}); choose a directory outside it")
     if Path(os.path.abspath(out_dir)).is_symlink():
         raise AssemblyError(f"--out {out_dir} is a symbolic link; give the real directory")
     if out.exists():
@@ -231,7 +282,72 @@ def check_paths(base_dir: Path, head_file: Path, out_dir: Path, force: bool) -> 
             raise AssemblyError(f"--out {out_dir} exists and is not a directory")
         if not force:
             raise AssemblyError(f"--out {out_dir} already exists; pass --force to replace it")
+        check_replaceable(out, out_dir)
     return base, head, out
+
+
+# The fields of assembly.json before it carried the marker: such a directory was written
+# by this module too (it links every entry but those named below, see _old_entries).
+_UNMARKED_RECORD_FIELDS = frozenset({
+    "base", "head_source", "out", "head_file", "head_sha256", "head_tensors", "head_layout", "linked",
+    "rewritten_shards", "dropped_shards", "skipped", "removed_base_mtp_keys", "index_keys", "config_changes",
+    "quantization", "notes", "replaced_existing_out",
+})
+
+
+def check_replaceable(out: Path, out_arg: Path | str) -> None:
+    """Refuse (AssemblyError) to replace `out` unless this module wrote it and it holds nothing else.
+
+    Its assembly.json must be an assembly record (`written_by`, or the fields of a
+    record from before the marker), every entry of `out` must be one the record says
+    was written, and none may be a directory (an assembly writes none). An empty
+    directory holds nothing to lose and is replaced too.
+    """
+    present = sorted(p.name for p in out.iterdir())
+    if not present:
+        return
+    refusal = f"--out {out_arg} exists and was not written by assemble_head.py"
+    record_path = out / RECORD_NAME
+    if record_path.is_symlink() or not record_path.is_file():
+        raise AssemblyError(f"{refusal} (it has no {RECORD_NAME}); nothing was deleted: choose another --out, or remove it yourself")
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise AssemblyError(f"{refusal}: {record_path} is not readable JSON ({err}); nothing was deleted") from None
+    written = _written_entries(record)
+    if written is None:
+        raise AssemblyError(f"{refusal}: {record_path} is not an assembly record; nothing was deleted: remove it yourself")
+    foreign = [name for name in present if name not in written]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise AssemblyError(
+            f"--out {out_arg} holds entries that assembly did not write ({shown}); nothing was deleted: "
+            "move them out, or choose another --out"
+        )
+    directories = [name for name in present if (out / name).is_dir() and not (out / name).is_symlink()]
+    if directories:
+        raise AssemblyError(
+            f"--out {out_arg}: {directories[0]} is now a directory, which assembly never writes; nothing was deleted: "
+            "move it out, or choose another --out"
+        )
+
+
+def _written_entries(record) -> set[str] | None:
+    """The names an assembly record says were written into its directory; None if it is not one."""
+    if not isinstance(record, dict):
+        return None
+    if record.get("written_by") == WRITTEN_BY:
+        entries = record.get("entries")
+        return set(entries) if isinstance(entries, list) and all(isinstance(e, str) for e in entries) else None
+    if not _UNMARKED_RECORD_FIELDS <= set(record):
+        return None
+    try:
+        written = {CONFIG_NAME, ckpt_io.INDEX_NAME, RECORD_NAME, HF_QUANT_CONFIG_NAME, str(record["head_file"])}
+        written |= {str(name) for name in record["linked"]}
+        written |= {str(shard["name"]) for shard in record["rewritten_shards"]}
+    except (TypeError, KeyError):
+        return None
+    return written
 
 
 @dataclass(frozen=True)
@@ -271,9 +387,30 @@ def check_head_file(head_file: Path, text_config) -> HeadCheck:
         for k in sorted(disk_keys)
         if ckpt.dtype(k) != HEAD_DTYPE
     ]
+    problems += non_finite_tensors(ckpt, sorted(disk_keys))
     if problems:
         raise AssemblyError("head file does not match the base config:\n  " + "\n  ".join(problems))
     return HeadCheck(tuple(sorted(disk_keys)), report.layout or ckpt_io.FUSED, len(head.layers))
+
+
+def non_finite_tensors(ckpt: ckpt_io.SafetensorsCheckpoint, keys: list[str]) -> list[str]:
+    """One problem per tensor holding a NaN or an infinity (a diverged training run exports those)."""
+    problems = []
+    for key in keys:
+        flat = ckpt.get(key).reshape(-1)
+        if not flat.is_floating_point():
+            continue
+        nan = inf = 0
+        for start in range(0, flat.numel(), _FINITE_CHECK_ELEMENTS):
+            chunk = flat[start : start + _FINITE_CHECK_ELEMENTS]
+            nan += int(torch.isnan(chunk).sum())
+            inf += int(torch.isinf(chunk).sum())
+        if nan or inf:
+            problems.append(
+                f"tensor {key} in {ckpt.file_of(key)} is not finite: {nan} NaN and {inf} infinite values "
+                f"of {flat.numel()}; a head with them drafts garbage"
+            )
+    return problems
 
 
 def plan_shards(base: Path, weight_files: list[str]) -> list[ShardPlan]:
@@ -415,6 +552,86 @@ def _rewrite_without_head(source: Path, target: Path) -> int:
     return len(keep)
 
 
+def clone_file(source: Path, target: Path) -> bool:
+    """Make `target` a copy-on-write clone of `source` (Linux FICLONE); False, and no
+    `target`, where the filesystems cannot (ext4, tmpfs, two filesystems, not Linux).
+
+    A clone shares the base's blocks until either side is written, and a write to it
+    never reaches the base: the safety of a copy at the cost of none.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import fcntl
+
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+            return True
+        except OSError as err:
+            if err.errno not in _NO_CLONE_ERRNOS:
+                raise
+    os.unlink(target)
+    return False
+
+
+def on_read_only_filesystem(path: Path) -> bool:
+    """Whether `path` lies on a filesystem mounted read-only (then nobody, root included, writes it)."""
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
+def _place_weight_files(base: Path, names: list[str], tmp: Path, mode: str, report: AssemblyReport) -> None:
+    """Clone, link or copy each unchanged base shard into `tmp` as `mode` says (see the module docstring)."""
+    copy_space_checked = False
+    for position, name in enumerate(names):
+        source, target = base / name, tmp / name
+        if mode in (AUTO, CLONE) and clone_file(source, target):
+            report.weight_files[name] = CLONE
+            continue
+        if mode == CLONE:
+            raise AssemblyError(
+                f"--weights clone: {source} cannot be cloned into {tmp.parent} (no copy-on-write clones on this "
+                "filesystem, or base and --out lie on different filesystems); use --weights auto or copy"
+            )
+        if mode == SYMLINK or (mode == AUTO and on_read_only_filesystem(source)):
+            os.symlink(source, target)  # absolute: base is resolved
+            report.weight_files[name] = SYMLINK
+            continue
+        if not copy_space_checked:  # before the first byte: the rest may need copying too
+            _check_space_for_copies(base, names[position:], tmp, mode)
+            copy_space_checked = True
+        shutil.copyfile(source, target)
+        report.weight_files[name] = COPY
+
+
+def _check_space_for_copies(base: Path, names: list[str], tmp: Path, mode: str) -> None:
+    needed = sum((base / name).stat().st_size for name in names if mode == COPY or not on_read_only_filesystem(base / name))
+    free = shutil.disk_usage(tmp).free
+    if needed > free:
+        raise AssemblyError(
+            f"copying the base's weight shards into {tmp.parent} needs {needed / _GIB:.2f} GiB and "
+            f"{free / _GIB:.2f} GiB are free. They are copied because that filesystem cannot clone them from "
+            f"{base} and the base is writable, so a link would let a write through the assembled directory "
+            "change the base. Put --out where the base's files can be cloned (btrfs, XFS with reflink), mount the "
+            "base read-only, free space, or pass --weights symlink to link anyway"
+        )
+
+
+def _temporary_directory(out: Path) -> Path:
+    """A new, empty directory beside `out`: `.{name}.XXXXXXXX.tmp`.
+
+    os.mkdir applies the umask, as a plain mkdir does (tempfile.mkdtemp would make it
+    0700, unreadable to a server running as another user once it is renamed to `out`).
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}{ckpt_io.TEMPORARY_SUFFIX}"
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            continue
+        return tmp
+
+
 def _swap_into_place(tmp: Path, out: Path) -> bool:
     """Rename the finished `tmp` to `out`; an existing `out` is moved aside first, then removed."""
     if not out.exists():
@@ -427,12 +644,18 @@ def _swap_into_place(tmp: Path, out: Path) -> bool:
     except OSError:
         os.rename(old, out)
         raise
-    shutil.rmtree(old)  # unlinks the old symlinks; never follows them into the base
+    shutil.rmtree(old)  # files and symlinks only (check_replaceable); never follows a link into the base
     return True
 
 
-def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = False) -> AssemblyReport:
-    """Assemble `base_dir` + `head_file` into `out_dir` (see the module docstring)."""
+def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = False, weights: str = AUTO) -> AssemblyReport:
+    """Assemble `base_dir` + `head_file` into `out_dir` (see the module docstring).
+
+    `weights` says how the unchanged base shards are placed (WEIGHT_MODES); `force`
+    replaces an existing `out_dir` that an earlier assembly wrote (nothing else).
+    """
+    if weights not in WEIGHT_MODES:
+        raise AssemblyError(f"--weights {weights!r}: expected one of {', '.join(WEIGHT_MODES)}")
     base, head_path, out = check_paths(Path(base_dir), Path(head_file), Path(out_dir), force)
 
     # Everything is checked before anything is written.
@@ -461,7 +684,7 @@ def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = Fa
 
     report = AssemblyReport(
         base=str(base), head_source=str(head_path), out=str(out), head_file=head_path.name,
-        head_sha256="", head_tensors=len(head.keys), head_layout=head.layout,
+        head_sha256="", head_tensors=len(head.keys), head_layout=head.layout, weights_mode=weights,
         config_changes=config_changes, quantization=quantization,
     )
     architecture = (raw.get("architectures") or [None])[0]
@@ -478,30 +701,41 @@ def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = Fa
     weight_map = dict(sorted(weight_map.items()))
     report.index_keys = len(weight_map)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = _temporary_directory(out)
     try:
         generated = {CONFIG_NAME, ckpt_io.INDEX_NAME, RECORD_NAME, head_path.name}
         if hf_quant is not None:
             generated.add(HF_QUANT_CONFIG_NAME)
         by_name = {p.name: p for p in plans}
+        unchanged_shards = []
         for name in entries:
             source = base / name
             plan = by_name.get(name)
-            if plan is not None and plan.action == REWRITE:
+            if plan is not None and plan.action == LINK:
+                unchanged_shards.append(name)
+            elif plan is not None and plan.action == REWRITE:
                 kept = _rewrite_without_head(source, tmp / name)
                 report.rewritten_shards.append({"name": name, "removed_mtp_tensors": plan.mtp_tensors, "kept_tensors": kept})
             elif plan is not None and plan.action == DROP:
                 report.dropped_shards.append(name)
             elif name in generated:
                 continue
-            elif plan is None and name.endswith(SAFETENSORS_SUFFIX):
+            elif name.endswith(WEIGHT_SUFFIXES):
                 report.skipped.append(f"{name} (a weight file the base index does not name)")
-            elif name.startswith(".") and source.is_dir():
-                report.skipped.append(f"{name} (hidden directory)")
+            elif source.is_dir():
+                report.skipped.append(f"{name} (a directory: the engines read the top level)")
+            elif not source.is_file():
+                report.skipped.append(f"{name} (not a regular file)")
             else:
-                os.symlink(source, tmp / name)  # absolute: base is resolved
-                report.linked.append(name)
+                shutil.copyfile(source, tmp / name)  # small (tokenizer, generation config, ...): a copy of its own
+                report.copied.append(name)
+        _place_weight_files(base, unchanged_shards, tmp, weights, report)
+        linked_writable = [n for n, how in report.weight_files.items() if how == SYMLINK and not on_read_only_filesystem(base / n)]
+        if linked_writable:
+            report.notes.append(
+                f"{len(linked_writable)} weight shards are symlinks into the writable base (--weights symlink): a tool "
+                f"that writes one in place through {out} rewrites the base's file"
+            )
 
         report.head_sha256 = _copy_with_sha256(head_path, tmp / head_path.name)
         total_size = 0
@@ -515,6 +749,7 @@ def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = Fa
 
         verify_assembled(tmp, head_path.name, set(head.keys))
         report.replaced_existing_out = out.exists()
+        report.entries = sorted({p.name for p in tmp.iterdir()} | {RECORD_NAME})
         ckpt_io.write_json(tmp / RECORD_NAME, report.to_dict())
         _swap_into_place(tmp, out)
     finally:
@@ -549,14 +784,19 @@ def format_report(report: AssemblyReport) -> str:
         f"  head: {report.head_file} ({report.head_tensors} mtp.* tensors, {report.head_layout} experts, "
         f"copied from {report.head_source}, sha256 {report.head_sha256[:16]}...)"
     )
-    lines.append(f"  linked (absolute symlinks into the base): {len(report.linked)} entries")
+    placed = {how: [n for n, h in report.weight_files.items() if h == how] for how in (CLONE, SYMLINK, COPY)}
+    described = {CLONE: "cloned (copy-on-write)", SYMLINK: "symlinked into the base", COPY: "copied"}
+    for how, names in placed.items():
+        if names:
+            lines.append(f"  weight shards {described[how]}: {len(names)}")
+    lines.append(f"  other base files copied: {len(report.copied)}")
     for shard in report.rewritten_shards:
         lines.append(
             f"  rewritten without mtp.*: {shard['name']} ({shard['removed_mtp_tensors']} mtp.* removed, "
             f"{shard['kept_tensors']} kept)"
         )
     if report.dropped_shards:
-        lines.append(f"  not linked (held only mtp.*): {', '.join(report.dropped_shards)}")
+        lines.append(f"  left out (held only mtp.*): {', '.join(report.dropped_shards)}")
     lines += [f"  skipped: {s}" for s in report.skipped]
     lines.append(
         f"  index: {report.index_keys} keys, {report.head_tensors} mtp.* -> {report.head_file}; "
@@ -573,19 +813,25 @@ def format_report(report: AssemblyReport) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="assemble_head.py",
-        description="A servable directory: links to the base's files plus the trained MTP head, "
-        "a rewritten index and config. The base directory is never modified.",
+        description="A servable directory: the base's weight shards (cloned, or linked where nothing can write "
+        "through the link, else copied), copies of its other files, the trained MTP head, a rewritten index and "
+        "config. The base directory is never modified.",
     )
     parser.add_argument("--base", required=True, type=Path, help="the base checkpoint directory")
     parser.add_argument("--head", required=True, type=Path, help="the head file (mtp-trained.safetensors)")
     parser.add_argument("--out", required=True, type=Path, help="the directory to create (outside --base)")
-    parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--force", action="store_true", help="replace --out if an earlier assembly wrote it (nothing else)")
+    parser.add_argument(
+        "--weights", choices=WEIGHT_MODES, default=AUTO,
+        help="how the base's unchanged weight shards are placed: auto (default) clones where the filesystem can, "
+        "symlinks into a read-only base, copies otherwise; symlink links even into a writable base",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     try:
-        report = assemble(args.base, args.head, args.out, force=args.force)
+        report = assemble(args.base, args.head, args.out, force=args.force, weights=args.weights)
     except (AssemblyError, OSError) as err:
-        print(f"error: {err}", flush=True)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0

@@ -211,12 +211,15 @@ def test_base_unchanged_and_assembled_dir_serves_new_head(base, tmp_path):
     # The head file is a checked copy, not a link to the training output.
     assert not (out / head_file.name).is_symlink()
     assert report.head_sha256 == hashlib.sha256(head_file.read_bytes()).hexdigest()
-    # Unchanged base files are absolute symlinks; rewritten ones are real files.
-    for name in report.linked:
-        assert (out / name).is_symlink() and os.readlink(out / name) == str(base.path.resolve() / name)
-    assert "generation_config.json" in report.linked
-    assert not (out / "config.json").is_symlink() and not (out / ckpt_io.INDEX_NAME).is_symlink()
-    assert json.loads((out / asm.RECORD_NAME).read_text())["head_sha256"] == report.head_sha256
+    # A writable base is never linked: unchanged shards are cloned or copied, other files copied.
+    assert report.weight_files and set(report.weight_files.values()) <= {asm.CLONE, asm.COPY}
+    assert "generation_config.json" in report.copied
+    for name in [*report.weight_files, *report.copied]:
+        assert not (out / name).is_symlink() and (out / name).read_bytes() == (base.path / name).read_bytes(), name
+    assert not any(p.is_symlink() for p in out.iterdir())
+    record = json.loads((out / asm.RECORD_NAME).read_text())
+    assert record["head_sha256"] == report.head_sha256 and record["written_by"] == asm.WRITTEN_BY
+    assert record["entries"] == sorted(p.name for p in out.iterdir())
 
 
 def test_mixed_shard_is_rewritten_without_old_head(base, tmp_path):
@@ -487,22 +490,22 @@ def test_out_must_lie_outside_base(base, tmp_path, where):
 
 
 def test_existing_out_needs_force(base, tmp_path):
+    """--force replaces an earlier assembly (what else it refuses: tests/test_faults.py)."""
     head_file = tmp_path / "mtp-trained.safetensors"
     head = write_head(base.path, head_file)
     out = tmp_path / "serve"
-    out.mkdir()
-    (out / "stale.txt").write_text("old")
+    first = asm.assemble(base.path, head_file, out)
     with pytest.raises(asm.AssemblyError, match="--force"):
         asm.assemble(base.path, head_file, out)
-    assert (out / "stale.txt").read_text() == "old"
 
-    first = asm.assemble(base.path, head_file, out, force=True)
     before = tree_state(base.path)
-    second = asm.assemble(base.path, head_file, out, force=True)  # replaces a previous assembly full of links
+    second = asm.assemble(base.path, head_file, out, force=True)
+    third = asm.assemble(base.path, head_file, out, force=True, weights=asm.SYMLINK)  # an assembly full of links
+    fourth = asm.assemble(base.path, head_file, out, force=True)  # replaces it without following them
 
-    assert first.replaced_existing_out and second.replaced_existing_out
+    assert not first.replaced_existing_out and second.replaced_existing_out and fourth.replaced_existing_out
+    assert set(third.weight_files.values()) == {asm.SYMLINK}
     assert tree_state(base.path) == before
-    assert not (out / "stale.txt").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".serve.")]
     assert_serves_head(out, base.text_config, head, head_file.name)
 
@@ -536,7 +539,8 @@ def test_cli_json_and_errors(base, tmp_path, capsys):
     assert printed["head_file"] == head_file.name and printed["rewritten_shards"]
 
     assert asm.main(argv) == 2
-    assert "already exists" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: --out ") and "already exists" in captured.err
 
 
 def test_entry_point_runs(base, tmp_path, monkeypatch, capsys):
