@@ -270,6 +270,41 @@ for k in 1 3; do
         --dtype "$EVAL_DTYPE" --out "$WORK/eval-k$k" > "$WORK/logs/evaluate-k$k.txt"
 done
 
+# 4b. At each token where MTP on and off differ in the engine: the float32 base's own log-probs
+#     of the two tokens, given the same prefix (a near tie there is a tie the engine's bf16 can
+#     break either way; a wide margin would be a bug).
+"$PY" - "$WORK" "$MODELS/base" <<'EOF'
+import json, sys
+from pathlib import Path
+
+import torch
+
+from occamy_mtp import checkpoint as ckpt_io
+
+work = Path(sys.argv[1])
+base = ckpt_io.load_base(sys.argv[2], dtype=torch.float32, device="cpu").eval()
+checks = []
+for set_name in ("chat", "windows"):
+    recorded = json.loads((work / "validate" / f"off-{set_name}" / "responses-reference.json").read_text())
+    prompt_ids = {p["name"]: p.get("prompt_ids") for p in recorded["prompts"]}
+    answers = {e["prompt"]: e["response"] for e in recorded["requests"] if e["attempt"] == "cold" and "response" in e}
+    for report_file in sorted((work / "validate").glob(f"*-k[0-9]-{set_name}/validation.json")):
+        for d in json.loads(report_file.read_text())["divergence"]["details"]:
+            ids, answer = prompt_ids.get(d["prompt"]), answers.get(d["prompt"])
+            if ids is None or answer is None or answer["token_ids"] is None:
+                continue  # chat prompts: the template rendering is the server's; only token-id prompts are replayed
+            with torch.no_grad():
+                logits = base(torch.tensor([list(ids) + answer["token_ids"][: d["position"]]])).logits[0, -1]
+            logprobs = torch.log_softmax(logits.float(), -1)
+            checks.append({"server": report_file.parent.name, "prompt": d["prompt"], "position": d["position"],
+                           "mtp_off_token": d["reference"], "mtp_on_token": d["candidate"],
+                           "mtp_off_margin_bf16": d.get("reference_margin"),
+                           "fp32_margin": float(logprobs[d["reference"]] - logprobs[d["candidate"]]),
+                           "fp32_argmax": int(logprobs.argmax())})
+(work / "tie-check.json").write_text(json.dumps(checks, indent=1) + "\n")
+print(f"{len(checks)} divergences replayed in float32 -> {work / 'tie-check.json'}", file=sys.stderr)
+EOF
+
 # 5. The table.
 FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 "$PY" - "$WORK" "$STARTED" "$FINISHED" "$EVAL_DTYPE" "$WRITE_RESULTS" "$MAX_TOKENS" "$EPY" "$LOGPROB_TOLERANCE" <<'EOF'
@@ -383,6 +418,15 @@ lines += [
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
 lines += [f"| {' | '.join(row)} |" for row in match_rows]
+ties = load(work / "tie-check.json") if (work / "tie-check.json").exists() else []
+if ties:
+    margins = [abs(t["fp32_margin"]) for t in ties]
+    on_right = sum(t["fp32_argmax"] == t["mtp_on_token"] for t in ties)
+    off_right = sum(t["fp32_argmax"] == t["mtp_off_token"] for t in ties)
+    lines += ["", f"The float32 base at each of the {len(ties)} divergences of the windows runs (same prefix, the two "
+              f"competing tokens): |log-prob margin| between them {min(margins):.3g} .. {max(margins):.3g} (median "
+              f"{sorted(margins)[len(margins) // 2]:.3g}); float32's argmax is the MTP-off token in {off_right}, the MTP-on "
+              f"token in {on_right}. (`tie-check.json`)"]
 if notes:
     lines += ["", "validate's reasons for FAIL:", ""] + [f"- {n}" for n in sorted(set(notes))]
 text = ("\n".join(lines) + "\n").replace("{tolerance}", tolerance)
