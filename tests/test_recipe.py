@@ -1,0 +1,103 @@
+"""The default recipe wins where serving runs the head, and export refuses a head that loses.
+
+A small build of the embedded default (the demo's donor and fine-tuned base, fewer
+language-model steps) is trained with the default recipe: the base's own continuations
+of the train windows, the best validation step. On the self-generated heldout windows
+the trained head must be accepted more often than the donor at 1 and at 3 draft steps,
+as the reference decoder counts it (the replayed figures are checked against the
+decoder itself by export). A head made worse on purpose is refused unless
+`--allow-worse` is given, and the refusal leaves the run directory's files as they were.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from occamy_mtp.config import load_config
+from occamy_mtp.export import HEAD_FILE, METRICS_FILE, OUTPUT_FILES, RECORD_FILE, ExportError, export
+from occamy_mtp.export import main as export_main
+from occamy_mtp.testing.demo_models import DemoSettings, build_demo_models
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.train import TRAINED_TENSORS, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
+
+# A quarter of the demo's language-model training: the base still drifts from the donor
+# and writes in its house style, in about a minute on one CPU thread.
+SMALL_DEMO = DemoSettings(donor_steps=60, finetune_steps=20, sequences_per_step=4, sequence_tokens=256)
+CONVERSATIONS = 130  # enough for 64 + 16 + 16 conversations to hash to their sides
+RECIPE = [
+    "data.context_tokens=32", "data.answer_tokens=96", "data.train_conversations=64",
+    "data.validation_conversations=16", "data.heldout_conversations=16",
+    "train.select_every_steps=32", "train.log_every_steps=1000", "eval.decoder_check_windows=2",
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    models = root / "models"
+    build_demo_models(models, SMALL_DEMO, log=lambda message: None)
+    data = root / "chats.jsonl"
+    data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]))
+    overrides = [f"model.base={models / 'base'}", f"model.donor_head={models / 'donor'}", f"data.files=[{data}]",
+                 f"output.dir={root / 'run'}", *RECIPE]
+    config = load_config("configs/demo.yaml", overrides)
+    summary = train(config)
+    record = export(config, log=lambda message: None)
+    return {"root": root, "config": config, "overrides": overrides, "summary": summary, "record": record}
+
+
+def test_the_default_recipe_beats_the_donor_where_serving_runs_it(run):
+    metrics = run["record"]["metrics"]
+    assert run["record"]["settings"]["data"]["answers"] == "self_generated"
+    for k in ("1", "3"):
+        donor, trained = (metrics["heldout"][name]["served"][k] for name in ("donor", "trained"))
+        assert trained["mean_accept_length"] > donor["mean_accept_length"], f"{k}-step drafts"
+        assert trained["tokens_per_verify_pass"] > donor["tokens_per_verify_pass"], f"{k}-step drafts"
+    assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]
+    for name in ("donor", "trained"):  # the replay is what the reference decoder measures
+        for k, check in metrics["decoder_check"][name].items():
+            assert check["counts_equal"] and check["decisions_equal"] == check["decisions"] > 0, (name, k)
+            assert check["texts_equal_to_store"] == check["windows"] == 2
+
+
+def test_selection_scores_the_donor_first_and_writes_the_best_step(run):
+    selection = run["summary"]["selection"]
+    history = selection["history"]
+    assert [entry["step"] for entry in history] == list(range(0, run["summary"]["steps"] + 1, 32))
+    best = max(history, key=lambda entry: entry["score"])
+    assert selection["written_step"] == best["step"] > 0  # the trained head, not the donor
+    assert selection["donor_score"] == history[0]["score"] < best["score"]
+    assert run["record"]["training"]["selection"]["written_step"] == best["step"]
+
+
+def test_a_head_worse_than_the_donor_is_refused_unless_allowed(run, capsys):
+    output = run["config"].output.dir
+    path = f"{output}/{TRAINED_TENSORS}"
+    before = {name: (run["root"] / "run" / name).read_bytes() for name in OUTPUT_FILES}
+    with safe_open(path, "pt") as handle:
+        metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
+    tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])  # the head no longer sees its inputs
+    save_file(tensors, path, metadata=metadata)
+
+    with pytest.raises(ExportError, match="worse than the donor where serving runs it, so it was not written"):
+        export(run["config"], log=lambda message: None)
+    assert {name: (run["root"] / "run" / name).read_bytes() for name in OUTPUT_FILES} == before
+    argv = ["--config", "configs/demo.yaml", *run["overrides"]]
+    assert export_main(argv) == 2
+    assert "WORSE than the donor" in capsys.readouterr().err
+
+    assert export_main([*argv, "--allow-worse"]) == 0
+    assert "written because --allow-worse was given" in capsys.readouterr().err
+    record = json.loads((run["root"] / "run" / RECORD_FILE).read_text())
+    comparison = record["metrics"]["comparison"]
+    assert not comparison["trained_not_worse"] and comparison["allow_worse"] and comparison["written"]
+    assert all(step["difference"] < 0 for step in comparison["steps"].values())
+    assert json.loads((run["root"] / "run" / METRICS_FILE).read_text())["comparison"] == comparison
+    assert (run["root"] / "run" / HEAD_FILE).read_bytes() != before[HEAD_FILE]
