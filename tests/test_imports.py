@@ -72,3 +72,30 @@ def test_a_cycle_is_found(tmp_path):
     (package / "c.py").write_text("import occamy_mtp.a\nx = 1\n")
     (package / "d.py").write_text("from occamy_mtp.a import b\n")  # imports into the cycle, is not in it
     assert cycles(import_graph(package)) == [["occamy_mtp.a", "occamy_mtp.b", "occamy_mtp.c", "occamy_mtp.a"]]
+
+
+def test_the_readme_layout_lists_every_module_below_what_it_imports():
+    """README's layout table: every module appears, and imports only modules of earlier (or its own) rows."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout of the code"):]
+    layout = layout[: layout.index("\n## ", 1)]
+    rows = []
+    for line in layout.splitlines():
+        if line.startswith("| `occamy_mtp/"):
+            cell = line.split("|")[1]
+            rows.append({part.strip().strip("`").removesuffix(".py").rstrip("/").replace("/", ".") for part in cell.split(",")})
+    graph = import_graph()
+    package_level = {"occamy_mtp"}  # __init__: the version string, importable from anywhere
+    listed = set().union(*rows)
+    missing = {m for m in graph if m not in package_level and not any(m == r or m.startswith(r + ".") for r in listed)}
+    assert not missing, f"modules missing from the README layout table: {sorted(missing)}"
+
+    def row_of(module: str) -> int:
+        return next(i for i, row in enumerate(rows) if any(module == r or module.startswith(r + ".") for r in row))
+
+    wrong = [
+        f"{module} imports {target}, listed below it"
+        for module in graph if module not in package_level
+        for target in graph[module] if target not in package_level and row_of(target) > row_of(module)
+    ]
+    assert not wrong, "; ".join(wrong)
