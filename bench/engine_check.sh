@@ -14,8 +14,9 @@
 # heldout windows the acceptance is measured on), ENGINE_STARTUP_SECONDS (900),
 # ENGINE_EVAL_DTYPE (float32: the library's reference; the engine runs bfloat16),
 # ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
-# donor's head only, no training), ENGINE_REUSE (0; 1: compare the answers recorded by an
-# earlier run again instead of serving those heads), ENGINE_LOGPROB_TOLERANCE (0.1).
+# donor's head only, no training), ENGINE_REUSE (0; 1: keep the demo models, the training and
+# the answers recorded by an earlier run, and compare those again instead of serving those
+# heads), ENGINE_LOGPROB_TOLERANCE (0.1).
 # The CPU build serves Gated DeltaNet models in bfloat16 only ("CPU GDN attention requires
 # BF16" on the first request in float32), so MTP on vs off cannot be repeated in float32 here.
 #
@@ -208,7 +209,11 @@ on_engine() {
 
 # 1. The engine-compatible demo (Gated DeltaNet head dim 64 is the default) and the donor's own
 #    head as a file (bf16, its own layout), served the same way as the trained one.
-"$PY" -m occamy_mtp.testing.demo_models --out "$MODELS"
+if [ "$REUSE" = 1 ] && [ -f "$MODELS/demo-models.json" ]; then
+    log "reusing the demo models under $MODELS (their settings: $MODELS/demo-models.json)"
+else
+    "$PY" -m occamy_mtp.testing.demo_models --out "$MODELS"
+fi
 "$PY" - "$MODELS/donor" "$WORK/donor-head.safetensors" <<'EOF'
 import json, sys
 from pathlib import Path
