@@ -537,47 +537,63 @@ def tokenize_window(tokenizer, prompt: str, span: str, context_tokens: int, answ
 
 
 def _last_tokens(tokenizer, text: str, count: int) -> tuple[list[int], str, list[int]]:
-    """(tokens(text)[-count:], the tail of `text` tokenized, its tokens), tokenizing a tail only.
+    """(tokens(text)[-count:], the tail of `text` tokenized, its tokens), tokenizing tails only.
 
     A tail starts at an arbitrary character, so its first tokens can differ from the
-    whole text's. A tail is trusted once it holds CUT_MARGIN_TOKENS more tokens than the
-    `count` kept and a tail twice as long ends in the same `count` tokens (the cut moved
-    and the kept tokens did not); otherwise the tail doubles, up to the whole text,
-    which is exact by definition.
+    whole text's: within a long pre-token (a run of one character, a long word) the
+    tokens depend on where the cut falls all the way to the pre-token's end, and only
+    on the cut's position modulo the lengths of the vocabulary's tokens for that run
+    (a run of "=" tokenizes by its length modulo 16). So a tail is trusted only when it
+    holds CUT_MARGIN_TOKENS more tokens than the `count` kept, and the kept tokens do
+    not move when the cut moves one character further (another phase of any run) or
+    twice as far; otherwise the tail doubles, up to the whole text, which is exact by
+    definition.
     """
+    encoded: dict[int, list[int]] = {}
+
+    def tail_ids(length: int) -> list[int]:
+        if length not in encoded:
+            encoded[length] = _encode(tokenizer, text[-length:])
+        return encoded[length]
+
     budget = (count + CUT_MARGIN_TOKENS) * CUT_CHARS_PER_TOKEN
-    shorter: list[int] | None = None
     while budget < len(text):
-        tail = text[-budget:]
-        ids = _encode(tokenizer, tail)
-        if shorter is not None and ids[-count:] == shorter:
-            return ids[-count:], tail, ids
-        shorter = ids[-count:] if len(ids) >= count + CUT_MARGIN_TOKENS else None
+        ids = tail_ids(budget)
+        if len(ids) >= count + CUT_MARGIN_TOKENS and all(
+            tail_ids(min(moved, len(text)))[-count:] == ids[-count:] for moved in (budget + 1, 2 * budget)
+        ):
+            return ids[-count:], text[-budget:], ids
         budget *= 2
-    ids = _encode(tokenizer, text)
+    ids = tail_ids(len(text))
     return ids[-count:], text, ids
 
 
 def _first_tokens(tokenizer, text: str, count: int, special_ids: frozenset[int]) -> tuple[list[int], str, list[int]]:
     """(tokens(text) through its first special token, first `count` of them; the head of
-    `text` tokenized; its tokens), tokenizing a head only.
+    `text` tokenized; its tokens), tokenizing heads only.
 
     As `_last_tokens`, from the other end, with one more way to be exact: a head that
     holds a special token tokenizes everything before it as the whole text does (the
     tokenizer splits its input at special tokens first), and nothing after it is kept.
     """
+    encoded: dict[int, list[int]] = {}
+
+    def head_ids(length: int) -> list[int]:
+        if length not in encoded:
+            encoded[length] = _encode(tokenizer, text[:length])
+        return encoded[length]
+
     budget = (count + CUT_MARGIN_TOKENS) * CUT_CHARS_PER_TOKEN
-    shorter: list[int] | None = None
     while budget < len(text):
-        head = text[:budget]
-        ids = _encode(tokenizer, head)
+        ids = head_ids(budget)
         if any(token_id in special_ids for token_id in ids):
-            return ids[: _through_first_special(ids, special_ids)][:count], head, ids
-        if shorter is not None and ids[:count] == shorter:
-            return ids[:count], head, ids
-        shorter = ids[:count] if len(ids) >= count + CUT_MARGIN_TOKENS else None
+            return ids[: _through_first_special(ids, special_ids)][:count], text[:budget], ids
+        if len(ids) >= count + CUT_MARGIN_TOKENS and all(
+            head_ids(min(moved, len(text)))[:count] == ids[:count] for moved in (budget + 1, 2 * budget)
+        ):
+            return ids[:count], text[:budget], ids
         budget *= 2
-    ids = _encode(tokenizer, text)
+    ids = head_ids(len(text))
     return ids[: _through_first_special(ids, special_ids)][:count], text, ids
 
 

@@ -1,0 +1,602 @@
+"""Faults: bad inputs and misuse, each with what must hold afterwards (issue 14).
+
+Every case here was found by trying the library as a new user would, with bad inputs,
+kills and careless commands. A case checks both that the fault is refused or handled
+with a clear reason and what must NOT have happened (nothing deleted, no byte of the
+base changed, no more text tokenized than a window keeps). One section per component;
+add a case to its component's section as it is found (validate's are in
+tests/test_faults_validate.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from occamy_mtp import assemble as asm
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import data as D
+from occamy_mtp import generate as G
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from test_assemble import assert_serves_head, base_tensors, head_variant, tree_state, write_head
+
+# ==================================================================================
+# assemble_head.py (occamy_mtp/assemble.py)
+# ==================================================================================
+
+
+@pytest.fixture
+def base(tmp_path, sample_tokenizer_dir):
+    """A tiny multimodal checkpoint with a tokenizer (its last shard mixes base tensors with mtp.*)."""
+    return build_tiny_checkpoint(tmp_path / "base", tokenizer_dir=sample_tokenizer_dir)
+
+
+@pytest.fixture
+def head_file(base, tmp_path):
+    path = tmp_path / "runs" / "run" / "mtp-trained.safetensors"
+    path.parent.mkdir(parents=True)
+    write_head(base.path, path)
+    return path
+
+
+def cli(base, head_file, out, *extra) -> list[str]:
+    return ["--base", str(base.path), "--head", str(head_file), "--out", str(out), *extra]
+
+
+def temporaries_beside(out: Path) -> list[Path]:
+    return [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+# ---------------------------------------------------------------- --force (item 1)
+
+
+def _training_run(out: Path) -> None:
+    out.mkdir()
+    (out / "mtp-trained.safetensors").write_bytes(b"weights of a week of training")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step-512.pt").write_bytes(b"state")
+
+
+def _foreign_record(out: Path) -> None:
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / asm.RECORD_NAME).write_text(json.dumps({"written_by": "someone else", "entries": ["config.json"]}))
+
+
+def _unreadable_record(out: Path) -> None:
+    out.mkdir()
+    (out / asm.RECORD_NAME).write_text("{not json")
+
+
+def _record_is_a_link(out: Path) -> None:
+    out.mkdir()
+    (out / asm.RECORD_NAME).symlink_to(out.parent / "elsewhere.json")
+
+
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (_training_run, f"was not written by assemble_head.py (it has no {asm.RECORD_NAME})"),
+        (_foreign_record, "is not an assembly record"),
+        (_unreadable_record, "is not readable JSON"),
+        (_record_is_a_link, f"it has no {asm.RECORD_NAME}"),
+    ],
+)
+def test_force_refuses_a_directory_assembly_did_not_write(base, head_file, tmp_path, capsys, make, why):
+    out = tmp_path / "precious"
+    make(out)
+    before = tree_state(out)
+
+    assert asm.main(cli(base, head_file, out, "--force")) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} ") and why in err and "nothing was deleted" in err
+    assert tree_state(out) == before
+    assert not temporaries_beside(out)
+
+
+def test_force_refuses_an_assembly_holding_what_it_did_not_write(base, head_file, tmp_path, capsys):
+    out = tmp_path / "serve"
+    asm.assemble(base.path, head_file, out)
+    (out / "notes.txt").write_text("mine")
+    (out / "eval").mkdir()
+    before = tree_state(out)
+
+    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds entries that assembly did not write (eval, notes.txt)" in err
+    assert tree_state(out) == before
+
+    # A name the record lists, now a directory (e.g. a tool saved a folder under it).
+    (out / "notes.txt").unlink()
+    (out / "eval").rmdir()
+    (out / "generation_config.json").unlink()
+    (out / "generation_config.json").mkdir()
+    (out / "generation_config.json" / "x").write_text("mine")
+    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    assert "generation_config.json is now a directory" in capsys.readouterr().err
+    assert (out / "generation_config.json" / "x").read_text() == "mine"
+
+
+def test_force_replaces_an_empty_directory_and_an_assembly_from_before_the_marker(base, head_file, tmp_path):
+    out = tmp_path / "serve"
+    out.mkdir()
+    asm.assemble(base.path, head_file, out, force=True)  # empty: nothing to lose
+
+    # assembly.json as the version before the marker wrote it: every carried entry linked.
+    record = json.loads((out / asm.RECORD_NAME).read_text())
+    for name in ("weights_mode", "weight_files", "copied", "written_by", "entries"):
+        record.pop(name)
+    record["linked"] = sorted(p.name for p in out.iterdir() if p.name not in {
+        asm.CONFIG_NAME, ckpt_io.INDEX_NAME, asm.RECORD_NAME, head_file.name,
+        *(s["name"] for s in record["rewritten_shards"]),
+    })
+    (out / asm.RECORD_NAME).write_text(json.dumps(record))
+    before = tree_state(base.path)
+
+    report = asm.assemble(base.path, head_file, out, force=True)
+
+    assert report.replaced_existing_out
+    assert json.loads((out / asm.RECORD_NAME).read_text())["written_by"] == asm.WRITTEN_BY
+    assert tree_state(base.path) == before
+
+
+# ---------------------------------------------------------------- where --out may be (item 2)
+
+
+@pytest.mark.parametrize("where", ["head_directory", "around_head", "base_via_symlink", "inside_base_via_symlink"])
+def test_out_is_refused_in_or_around_the_base_and_the_head(base, head_file, tmp_path, capsys, where):
+    (tmp_path / "to-base").symlink_to(base.path)
+    (tmp_path / "to-run").symlink_to(head_file.parent)
+    out, why = {
+        "head_directory": (tmp_path / "to-run", "is the directory of --head"),
+        "around_head": (tmp_path / "runs", "contains --head"),
+        "base_via_symlink": (tmp_path / "to-base", "is inside --base"),
+        "inside_base_via_symlink": (tmp_path / "to-base" / "serve", "is inside --base"),
+    }[where]
+    watched = [base.path, head_file.parent]
+    before = [tree_state(p) for p in watched]
+
+    assert asm.main(cli(base, head_file, out, "--force")) == 2
+
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} ") and why in err
+    assert [tree_state(p) for p in watched] == before
+
+
+def test_out_beside_the_head_in_its_run_directory_is_fine(base, head_file):
+    """The documented layout (scripts/demo.sh): runs/demo/assembled next to runs/demo/mtp-trained.safetensors."""
+    out = head_file.parent / "assembled"
+    asm.assemble(base.path, head_file, out)
+    assert (out / head_file.name).read_bytes() == head_file.read_bytes()
+
+
+def test_head_given_through_a_symlinked_directory_is_checked_where_it_lies(base, head_file, tmp_path, capsys):
+    (tmp_path / "alias").symlink_to(head_file.parent)
+    out = head_file.parent  # the real directory of a head named through the alias
+    assert asm.main(cli(base, tmp_path / "alias" / head_file.name, out, "--force")) == 2
+    assert "is the directory of --head" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- modes (item 3)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_assembled_directory_has_the_modes_of_the_umask(base, head_file, tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        report = asm.assemble(base.path, head_file, tmp_path / "serve")
+        replaced = asm.assemble(base.path, head_file, tmp_path / "serve", force=True)
+    finally:
+        os.umask(previous)
+    assert report.rewritten_shards and report.copied and replaced.replaced_existing_out
+    out = tmp_path / "serve"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for path in out.iterdir():  # copies, clones, the head, rewritten shards, index, config, record
+        assert not path.is_symlink()
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
+
+
+# ---------------------------------------------------------------- writes into the assembled directory (item 4)
+
+
+def _write_into_every_file(out: Path) -> None:
+    """What careless tools do: save over the files, rewrite a shard in place, truncate, chmod."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(out)).save_pretrained(str(out))
+    for path in sorted(out.iterdir()):
+        with open(path, "r+b") as handle:  # in place, as an mmap-ed or seek-and-write update would
+            handle.write(b"\0" * 8)
+        with open(path, "wb") as handle:  # truncated and rewritten, as safetensors' save_file does
+            handle.write(b"rewritten")
+        os.chmod(path, 0o600)
+
+
+def test_writing_into_the_assembled_directory_leaves_the_base_unchanged(base, head_file, tmp_path):
+    before = tree_state(base.path)
+    report = asm.assemble(base.path, head_file, tmp_path / "serve")
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(report.copied)
+    assert set(report.weight_files.values()) <= {asm.CLONE, asm.COPY}  # the base is writable: no links
+
+    _write_into_every_file(tmp_path / "serve")
+
+    assert tree_state(base.path) == before
+
+
+def test_symlinked_shards_are_only_made_into_a_read_only_base_unless_asked(base, head_file, tmp_path, monkeypatch):
+    """Why auto never links into a writable base: an in-place write through the link
+    rewrites the base's shard. --weights symlink does it anyway, and says so."""
+    with monkeypatch.context() as patched:
+        patched.setattr(asm, "on_read_only_filesystem", lambda path: True)
+        patched.setattr(asm, "clone_file", lambda source, target: False)
+        read_only = asm.assemble(base.path, head_file, tmp_path / "ro")
+    assert set(read_only.weight_files.values()) == {asm.SYMLINK}
+    assert not any("writable base" in note for note in read_only.notes)
+    for shard in read_only.weight_files:
+        assert os.readlink(tmp_path / "ro" / shard) == str(base.path.resolve() / shard)
+
+    report = asm.assemble(base.path, head_file, tmp_path / "linked", weights=asm.SYMLINK)
+    assert set(report.weight_files.values()) == {asm.SYMLINK}
+    assert any("symlinks into the writable base" in note for note in report.notes)
+    name = next(iter(report.weight_files))
+    with open(tmp_path / "linked" / name, "r+b") as handle:
+        handle.write(b"\0" * 8)
+    assert (base.path / name).read_bytes()[:8] == b"\0" * 8  # the premise: the base was written
+
+
+def test_clones_are_preferred_and_clone_mode_requires_them(base, head_file, tmp_path, monkeypatch, capsys):
+    clones = []
+
+    def fake_clone(source, target):  # a filesystem that clones: the bytes, in a file of its own
+        Path(target).write_bytes(Path(source).read_bytes())
+        clones.append(Path(source).name)
+        return True
+
+    monkeypatch.setattr(asm, "clone_file", fake_clone)
+    monkeypatch.setattr(asm, "on_read_only_filesystem", lambda path: True)  # a clone still beats a link
+    report = asm.assemble(base.path, head_file, tmp_path / "cloned")
+    assert set(report.weight_files.values()) == {asm.CLONE} and sorted(clones) == sorted(report.weight_files)
+
+    monkeypatch.setattr(asm, "clone_file", lambda source, target: False)
+    out = tmp_path / "clone-required"
+    assert asm.main(cli(base, head_file, out, "--weights", "clone")) == 2
+    err = capsys.readouterr().err
+    assert "--weights clone:" in err and str(base.path / sorted(report.weight_files)[0]) in err
+    assert not out.exists() and not temporaries_beside(out)
+
+
+def test_clone_file_on_this_filesystem_clones_or_leaves_nothing(tmp_path):
+    source = tmp_path / "shard.safetensors"
+    source.write_bytes(os.urandom(1 << 16))
+    target = tmp_path / "clone.safetensors"
+    original = source.read_bytes()
+    if asm.clone_file(source, target):  # btrfs, XFS with reflink
+        assert target.read_bytes() == original
+        with open(target, "r+b") as handle:
+            handle.write(b"\0" * 8)
+        assert source.read_bytes() == original
+    else:  # ext4, tmpfs, ...
+        assert not target.exists()
+
+
+def test_copies_that_do_not_fit_are_refused_before_writing(base, head_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(asm, "clone_file", lambda source, target: False)
+    monkeypatch.setattr(asm.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
+    out = tmp_path / "serve"
+    assert asm.main(cli(base, head_file, out)) == 2
+    err = capsys.readouterr().err
+    assert "GiB are free" in err and "--weights symlink" in err and "read-only" in err
+    assert not out.exists() and not temporaries_beside(out)
+
+
+# ---------------------------------------------------------------- non-finite heads (item 5)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_head_is_refused_naming_the_tensor(base, tmp_path, capsys, value):
+    def poison(tensors):
+        fc = tensors["mtp.fc.weight"].clone()
+        fc[3, 5] = value
+        tensors["mtp.fc.weight"] = fc
+        norm = tensors["mtp.norm.weight"].clone()
+        norm[:2] = value
+        tensors["mtp.norm.weight"] = norm
+
+    poisoned = head_variant(base.path, tmp_path / "mtp-trained.safetensors", poison)
+    out = tmp_path / "serve"
+
+    assert asm.main(cli(base, poisoned, out)) == 2
+
+    err = capsys.readouterr().err
+    nan, inf = (1, 0) if value != value else (0, 1)
+    assert f"tensor mtp.fc.weight in {poisoned} is not finite: {nan} NaN and {inf} infinite values" in err
+    assert f"tensor mtp.norm.weight in {poisoned} is not finite: {2 * nan} NaN and {2 * inf} infinite values" in err
+    assert "mtp.layers.0" not in err  # only the poisoned tensors are named
+    assert not out.exists() and not temporaries_beside(out)
+
+
+def test_finite_head_passes_the_check(base, tmp_path):
+    """The check's other side: the largest finite bf16 values are not mistaken for inf."""
+    def extreme(tensors):
+        fc = tensors["mtp.fc.weight"].clone()
+        fc[0, 0], fc[0, 1] = torch.finfo(torch.bfloat16).max, torch.finfo(torch.bfloat16).min
+        tensors["mtp.fc.weight"] = fc
+
+    head = head_variant(base.path, tmp_path / "mtp-trained.safetensors", extreme)
+    asm.assemble(base.path, head, tmp_path / "serve")
+    assert_serves_head(tmp_path / "serve", base.text_config, base_tensors(head), head.name)
+
+
+# ==================================================================================
+# Chat data (occamy_mtp/data.py, and generate.py's prompt reading)
+# ==================================================================================
+
+
+class CountingTokenizer:
+    """A tokenizer that records the length (in characters) of every text it tokenizes."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.lengths: list[int] = []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self._inner(text, **kwargs)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def sample_texts() -> list[str]:
+    """The sample answers: real sentences, punctuation, numbers."""
+    records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()]
+    return [D.normalise_record(r, "sample").messages[-1].content for r in records]
+
+
+def long_text(characters: int, offset: int = 0) -> str:
+    texts = sample_texts()
+    pieces, total, index = [], 0, offset
+    while total < characters:
+        pieces.append(texts[index % len(texts)])
+        total += len(pieces[-1]) + 1
+        index += 1
+    return " ".join(pieces)[:characters]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def chat(user: str, answer: str, system: str | None = None) -> dict:
+    messages = [{"role": "system", "content": system}] if system else []
+    return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def assert_window_equals_the_whole(tokenizer, prompt: str, span: str, context_tokens: int, answer_tokens: int) -> D.WindowTokens:
+    whole = D.tokenize_turn(tokenizer, prompt, span)
+    bounded = D.tokenize_window(tokenizer, prompt, span, context_tokens, answer_tokens)
+    assert bounded.context_ids == whole.prompt_ids[-context_tokens:]
+    assert bounded.answer_ids == whole.span_ids[:answer_tokens]
+    assert bounded.boundary_retokenized == whole.boundary_retokenized
+    return bounded
+
+
+# ---------------------------------------------------------------- record size limit (item 7)
+
+
+def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_tokenizer, capsys, sample_tokenizer_dir):
+    limit = 2000
+    records = [
+        chat("Hi", "Hello there."),
+        chat("x" * 1000, "y" * 1001),  # 2001 bytes of text
+        chat("Hi", "é" * 1000),  # 1000 characters, 2000 bytes (+2 for "Hi"): bytes count, not characters
+        chat("x" * 1000, "y" * 1001),  # also a duplicate: the size is checked first
+        chat("Hi", "z" * 1990, system="s" * 6),  # 1998 bytes: kept
+    ]
+    path = write_jsonl(tmp_path / "data.jsonl", records)
+
+    result = D.prepare_windows([path], sample_tokenizer, max_record_bytes=limit, heldout_conversations=0)
+
+    assert result.excluded == {D.RECORD_TOO_LARGE: 3}
+    assert result.conversations_read == 5 and result.conversations_kept == 2
+    assert result.excluded_examples[D.RECORD_TOO_LARGE][0] == (
+        f"{path}:2: 2001 bytes of text, over the limit of 2000 (max_record_bytes)"
+    )
+    assert result.provenance()["max_record_bytes"] == limit
+    assert D.RECORD_TOO_LARGE in D.EXCLUSION_REASONS
+
+    assert D.main([str(path), "--tokenizer", str(sample_tokenizer_dir), "--max-record-bytes", str(limit), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["excluded"][D.RECORD_TOO_LARGE] == 3
+    with pytest.raises(ValueError, match="max_record_bytes must be >= 1, got 0"):
+        D.prepare_windows([path], sample_tokenizer, max_record_bytes=0)
+
+
+def test_a_huge_record_is_refused_by_default_without_being_tokenized(tmp_path, sample_tokenizer):
+    huge = long_text(D.DEFAULT_MAX_RECORD_BYTES)
+    path = write_jsonl(tmp_path / "data.jsonl", [chat(huge, "Fine."), chat("Hi", "Hello there.")])
+    counting = CountingTokenizer(sample_tokenizer)
+
+    result = D.prepare_windows([path], counting, heldout_conversations=0)
+
+    assert result.excluded == {D.RECORD_TOO_LARGE: 1} and result.conversations_kept == 1
+    text_bytes = len((huge + "Fine.").encode("utf-8"))
+    assert f"{text_bytes} bytes of text, over the limit of {D.DEFAULT_MAX_RECORD_BYTES}" in result.excluded_examples[D.RECORD_TOO_LARGE][0]
+    assert max(counting.lengths) < 1000
+
+
+def test_generate_reads_prompts_with_the_same_limit(tmp_path, sample_tokenizer):
+    path = write_jsonl(tmp_path / "data.jsonl", [chat("Hi", "Hello there."), chat("x" * 600, "y" * 600)])
+    read = G.read_prompts([path], sample_tokenizer, max_record_bytes=1000)
+    windows = D.prepare_windows([path], sample_tokenizer, max_record_bytes=1000, heldout_conversations=0)
+    assert read.excluded == windows.excluded == {D.RECORD_TOO_LARGE: 1}
+    assert read.excluded_examples == windows.excluded_examples
+    assert len(read.prompts) == 1
+
+
+# ---------------------------------------------------------------- bounded tokenization (item 7)
+
+
+def test_a_long_record_is_tokenized_only_around_its_window(tmp_path, sample_tokenizer):
+    """2 MB of text on one line: the work is bounded by the window, and the window is
+    the one a short record with the same text next to the answer gives (tokenization
+    is local, so what lies megabytes before the answer cannot change it)."""
+    near_the_answer = long_text(5_000, offset=11) + " And so, at the end of a very long question: what do you think?"
+    answer = long_text(30_000, offset=7)
+    long_record = chat(long_text(2_000_000) + " " + near_the_answer, answer, system=long_text(100_000, offset=3))
+    short_record = chat(long_text(40_000) + " " + near_the_answer, answer[:20_000], system="You are a helpful assistant.")
+    counting = CountingTokenizer(sample_tokenizer)
+
+    started = time.perf_counter()
+    [window] = D.prepare_windows([write_jsonl(tmp_path / "long.jsonl", [long_record])], counting, heldout_conversations=0).train
+    seconds = time.perf_counter() - started
+    [reference] = D.prepare_windows([write_jsonl(tmp_path / "short.jsonl", [short_record])], sample_tokenizer, heldout_conversations=0).train
+
+    assert window.input_ids == reference.input_ids and window.answer_start == reference.answer_start
+    assert window.answer_start == D.DEFAULT_CONTEXT_TOKENS and window.answer_length == D.DEFAULT_ANSWER_TOKENS
+    bound = 8 * (D.DEFAULT_ANSWER_TOKENS + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+    assert max(counting.lengths) <= bound, counting.lengths
+    assert seconds < 30  # it was minutes at 50 MB; rendering and hashing 2 MB take well under a second
+
+
+@pytest.mark.parametrize("settings", [dict(context_tokens=8, answer_tokens=40), dict(context_tokens=128, answer_tokens=382)])
+def test_bounded_tokenization_equals_the_whole_on_the_sample_data(sample_tokenizer, settings):
+    """Every turn of every sample conversation. With 8/40 tokens both texts are cut
+    (the prompt's first cut is 384 characters, the answer's 896); at 128/382 most are
+    tokenized whole, and the window must not change either way."""
+    records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()]
+    cut = 0
+    for number, record in enumerate(records, start=1):
+        conversation = D.normalise_record(record, f"sample:{number}")
+        for turn in D.selected_turns(conversation, "every"):
+            prompt, span = D.render_turn(sample_tokenizer, conversation.messages, turn)
+            assert_window_equals_the_whole(sample_tokenizer, prompt, span, **settings)
+            budget = (settings["answer_tokens"] + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+            cut += len(span) > budget
+    if settings["answer_tokens"] == 40:
+        assert cut > 100  # the bounded path was taken
+
+
+# Texts on which a cut changes the tokens near it, or (runs) all the way to the run's end:
+# the sample vocabulary has "ss", "==", "====", ..., "================", so a run's last
+# tokens depend on its length modulo 2 or 16, i.e. on where a cut falls.
+HARD_TEXTS = {
+    "a run of s, odd": "x" + "s" * 6001 + "y",
+    "a run of s, even": "x" + "s" * 6002 + "y",
+    "a run of =": "Title\n" + "=" * 6003,
+    "a run of spaces before a word": "code:" + " " * 6001 + "x",
+    "one 20,000-letter word": "a" * 20_000,
+    "spaces and newlines": ("word " + " " * 300 + "\n\n\n" + "\t" * 50) * 80,
+    "digits": "3.14159265358979 " * 2000,
+    "CJK and emoji": ("日本語のテキスト、絵文字😀🎉も。" * 700),
+    "combining marks": ("e\u0301" * 9 + " cafe\u0301 ") * 1500,  # NFC joins them: a cut between them is a different text
+    "punctuation runs": ("!!!???...;;;---" * 50 + " x ") * 60,
+}
+# (margin, characters per token of the first cut): the defaults, and none at all, where
+# the kept tokens always reach the cut and only the moved-cut checks keep them exact.
+CUT_SETTINGS = [(D.CUT_MARGIN_TOKENS, D.CUT_CHARS_PER_TOKEN), (0, 1)]
+
+
+@pytest.mark.parametrize("margin, chars_per_token", CUT_SETTINGS)
+@pytest.mark.parametrize("name", sorted(HARD_TEXTS))
+def test_bounded_tokenization_equals_the_whole_on_hard_texts(sample_tokenizer, monkeypatch, name, margin, chars_per_token):
+    monkeypatch.setattr(D, "CUT_MARGIN_TOKENS", margin)
+    monkeypatch.setattr(D, "CUT_CHARS_PER_TOKEN", chars_per_token)
+    text = HARD_TEXTS[name]
+    conversation = D.Conversation((D.Message("user", text), D.Message("assistant", text[::-1] + " " + text)), "hard")
+    prompt, span = D.render_turn(sample_tokenizer, conversation.messages, 1)
+    for context_tokens, answer_tokens in [(1, 1), (128, 382), (5000, 5000)]:
+        assert_window_equals_the_whole(sample_tokenizer, prompt, span, context_tokens, answer_tokens)
+
+
+def test_a_run_at_the_end_of_the_prompt_is_cut_at_its_start(sample_tokenizer):
+    """The premise of the moved-cut check: two cuts an even number of characters apart
+    inside a run of "s" give the same wrong tokens; one character apart they differ."""
+    text = "x" + "s" * 6002 + "y"  # cut 2304 or 4608 characters from the end: 2303 or 4607 s, and 6002 in the whole
+    whole = D._encode(sample_tokenizer, text)[-8:]
+    same_phase = [D._encode(sample_tokenizer, text[-length:])[-8:] for length in (2304, 4608)]
+    assert same_phase[0] == same_phase[1] != whole
+    assert D._encode(sample_tokenizer, text[-2305:])[-8:] != same_phase[0]
+    assert D._last_tokens(sample_tokenizer, text, 8)[0] == whole
+
+
+@pytest.mark.parametrize("margin, chars_per_token", CUT_SETTINGS)
+def test_bounded_tokenization_equals_the_whole_on_long_sample_prompts(sample_tokenizer, monkeypatch, margin, chars_per_token):
+    """Sample conversations strung into one long multi-turn chat: every turn's window."""
+    monkeypatch.setattr(D, "CUT_MARGIN_TOKENS", margin)
+    monkeypatch.setattr(D, "CUT_CHARS_PER_TOKEN", chars_per_token)
+    records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()[:12]]
+    messages = tuple(m for number, r in enumerate(records) for m in D.normalise_record(r, f"sample:{number}").messages
+                     if m.role != "system")
+    conversation = D.Conversation(messages, "strung")
+    for turn in D.selected_turns(conversation, "every"):
+        prompt, span = D.render_turn(sample_tokenizer, conversation.messages, turn)
+        for context_tokens, answer_tokens in [(8, 40), (128, 382)]:
+            assert_window_equals_the_whole(sample_tokenizer, prompt, span, context_tokens, answer_tokens)
+
+
+def test_text_after_the_end_of_turn_is_never_kept(sample_tokenizer):
+    """A template that writes a footer after <|im_end|>: the head cut holds the end of
+    turn, and the answer stops there however many tokens follow it."""
+    tokenizer = copy.deepcopy(sample_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        + "(a footer the template writes after every message) " * 40
+        + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    conversation = D.Conversation((D.Message("user", "Hi"), D.Message("assistant", "Hello there.")), "footer")
+    prompt, span = D.render_turn(tokenizer, conversation.messages, 1)
+    assert len(span) > (40 + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN  # the head is cut
+    bounded = assert_window_equals_the_whole(tokenizer, prompt, span, 4, 40)
+    assert tokenizer.decode(bounded.answer_ids) == "Hello there.<|im_end|>"
+
+
+def test_end_of_turn_just_beyond_a_cut(sample_tokenizer):
+    """An answer whose <|im_end|> straddles the first head cut, and one that ends right at it."""
+    budget = (40 + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+    for shift in range(-12, 4):
+        answer = "b" * (budget + shift - 3) + " ok"  # the template adds <|im_end|> and a newline after it
+        conversation = D.Conversation((D.Message("user", "Hi"), D.Message("assistant", answer)), "edge")
+        prompt, span = D.render_turn(sample_tokenizer, conversation.messages, 1)
+        assert_window_equals_the_whole(sample_tokenizer, prompt, span, 4, 40)
+        bounded = assert_window_equals_the_whole(sample_tokenizer, prompt, span, 4, 5000)
+        assert bounded.answer_ids[-1] == sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_boundary_retokenization_is_counted_as_the_whole_text_counts_it(sample_tokenizer):
+    """A template whose generation prompt ends in a space: "assistant: " + "Hello" gives
+    " Hello" in one piece. Long and short prompts count it alike."""
+    tokenizer = copy.deepcopy(sample_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    flags = []
+    for answer in ("Hello there.", "yes", "The quick brown fox.", "42 is the answer.", " spaced", "-dash"):
+        for user in ("Hi", long_text(50_000)):
+            conversation = D.Conversation((D.Message("user", user), D.Message("assistant", answer)), "boundary")
+            prompt, span = D.render_turn(tokenizer, conversation.messages, 1)
+            flags.append(assert_window_equals_the_whole(tokenizer, prompt, span, 16, 16).boundary_retokenized)
+    assert any(flags) and not all(flags)  # both outcomes were checked
+
+
+def test_generate_round_trip_reads_only_the_answer_of_a_long_prompt(sample_tokenizer):
+    im_end = sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    answer_ids = sample_tokenizer("Hello there.", add_special_tokens=False)["input_ids"] + [im_end]
+    messages = [D.Message("user", long_text(300_000)), D.Message("assistant", "Hello there.")]
+    counting = CountingTokenizer(sample_tokenizer)
+    assert G.roundtrip_outcome(counting, messages, answer_ids, True, im_end) == G.ROUNDTRIP_EXACT
+    assert max(counting.lengths) < 10_000
+    assert G.roundtrip_outcome(counting, messages, answer_ids[:1] + answer_ids, True, im_end) == G.RETOKENIZED
