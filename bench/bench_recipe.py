@@ -7,8 +7,15 @@ A random-weight Qwen3.5-35B-A3B-shaped base and head are built directly on the d
 (speed and memory do not depend on the values). The recipe, timed phase by phase, with
 the library's own pieces:
 
-1. target cache: `cache.build_cache` runs the frozen base over all 288 windows (256 train +
-   32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
+0. self-generation: the base writes its greedy continuation (up to 382 tokens) of the
+   contexts of the run's windows (`selfgen.self_generate`, `--generate-batch-size` a
+   batch); `--generate-windows` of the 320 are timed and the whole is extrapolated from
+   them (random weights never stop early, so every continuation runs the full budget:
+   the worst case). Before the layers are dropped, `--decoder-check-windows` heldout
+   prompts are decoded with the reference speculative decoder at 1 and 3 draft steps
+   (export's `eval.decoder_check_windows`, per head);
+1. target cache: `cache.build_cache` runs the frozen base over all 320 windows (256 train +
+   32 validation + 32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
    picks the pass: `fast` (`fastbase.FastBasePass`, 65,536 tokens a forward), `plain`
    (`cache.plain_compute`: one transformers forward a window, the canonical targets) or
    `both` (two caches; the recipe time uses the fast one, and the two are compared);
@@ -16,7 +23,8 @@ the library's own pieces:
    `embed_tokens` and `lm_head`);
 3. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
    2 epochs of one window a step, reading targets from the cache (`cache.TargetCache`),
-   the step of `occamy_mtp.train.train` without accelerate;
+   the step of `occamy_mtp.train.train` without accelerate, with its checkpoint selection:
+   the decoder replay on the 32 validation windows before the first step and every 64;
 4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
    steps) from the cache, and the head's tensors written to a safetensors file.
 
@@ -40,25 +48,19 @@ import torch
 from occamy_mtp import cache as target_cache
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.checkpoint import base_model_class, text_config_from_dict
-from occamy_mtp.evaluate import evaluate_head
+from occamy_mtp.data import Window
+from occamy_mtp.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.fastbase import FastBasePass
 from occamy_mtp.head import MTPHead, SharedWeights, set_trainable
-from occamy_mtp.loss import chain_batch, chain_loss
+from occamy_mtp.loss import chain_batch, chain_loss, collate
+from occamy_mtp.selfgen import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
-from occamy_mtp.loss import collate
 from occamy_mtp.train import lr_at, step_windows
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
-TRAIN_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 2
+TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
+SELECT_EVERY_STEPS, SERVED_STEPS = 64, (1, 3)
 FAST_TOKENS_PER_FORWARD = 65536
-
-
-class _Window:
-    """The fields of `data.Window` that training reads."""
-
-    def __init__(self, input_ids, answer_start):
-        self.input_ids = tuple(input_ids)
-        self.answer_start = answer_start
 
 
 def sync(device):
@@ -127,6 +129,9 @@ def main() -> int:
     parser.add_argument("--compute", choices=("fast", "plain", "both"), default="both")
     parser.add_argument("--steps-per-epoch", type=int, default=TRAIN_WINDOWS, help="fewer for a smoke run")
     parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
+    parser.add_argument("--generate-windows", type=int, default=64, help="contexts whose continuations are timed (0: skip)")
+    parser.add_argument("--generate-batch-size", type=int, default=64)
+    parser.add_argument("--decoder-check-windows", type=int, default=1, help="heldout prompts decoded by the reference decoder (0: skip)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -152,10 +157,11 @@ def main() -> int:
     generator = torch.Generator().manual_seed(1)
     length = CONTEXT_TOKENS + ANSWER_TOKENS
     windows = [
-        _Window(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist(), CONTEXT_TOKENS)
-        for _ in range(TRAIN_WINDOWS + HELDOUT_WINDOWS)
+        Window("random", 0, tuple(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()), CONTEXT_TOKENS)
+        for _ in range(TRAIN_WINDOWS + VALIDATION_WINDOWS + HELDOUT_WINDOWS)
     ]
-    train_windows, heldout = windows[:TRAIN_WINDOWS], windows[TRAIN_WINDOWS:]
+    train_windows = windows[:TRAIN_WINDOWS]
+    validation, heldout = windows[TRAIN_WINDOWS : TRAIN_WINDOWS + VALIDATION_WINDOWS], windows[-HELDOUT_WINDOWS:]
     phases = Phases(device)
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -166,6 +172,24 @@ def main() -> int:
         "tokens": len(windows) * length,
         "build_seconds_excluded": build_seconds,
     }
+
+    # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check
+    if args.generate_windows:
+        contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[: args.generate_windows]]
+        continuations = phases("self_generate", lambda: self_generate(base, contexts, ANSWER_TOKENS, set(), args.generate_batch_size))
+        seconds = phases.results["self_generate"]["seconds"]
+        tokens = sum(len(c.tokens) for c in continuations)
+        result["self_generate"] = {
+            "windows_timed": len(contexts), "batch_size": args.generate_batch_size, "tokens": tokens,
+            "tokens_per_second": tokens / seconds,
+            "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
+        }
+    if args.decoder_check_windows:
+        chosen = heldout[: args.decoder_check_windows]
+        for k in SERVED_STEPS:
+            check = phases(f"decoder_check_k{k}", lambda k=k: reference_decoder_check(base, donor.eval(), chosen, k, ANSWER_TOKENS, set()))
+            result[f"decoder_check_k{k}"] = {"windows": len(chosen), "verify_passes": check["measured"]["verify_passes"],
+                                             "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"]}
 
     # 1. the target cache. With both, the plain pass runs first: kernels the two share (fla's
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
@@ -186,8 +210,18 @@ def main() -> int:
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95))
 
+    selection_seconds = []
+
+    def select():
+        started = time.perf_counter()
+        served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS)
+        head.train()
+        sync(device)
+        selection_seconds.append(time.perf_counter() - started)
+
     def train():
         head.train()
+        select()
         for step in range(total_steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, 5e-4, 32, 0.1)
@@ -199,8 +233,11 @@ def main() -> int:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if (step + 1) % SELECT_EVERY_STEPS == 0 or step + 1 == total_steps:
+                select()
 
     phases("train", train)
+    result["selection"] = {"measurements": len(selection_seconds), "seconds": sum(selection_seconds)}
 
     # 4. export: donor and trained evaluated on the heldout windows, the head written out
     def export():
@@ -215,6 +252,9 @@ def main() -> int:
     result["phases"] = phases.results
     recipe = ("cache_fast" if "fast" in caches else "cache_plain", "train", "export")
     result["recipe_seconds"] = sum(phases.results[p]["seconds"] for p in recipe)
+    if "self_generate" in result:
+        result["recipe_seconds_with_self_generation_extrapolated"] = (
+            result["recipe_seconds"] + result["self_generate"]["seconds_for_all_windows_extrapolated"])
     if "plain" in caches and "fast" in caches:
         result["recipe_seconds_with_plain_cache"] = result["recipe_seconds"] - phases.results["cache_fast"]["seconds"] + phases.results["cache_plain"]["seconds"]
     if device.type == "cuda":
