@@ -295,7 +295,9 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
             "timings": {
                 "train_seconds": summary["train_seconds"],
                 "base_forward_seconds": summary["base_forward_seconds"],
-                "self_generation_seconds": windows.self_generated["generation_seconds"],
+                # the continuations are usually written by train.py; export writes any it lacks
+                "self_generation_seconds": summary["self_generated"]["generation_seconds"]
+                + windows.self_generated["generation_seconds"],
                 "eval_seconds": eval_seconds,
                 "export_seconds": time.perf_counter() - started,
             },
