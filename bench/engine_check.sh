@@ -263,17 +263,23 @@ EXPORT_FLAGS=()
 if "$PY" export.py --help 2>/dev/null | grep -q -- "--allow-worse"; then
     EXPORT_FLAGS+=(--allow-worse)  # the demo head is measured whether or not it beats the donor
 fi
-"$PY" export.py --config configs/demo.yaml "${OVERRIDES[@]}" "${EXPORT_FLAGS[@]}"
+if [ "$REUSE" = 1 ] && [ -f "$RUN/TRAINING.json" ] && [ "$RUN/TRAINING.json" -nt "$RUN/train-summary.json" ]; then
+    log "reusing the export under $RUN"
+else
+    "$PY" export.py --config configs/demo.yaml "${OVERRIDES[@]}" "${EXPORT_FLAGS[@]}"
+fi
 assemble trained "$RUN/mtp-trained.safetensors"
 on_engine trained
 
-# 4. The library's offline figures on the same windows: the exact chain on self-generated text
-#    and the reference speculative decoder, 1 and 3 draft steps.
-for k in 1 3; do
-    "$PY" -m occamy_mtp.evaluate --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" --donor "$MODELS/donor" \
-        --data "$DATA" --steps "$k" --self-generated --reference-decoder --max-new-tokens "$MAX_TOKENS" \
-        --dtype "$EVAL_DTYPE" --out "$WORK/eval-k$k" > "$WORK/logs/evaluate-k$k.txt"
-done
+# 4. The library's offline figures on the same windows: the base's own greedy continuation of
+#    each heldout context, the reference speculative decoder on it, 1 and 3 draft steps.
+EVAL_FLAGS=(--served-steps 1,3)
+if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--self-generated"; then
+    EVAL_FLAGS=(--steps 3 --self-generated)  # older CLI: self-generation asked for, one step count a run
+fi
+"$PY" -m occamy_mtp.evaluate --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" --donor "$MODELS/donor" \
+    --data "$DATA" "${EVAL_FLAGS[@]}" --reference-decoder --max-new-tokens "$MAX_TOKENS" \
+    --dtype "$EVAL_DTYPE" --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
 
 # 4b. At each token where MTP on and off differ in the engine: the float32 base's own log-probs
 #     of the two tokens, given the same prefix (a near tie there is a tie the engine's bf16 can
@@ -356,7 +362,14 @@ def engine_figures(report):
 
 metrics = load(work / "run" / "metrics.json")
 heldout = metrics.get("heldout", metrics)
-evaluations = {k: load(work / f"eval-k{k}" / "evaluation.json") for k in STEPS}
+evaluation = load(work / "eval" / "evaluation.json")
+
+
+def reference_decoder(head, k):
+    """The decoder's measured figures: reference_decoder[head][k] (older layout: one run per k)."""
+    checks = evaluation.get("reference_decoder", {}).get(head, {})
+    check = checks.get(str(k)) if str(k) in checks else (checks if checks.get("draft_steps") == k else {})
+    return check.get("measured", {})
 rows, match_rows, notes = [], [], []
 for head in HEADS:
     for k in STEPS:
@@ -364,7 +377,7 @@ for head in HEADS:
         engine = engine_figures(load(work / "validate" / f"{name}-windows" / "validation.json"))
         per_position = engine.get("per_position") or {"accepted": [], "proposed": []}
         cross = engine.get("metrics") or {}
-        decoder = evaluations[k].get("reference_decoder", {}).get(head, {}).get("measured", {})
+        decoder = reference_decoder(head, k)
         figures = heldout.get(head, {})
         tf = figures.get("teacher_forced", figures)  # older metrics.json: the teacher-forced figures themselves
         served = figures.get("served", {}).get(str(k), {})
