@@ -287,7 +287,7 @@ def check_paths(base_dir: Path, head_file: Path, out_dir: Path, force: bool) -> 
 
 
 # The fields of assembly.json before it carried the marker: such a directory was written
-# by this module too (it links every entry but those named below, see _old_entries).
+# by this module too, and `_written_entries` rebuilds what it wrote from them.
 _UNMARKED_RECORD_FIELDS = frozenset({
     "base", "head_source", "out", "head_file", "head_sha256", "head_tensors", "head_layout", "linked",
     "rewritten_shards", "dropped_shards", "skipped", "removed_base_mtp_keys", "index_keys", "config_changes",

@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import stat
-import time
 from pathlib import Path
 
 import pytest
@@ -459,16 +458,13 @@ def test_a_long_record_is_tokenized_only_around_its_window(tmp_path, sample_toke
     short_record = chat(long_text(40_000) + " " + near_the_answer, answer[:20_000], system="You are a helpful assistant.")
     counting = CountingTokenizer(sample_tokenizer)
 
-    started = time.perf_counter()
     [window] = D.prepare_windows([write_jsonl(tmp_path / "long.jsonl", [long_record])], counting, heldout_conversations=0).train
-    seconds = time.perf_counter() - started
     [reference] = D.prepare_windows([write_jsonl(tmp_path / "short.jsonl", [short_record])], sample_tokenizer, heldout_conversations=0).train
 
     assert window.input_ids == reference.input_ids and window.answer_start == reference.answer_start
     assert window.answer_start == D.DEFAULT_CONTEXT_TOKENS and window.answer_length == D.DEFAULT_ANSWER_TOKENS
     bound = 8 * (D.DEFAULT_ANSWER_TOKENS + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
-    assert max(counting.lengths) <= bound, counting.lengths
-    assert seconds < 30  # it was minutes at 50 MB; rendering and hashing 2 MB take well under a second
+    assert max(counting.lengths) <= bound, counting.lengths  # 50 MB whole took minutes and gigabytes
 
 
 @pytest.mark.parametrize("settings", [dict(context_tokens=8, answer_tokens=40), dict(context_tokens=128, answer_tokens=382)])
