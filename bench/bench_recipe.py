@@ -11,7 +11,9 @@ the library's own pieces:
    contexts of the run's windows (`selfgen.self_generate`, `--generate-batch-size` a
    batch); `--generate-windows` of the 320 are timed and the whole is extrapolated from
    them (random weights never stop early, so every continuation runs the full budget:
-   the worst case). Before the layers are dropped, `--decoder-check-windows` heldout
+   the worst case); `--extra-generate-batch-sizes` times one more batch at each size given
+   (the library's default, `data.self_generate_batch_size`, is 16), outside the recipe's
+   sum. Before the layers are dropped, `--decoder-check-windows` heldout
    prompts are decoded with the reference speculative decoder at 1 and 3 draft steps
    (export's `eval.decoder_check_windows`, per head);
 1. target cache: `cache.build_cache` runs the frozen base over all 320 windows (256 train +
@@ -131,6 +133,8 @@ def main() -> int:
     parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
     parser.add_argument("--generate-windows", type=int, default=64, help="contexts whose continuations are timed (0: skip)")
     parser.add_argument("--generate-batch-size", type=int, default=64)
+    parser.add_argument("--extra-generate-batch-sizes", default="",
+                        help="comma-separated batch sizes to time one more batch at each (e.g. 16, the library's default)")
     parser.add_argument("--decoder-check-windows", type=int, default=1, help="heldout prompts decoded by the reference decoder (0: skip)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -184,12 +188,25 @@ def main() -> int:
             "tokens_per_second": tokens / seconds,
             "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
         }
+    for size in [int(x) for x in args.extra_generate_batch_sizes.split(",") if x.strip()]:
+        contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[:size]]
+        name = f"self_generate_batch{size}"
+        continuations = phases(name, lambda c=contexts, b=size: self_generate(base, c, ANSWER_TOKENS, set(), b))
+        seconds = phases.results[name]["seconds"]
+        tokens = sum(len(c.tokens) for c in continuations)
+        result[name] = {
+            "windows_timed": len(contexts), "batch_size": size, "tokens": tokens, "tokens_per_second": tokens / seconds,
+            "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
+        }
     if args.decoder_check_windows:
         chosen = heldout[: args.decoder_check_windows]
         for k in SERVED_STEPS:
             check = phases(f"decoder_check_k{k}", lambda k=k: reference_decoder_check(base, donor.eval(), chosen, k, ANSWER_TOKENS, set()))
             result[f"decoder_check_k{k}"] = {"windows": len(chosen), "verify_passes": check["measured"]["verify_passes"],
-                                             "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"]}
+                                             "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
+                                             "seconds_per_window": phases.results[f"decoder_check_k{k}"]["seconds"] / len(chosen),
+                                             "measured": check["measured"], "decisions": check["decisions"],
+                                             "decisions_equal": check["decisions_equal"]}
 
     # 1. the target cache. With both, the plain pass runs first: kernels the two share (fla's
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.

@@ -168,7 +168,8 @@ STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 bash scripts/setup.sh
 setup_engine
 CHAT_SET=(--data "$DATA" --tokenizer "$MODELS/tokenizer" --prompts 20 --cold-warm 4 --max-tokens 64)
-WINDOW_SET=(--data "$DATA" --tokenizer "$MODELS/tokenizer" --prompt-source windows --endpoint completions
+# The window prompts are the run's own heldout windows: its resolved config names the split.
+WINDOW_SET=(--config "$RUN/config.resolved.yaml" --data "$DATA" --tokenizer "$MODELS/tokenizer" --prompt-source windows --endpoint completions
             --prompts "$WINDOWS" --cold-warm 0 --max-tokens "$MAX_TOKENS")
 
 # assemble HEAD FILE: the servable directory of the base with that head; kept when it already
@@ -277,8 +278,8 @@ EVAL_FLAGS=(--served-steps 1,3)
 if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--self-generated"; then
     EVAL_FLAGS=(--steps 3 --self-generated)  # older CLI: self-generation asked for, one step count a run
 fi
-"$PY" -m occamy_mtp.evaluate --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" --donor "$MODELS/donor" \
-    --data "$DATA" "${EVAL_FLAGS[@]}" --reference-decoder --max-new-tokens "$MAX_TOKENS" \
+"$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" \
+    --donor "$MODELS/donor" --data "$DATA" "${EVAL_FLAGS[@]}" --reference-decoder --max-new-tokens "$MAX_TOKENS" \
     --dtype "$EVAL_DTYPE" --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
 
 # 4b. At each token where MTP on and off differ in the engine: the float32 base's own log-probs

@@ -35,6 +35,7 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 HEAD_PREFIX = "mtp."
+HEAD_FILE = "mtp-trained.safetensors"  # what export.py writes into output.dir: the trained head's tensors
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
 VISION_PREFIX = "model.visual."

@@ -68,8 +68,24 @@ class DataSettings:
     """Seed of the content hash that assigns conversations to train or heldout."""
     skip_bad_records: bool = False
     """Skip (and count) malformed records instead of failing on the first one."""
+    max_record_bytes: int = 8 * 2**20
+    """A conversation with more text than this (UTF-8 bytes) is excluded and counted
+    (record_too_large) before it is tokenized."""
     target_cache: str = ""
     """Directory of the offline target cache (`python -m occamy_mtp.cache`); empty runs the base online."""
+
+
+# The data settings that decide which windows a run builds and how they are split; the
+# keyword arguments of `occamy_mtp.data.prepare_windows`, under the same names.
+WINDOW_SETTINGS = (
+    "context_tokens", "answer_tokens", "turns", "train_conversations", "validation_conversations",
+    "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",
+)
+
+
+def window_settings(data: DataSettings) -> dict:
+    """`prepare_windows` keyword arguments of a run's data settings (its split, exactly)."""
+    return {name: getattr(data, name) for name in WINDOW_SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -186,6 +202,47 @@ def _plain(obj):
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
+
+
+# ----------------------------------------------------------------------------------
+# The split on other command lines (evaluate, validate)
+# ----------------------------------------------------------------------------------
+
+_SPLIT_FLAGS = {  # flag -> (setting, type, help)
+    "--context-tokens": ("context_tokens", int, "tokens kept before each answer"),
+    "--answer-tokens": ("answer_tokens", int, "answer tokens kept per window"),
+    "--turns": ("turns", str, "assistant turns that become windows: last, first or every"),
+    "--train-conversations": ("train_conversations", int, "train split size"),
+    "--validation-conversations": ("validation_conversations", int, "validation split size"),
+    "--heldout-conversations": ("heldout_conversations", int, "heldout split size"),
+    "--split-seed": ("split_seed", int, "seed of the split's content hash"),
+    "--max-record-bytes": ("max_record_bytes", int, "conversations with more text are excluded"),
+}
+
+
+def add_split_arguments(parser) -> None:
+    """`--config RUN.yaml` and one flag per window setting, so that a tool outside
+    training builds the run's own windows and heldout split (every setting decides it)."""
+    parser.add_argument("--config", type=Path, help="the run's config (train.py's): the defaults of the data, split, model and "
+                                                    "output flags, so that the heldout split is the run's exactly")
+    defaults = DataSettings()
+    group = parser.add_argument_group("windows and split (default: --config's, else the training defaults)")
+    for flag, (name, kind, text) in _SPLIT_FLAGS.items():
+        group.add_argument(flag, type=kind, default=None, help=f"{text} (training default {getattr(defaults, name)})")
+    group.add_argument("--skip-bad-records", action="store_true", default=None, help="skip and count malformed records")
+
+
+def split_from_arguments(args) -> tuple[RunConfig | None, dict]:
+    """(the --config's RunConfig or None, `prepare_windows` keyword arguments): a flag
+    given on the command line wins over the config, the config over the defaults."""
+    config = load_config(args.config) if args.config is not None else None
+    settings = window_settings(config.data if config is not None else DataSettings())
+    for name, _, _ in _SPLIT_FLAGS.values():
+        if getattr(args, name) is not None:
+            settings[name] = getattr(args, name)
+    if args.skip_bad_records:
+        settings["skip_bad_records"] = True
+    return config, settings
 
 
 # ----------------------------------------------------------------------------------
@@ -323,6 +380,7 @@ def validate(config: RunConfig) -> None:
         (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
         (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
         (config.data.self_generate_batch_size >= 1, "data.self_generate_batch_size", ">= 1"),
+        (config.data.max_record_bytes >= 1, "data.max_record_bytes", ">= 1"),
         (config.train.epochs >= 1, "train.epochs", ">= 1"),
         (config.train.windows_per_step >= 1, "train.windows_per_step", ">= 1"),
         (math.isfinite(config.train.lr) and config.train.lr > 0, "train.lr", "a finite number > 0"),

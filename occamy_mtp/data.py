@@ -350,7 +350,9 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
         for number, record in enumerate(records, start=1):
             yield f"{path}: record {number}", record
         return
-    for line_number, line in enumerate(text.splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085, \x0c and
+    # other characters that JSON strings may hold raw, cutting a record in two.
+    for line_number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -895,29 +897,32 @@ def _format_summary(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
+
     parser = argparse.ArgumentParser(
         prog="python -m occamy_mtp.data",
         description="Check chat data as training would see it: conversations read, kept, excluded per reason, windows, split.",
     )
-    parser.add_argument("files", nargs="+", type=Path, help="JSONL, JSON or parquet files of conversations")
-    parser.add_argument("--tokenizer", required=True, type=Path, help="tokenizer directory (the base model's) with a chat template")
-    parser.add_argument("--context-tokens", type=int, default=DEFAULT_CONTEXT_TOKENS)
-    parser.add_argument("--answer-tokens", type=int, default=DEFAULT_ANSWER_TOKENS)
-    parser.add_argument("--turns", choices=TURN_CHOICES, default="last")
-    parser.add_argument("--train-conversations", type=int, default=DEFAULT_TRAIN_CONVERSATIONS)
-    parser.add_argument("--heldout-conversations", type=int, default=DEFAULT_HELDOUT_CONVERSATIONS)
-    parser.add_argument("--validation-conversations", type=int, default=DEFAULT_VALIDATION_CONVERSATIONS)
-    parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
+    parser.add_argument("files", nargs="*", type=Path, help="JSONL, JSON or parquet files of conversations (default: --config's)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (the base model's) with a chat template "
+                                                       "(default: --config's model.tokenizer or model.base)")
     parser.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
     parser.add_argument("--keep-empty-answers", action="store_true", help="keep empty answers (a one-token window)")
-    parser.add_argument(
-        "--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES,
-        help=f"exclude (and count) a conversation with more text than this (default {DEFAULT_MAX_RECORD_BYTES})",
-    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    add_split_arguments(parser)  # training's windows and split: --config RUN.yaml, or the training defaults
     args = parser.parse_args(argv)
 
+    try:
+        config, split = split_from_arguments(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if config is not None:
+        args.files = args.files or [Path(f) for f in config.data.files]
+        args.tokenizer = args.tokenizer or Path(config.model.tokenizer or config.model.base)
+    if not args.files or args.tokenizer is None:
+        print("error: data files and --tokenizer are needed (or --config RUN.yaml, which names them)", file=sys.stderr)
+        return 2
     missing = [path for path in args.files if not path.exists()]
     if missing:  # before the slow transformers import: a typo should fail at once
         print(f"error: {missing[0]}: no such file", file=sys.stderr)
@@ -938,20 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep_empty_answers:
         exclude.discard(EMPTY_ANSWER)
     try:
-        data = prepare_windows(
-            args.files,
-            tokenizer,
-            context_tokens=args.context_tokens,
-            answer_tokens=args.answer_tokens,
-            turns=args.turns,
-            train_conversations=args.train_conversations,
-            heldout_conversations=args.heldout_conversations,
-            validation_conversations=args.validation_conversations,
-            split_seed=args.split_seed,
-            skip_bad_records=args.skip_bad_records,
-            exclude=frozenset(exclude),
-            max_record_bytes=args.max_record_bytes,
-        )
+        data = prepare_windows(args.files, tokenizer, exclude=frozenset(exclude), **split)
     except (DataError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -961,7 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(_format_summary(summary))
-        sides = (("train", args.train_conversations), ("validation", args.validation_conversations), ("heldout", args.heldout_conversations))
+        sides = [(side, split[f"{side}_conversations"]) for side in ("train", "validation", "heldout")]
         for side, asked in sides:
             if summary[f"{side}_conversations"] < asked:
                 fraction = data.settings["heldout_fraction"]

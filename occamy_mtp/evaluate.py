@@ -426,18 +426,19 @@ def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -
 
 def main(argv: list[str] | None = None) -> int:
     from occamy_mtp import data as data_module
-    from occamy_mtp.config import DataSettings
+    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
 
-    split = DataSettings()  # the training defaults, so that the heldout split is the run's
     parser = argparse.ArgumentParser(
         prog="python -m occamy_mtp.evaluate",
         description="Served acceptance (exact, on the base's own greedy text), agreement and NLL of MTP heads, side by side.",
     )
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
-    parser.add_argument("--head", required=True, type=Path, help="trained head: safetensors file or checkpoint directory")
-    parser.add_argument("--donor", type=Path, help="donor head (file or directory) to show beside the trained one")
-    parser.add_argument("--data", required=True, nargs="+", type=Path, help="chat data files (the heldout split is evaluated)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --base)")
+    parser.add_argument("--base", type=Path, help="base checkpoint directory (default: --config's model.base)")
+    parser.add_argument("--head", type=Path, help="trained head: safetensors file or checkpoint directory "
+                                                  "(default: --config's output.dir/mtp-trained.safetensors)")
+    parser.add_argument("--donor", type=Path, help="donor head (file or directory) to show beside the trained one "
+                                                   "(default: --config's model.donor_head)")
+    parser.add_argument("--data", nargs="+", type=Path, help="chat data files; the heldout split is evaluated (default: --config's)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --config's, else --base)")
     parser.add_argument("--steps", type=int, default=3, help="chained steps of the per-anchor figures")
     parser.add_argument("--served-steps", default="1,3", help="draft step counts to report the served figures for, e.g. 1,3")
     parser.add_argument("--teacher-forced-only", action="store_true",
@@ -447,18 +448,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-decoder", action="store_true",
                         help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
                              "each served step count and check the served figures against it")
-    parser.add_argument("--context-tokens", type=int, default=split.context_tokens)
-    parser.add_argument("--answer-tokens", type=int, default=split.answer_tokens)
-    parser.add_argument("--train-conversations", type=int, default=split.train_conversations, help="as in training, so the split is the same")
-    parser.add_argument("--validation-conversations", type=int, default=split.validation_conversations)
-    parser.add_argument("--heldout-conversations", type=int, default=split.heldout_conversations)
-    parser.add_argument("--split-seed", type=int, default=split.split_seed)
+    add_split_arguments(parser)
     parser.add_argument("--windows-per-batch", type=int, default=4)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: --config's model.dtype, else bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", required=True, type=Path, help="directory for evaluation.json and acceptance.png")
     args = parser.parse_args(argv)
 
+    try:
+        config, split = split_from_arguments(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if config is not None:  # the run's own inputs, unless a flag names others
+        from occamy_mtp.checkpoint import HEAD_FILE
+
+        args.base = args.base or Path(config.model.base)
+        args.head = args.head or Path(config.output.dir) / HEAD_FILE
+        args.donor = args.donor or Path(config.model.donor_head)
+        args.data = args.data or [Path(f) for f in config.data.files]
+        args.tokenizer = args.tokenizer or (Path(config.model.tokenizer) if config.model.tokenizer else None)
+        args.dtype = args.dtype or config.model.dtype
+    args.dtype = args.dtype or "bfloat16"
+    missing = [flag for flag, value in (("--base", args.base), ("--head", args.head), ("--data", args.data)) if not value]
+    if missing:
+        print(f"error: {', '.join(missing)} needed (or --config RUN.yaml, which names them)", file=sys.stderr)
+        return 2
     for flag, path in (("--base", args.base), ("--head", args.head), ("--donor", args.donor), ("--tokenizer", args.tokenizer)):
         if path is not None and not path.exists():
             print(f"error: {flag} {path}: no such file or directory", file=sys.stderr)
@@ -470,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     if not served_steps or min(served_steps) < 1:
         print(f"error: --served-steps {args.served_steps!r}: expected step counts >= 1 separated by commas, e.g. 1,3", file=sys.stderr)
         return 2
-    max_new_tokens = args.answer_tokens if args.max_new_tokens is None else args.max_new_tokens
+    max_new_tokens = split["answer_tokens"] if args.max_new_tokens is None else args.max_new_tokens
     if min(args.steps, max_new_tokens, args.generate_batch_size, args.windows_per_batch) < 1:
         print("error: --steps, --max-new-tokens, --generate-batch-size and --windows-per-batch must be >= 1", file=sys.stderr)
         return 2
@@ -482,16 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype, device = ckpt_io.DTYPES[args.dtype], torch.device(args.device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.base), local_files_only=True)
-        data = data_module.prepare_windows(
-            args.data,
-            tokenizer,
-            context_tokens=args.context_tokens,
-            answer_tokens=args.answer_tokens,
-            train_conversations=args.train_conversations,
-            heldout_conversations=args.heldout_conversations,
-            validation_conversations=args.validation_conversations,
-            split_seed=args.split_seed,
-        )
+        data = data_module.prepare_windows(args.data, tokenizer, **split)
         base = ckpt_io.load_base(args.base, dtype=dtype, device=device)
         text_config = ckpt_io.read_config(args.base).text_config
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
@@ -503,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not data.heldout:
-        print("error: no heldout windows; check --data and --heldout-conversations", file=sys.stderr)
+        print("error: no heldout windows; check --data and --heldout-conversations (or --config)", file=sys.stderr)
         return 2
 
     from occamy_mtp.checkpoint import write_json

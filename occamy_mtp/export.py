@@ -57,7 +57,7 @@ from occamy_mtp.run_setup import (
 from occamy_mtp.selfgen import SelfGenError
 from occamy_mtp.train import TRAIN_SUMMARY, TRAINED_TENSORS, build_models
 
-HEAD_FILE = "mtp-trained.safetensors"
+HEAD_FILE = ckpt_io.HEAD_FILE
 HEAD_CONFIG_FILE = "mtp_head_config.json"
 METRICS_FILE = "metrics.json"
 RECORD_FILE = "TRAINING.json"

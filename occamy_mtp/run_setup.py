@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.config import ConfigError, RunConfig
+from occamy_mtp.config import ConfigError, RunConfig, window_settings
 from occamy_mtp.data import PreparedData, Window, prepare_windows
 from occamy_mtp.head import MTPHead, set_trainable
 from occamy_mtp.selfgen import SelfGenError, SelfGeneratedStore, store_identity
@@ -122,18 +122,7 @@ def prepare_data(config: RunConfig, tokenizer, log: Callable[[str], None] | None
         size = sum(Path(f).stat().st_size for f in config.data.files if Path(f).is_file())
         log(f"data: reading {len(config.data.files)} file(s) ({size / 2**20:.1f} MiB) into windows")
     started = time.perf_counter()
-    data = prepare_windows(
-        list(config.data.files),
-        tokenizer,
-        context_tokens=config.data.context_tokens,
-        answer_tokens=config.data.answer_tokens,
-        turns=config.data.turns,
-        train_conversations=config.data.train_conversations,
-        heldout_conversations=config.data.heldout_conversations,
-        validation_conversations=config.data.validation_conversations,
-        split_seed=config.data.split_seed,
-        skip_bad_records=config.data.skip_bad_records,
-    )
+    data = prepare_windows(list(config.data.files), tokenizer, **window_settings(config.data))
     if log is not None:
         summary = data.summary()
         log(f"data: {summary['conversations_read']} conversations read, {summary['conversations_kept']} kept; "

@@ -366,7 +366,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
                 head_hidden = head(chain.step_token_ids, targets.hidden, detach_chain=config.train.detach_chain)
                 loss, stats = chain_loss(raw_head, head_hidden, chain.labels, weights)
             if not torch.isfinite(loss.detach()):
-                _stop(output_dir, state.step + 1, f"the loss is {float(loss):g}", lr)
+                _stop(output_dir, state.step + 1, f"the loss is {float(loss.detach()):g}", lr)
             accelerator.backward(loss)
             grad_norm = None
             if config.train.grad_clip_norm > 0:

@@ -1212,19 +1212,18 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
 
 
 def main(argv: list[str] | None = None) -> int:
+    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
+
     parser = argparse.ArgumentParser(prog="python -m occamy_mtp.validate", description="Compare two OpenAI-compatible servers (MTP off vs on) token for token, and read the MTP-on server's acceptance.")
     parser.add_argument("--reference", required=True, help="URL of the MTP-off server, or a responses-reference.json recorded earlier")
     parser.add_argument("--candidate", help="URL of the MTP-on server (or a recorded responses file); omit to record the reference only")
-    parser.add_argument("--data", nargs="*", type=Path, default=[], help="chat data files: heldout prefixes join the authored prompts")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (needed with --data and --endpoint completions)")
-    parser.add_argument("--train-conversations", type=int, default=256, help="as in training, so the heldout split is the same")
-    parser.add_argument("--heldout-conversations", type=int, default=32)
-    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--data", nargs="*", type=Path, default=None,
+                        help="chat data files: heldout prefixes join the authored prompts (default: --config's data.files)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (needed with --data and --endpoint completions; "
+                                                       "default: --config's model.tokenizer or model.base)")
     parser.add_argument("--prompt-source", choices=("mixed", "windows"), default="mixed",
                         help="mixed: authored prompts + heldout prefixes (chat); windows: the heldout windows' contexts as "
                              "token ids, the prompts of `occamy_mtp.evaluate --reference-decoder` (needs --data, --endpoint completions)")
-    parser.add_argument("--context-tokens", type=int, default=128, help="window settings of training (--prompt-source windows)")
-    parser.add_argument("--answer-tokens", type=int, default=382)
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="size of the fixed prompt set")
     parser.add_argument("--cold-warm", type=int, default=DEFAULT_COLD_WARM, help="prompts sent twice (cold, then warm)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
@@ -1242,7 +1241,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="send the prompts once more without logprobs: auto (when the logprob run drafted nothing), always, never")
     parser.add_argument("--out", required=True, type=Path, help="directory for validation.json and the responses files")
     parser.add_argument("--quiet", action="store_true")
+    add_split_arguments(parser)
     args = parser.parse_args(argv)
+
+    try:
+        config, split = split_from_arguments(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if config is not None:  # the run's data and tokenizer, unless a flag names others
+        args.data = args.data if args.data is not None else [Path(f) for f in config.data.files]
+        args.tokenizer = args.tokenizer or Path(config.model.tokenizer or config.model.base)
+    args.data = args.data or []
 
     try:
         extra = json.loads(args.extra_body)
@@ -1274,10 +1284,8 @@ def main(argv: list[str] | None = None) -> int:
     from occamy_mtp.data import DataError
 
     try:
-        split = dict(train_conversations=args.train_conversations, heldout_conversations=args.heldout_conversations, split_seed=args.split_seed)
         if args.prompt_source == "windows":
-            prompts = heldout_window_contexts(args.data, tokenizer, context_tokens=args.context_tokens,
-                                              answer_tokens=args.answer_tokens, **split)[: args.prompts]
+            prompts = heldout_window_contexts(args.data, tokenizer, **split)[: args.prompts]
         else:
             prompts = prompt_set(args.prompts, heldout_prefixes(args.data, tokenizer, **split) if args.data else [])
         settings = RequestSettings(args.endpoint, args.max_tokens, args.timeout, args.model, not args.no_token_ids,

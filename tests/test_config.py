@@ -81,3 +81,41 @@ def test_step_loss_weights_normalised():
 
 def test_fingerprint_ignores_where_targets_are_read_from():
     assert load_config(None).fingerprint() == load_config(None, ["data.target_cache=/cache"]).fingerprint()
+
+
+def test_window_settings_are_prepare_windows_arguments_with_the_same_defaults():
+    import inspect
+
+    from occamy_mtp.config import WINDOW_SETTINGS, DataSettings, window_settings
+    from occamy_mtp.data import prepare_windows
+
+    parameters = inspect.signature(prepare_windows).parameters
+    for name, value in window_settings(DataSettings()).items():
+        assert name in parameters, name
+        if name == "validation_conversations":  # the function splits two ways unless asked; runs and CLIs ask
+            assert parameters[name].default == 0
+            continue
+        assert parameters[name].default == value, f"data.{name}: DataSettings {value!r}, prepare_windows {parameters[name].default!r}"
+    assert set(WINDOW_SETTINGS) == set(window_settings(DataSettings()))
+
+
+def test_split_arguments_take_the_run_config_then_the_flags(tmp_path):
+    import argparse
+
+    from occamy_mtp.config import add_split_arguments, split_from_arguments
+
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  train_conversations: 40\n  validation_conversations: 0\n  context_tokens: 64\n  max_record_bytes: 1000\n"
+                      "train:\n  select_every_steps: 0\n")
+    parser = argparse.ArgumentParser()
+    add_split_arguments(parser)
+    run, split = split_from_arguments(parser.parse_args(["--config", str(config), "--context-tokens", "32"]))
+    assert run.data.train_conversations == 40
+    assert split["train_conversations"] == 40 and split["validation_conversations"] == 0 and split["max_record_bytes"] == 1000
+    assert split["context_tokens"] == 32  # the flag wins
+    assert split["heldout_conversations"] == 32 and split["skip_bad_records"] is False  # the defaults
+    run, split = split_from_arguments(parser.parse_args(["--skip-bad-records"]))
+    assert run is None and split["skip_bad_records"] is True and split["validation_conversations"] == 32
+    config.write_text("data:\n  max_record_bytes: 0\n")
+    with pytest.raises(ConfigError, match="data.max_record_bytes"):
+        split_from_arguments(parser.parse_args(["--config", str(config)]))

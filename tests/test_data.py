@@ -425,10 +425,21 @@ def test_provenance_is_json_and_complete(sample_data):
 def test_cli_json_report(sample_tokenizer_dir, capsys):
     assert D.main([str(SAMPLE_DATA_PATH), "--tokenizer", str(sample_tokenizer_dir), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["conversations_read"] == 393 and report["conversations_kept"] == 288
-    assert report["excluded"] == {"beyond_split_size": 105}
-    assert report["windows_built"] == 288 and report["assistant_tokens_scored"] == 109920
-    assert (report["train_conversations"], report["heldout_conversations"]) == (256, 32)
+    # the training defaults' split: 256 train, 32 validation, 32 heldout
+    assert report["conversations_read"] == 393 and report["conversations_kept"] == 320
+    assert report["excluded"] == {"beyond_split_size": 73}
+    assert report["windows_built"] == 320 and report["assistant_tokens_scored"] == 122144
+    assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (256, 32, 32)
+
+
+def test_cli_reads_the_files_tokenizer_and_split_of_a_run_config(tmp_path, sample_tokenizer_dir, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{base: {sample_tokenizer_dir}}}\ndata: {{files: [{SAMPLE_DATA_PATH}], train_conversations: 100, "
+                      "validation_conversations: 0, heldout_conversations: 10}\ntrain: {select_every_steps: 0}\n")
+    assert D.main(["--config", str(config), "--heldout-conversations", "20", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (100, 0, 20)
+    assert D.main(["--json"]) == 2 and "--config" in capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line(tmp_path, sample_tokenizer_dir):

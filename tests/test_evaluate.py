@@ -191,3 +191,30 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
 def test_cli_refuses_missing_inputs(tmp_path, capsys):
     code = main(["--base", str(tmp_path / "nope"), "--head", str(tmp_path), "--data", "x.jsonl", "--out", str(tmp_path / "o")])
     assert code == 2 and "--base" in capsys.readouterr().err
+
+
+def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, capsys):
+    from occamy_mtp.config import load_config, window_settings
+    from occamy_mtp.data import prepare_windows
+    from occamy_mtp.run_setup import load_tokenizer
+
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(
+        f"model: {{base: {checkpoints['base']}, donor_head: {checkpoints['donor']}, tokenizer: {checkpoints['tokenizer']}, dtype: float32}}\n"
+        f"data: {{files: [{checkpoints['data']}], context_tokens: 16, answer_tokens: 12, train_conversations: 3, "
+        f"validation_conversations: 1, heldout_conversations: 3, split_seed: 7}}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    out = tmp_path / "eval"
+    # --head names another file than the config's output.dir/mtp-trained.safetensors (which does not exist)
+    argv = ["--config", str(config_path), "--head", str(checkpoints["base"]), "--teacher-forced-only", "--steps", "2", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "evaluation.json").read_text())
+    config = load_config(config_path)
+    expected = prepare_windows(config.data.files, load_tokenizer(config), **window_settings(config.data))
+    assert report["inputs"]["base"] == str(checkpoints["base"]) and report["inputs"]["donor"] == str(checkpoints["donor"])
+    assert report["inputs"]["dtype"] == "float32"
+    assert report["dataset"]["settings"]["split_seed"] == 7
+    assert report["heads"]["trained"]["windows"] == len(expected.heldout) > 0
+    assert main(["--config", str(config_path), "--out", str(out)]) == 2  # the config's head is not there
+    assert "mtp-trained.safetensors" in capsys.readouterr().err

@@ -11,6 +11,7 @@ tests/test_faults_validate.py).
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import stat
@@ -21,6 +22,7 @@ import torch
 
 from occamy_mtp import assemble as asm
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.config import dump_yaml
 from occamy_mtp import data as D
 from occamy_mtp import generate as G
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
@@ -336,6 +338,239 @@ def test_finite_head_passes_the_check(base, tmp_path):
 
 
 # ==================================================================================
+# train.py and export.py: cheap checks first, nothing written into the base, non-finite
+# values stopped, one run per output.dir, errors that name the setting
+# ==================================================================================
+@pytest.fixture(scope="module")
+def run_models(tmp_path_factory, sample_tokenizer_dir):
+    root = tmp_path_factory.mktemp("faults-run")
+    donor = build_tiny_checkpoint(root / "donor", layout="fused", multimodal=False, seed=1, tokenizer_dir=sample_tokenizer_dir)
+    base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2, tokenizer_dir=sample_tokenizer_dir)
+    data = root / "chats.jsonl"
+    data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:40]))
+    return {"root": root, "base": base.path, "donor": donor.path, "data": data}
+
+
+def run_config(models, output, *overrides):
+    """A few seconds of training on the tiny random models (CPU, fp32)."""
+    from occamy_mtp.config import load_config
+
+    return load_config(None, [
+        f"model.base={models['base']}", f"model.donor_head={models['donor']}", "model.dtype=float32",
+        f"data.files=[{models['data']}]", "data.context_tokens=16", "data.answer_tokens=24",
+        "data.train_conversations=6", "data.validation_conversations=2", "data.heldout_conversations=2",
+        "train.epochs=1", "train.lr=1.0e-2", "train.lr_warmup_steps=1", "train.checkpoint_every_steps=1",
+        "train.select_every_steps=0", "eval.decoder_check_windows=0", "eval.served_steps=[1,2]", "eval.draft_steps=2",
+        f"output.dir={output}", *overrides,
+    ])
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if anything loads the base or the donor head."""
+    from occamy_mtp import checkpoint as ckpt_io
+
+    for name in ("load_base", "load_head", "load_shared_weights"):
+        monkeypatch.setattr(ckpt_io, name, lambda *a, **k: pytest.fail("a model was loaded before the cheap checks"))
+
+
+def sha256_tree(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["base", "inside-base", "symlink-into-base", "inside-donor"])
+def test_outputs_inside_the_base_or_donor_are_refused(run_models, tmp_path, no_model_loading, where):
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.train import train
+
+    before = sha256_tree(run_models["base"])
+    output = {"base": run_models["base"], "inside-base": run_models["base"] / "run",
+              "symlink-into-base": tmp_path / "link" / "run", "inside-donor": run_models["donor"] / "sub" / "run"}[where]
+    if where == "symlink-into-base":
+        (tmp_path / "link").symlink_to(run_models["base"])
+    with pytest.raises(ConfigError, match="output.dir: .* is inside model.(base|donor_head)"):
+        train(run_config(run_models, output))
+    with pytest.raises(ConfigError, match="data.self_generated_dir: .* is inside model.base"):
+        train(run_config(run_models, tmp_path / "ok", f"data.self_generated_dir={run_models['base'] / 'sg'}"))
+    assert sha256_tree(run_models["base"]) == before and not (run_models["base"] / "run").exists()
+
+
+def train_side_only(models, path: Path) -> Path:
+    """The run's conversations whose split key puts them on the train side of a half/half split."""
+    kept = []
+    for line in models["data"].read_text().splitlines(keepends=True):
+        conversation = D.normalise_record(json.loads(line), "sample")
+        if D.split_key(conversation.content_hash, seed=0) >= 0.5:
+            kept.append(line)
+    assert len(kept) >= 6
+    path.write_text("".join(kept))
+    return path
+
+
+@pytest.mark.parametrize("case, overrides, message", [
+    ("no-heldout", ["data.train_conversations=6", "data.validation_conversations=0", "data.heldout_conversations=6",
+                    "train.select_every_steps=0"], "no heldout windows"),
+    ("no-validation", ["data.validation_conversations=0", "train.select_every_steps=4"], "data.validation_conversations"),
+    ("typo", ["train.trainable=[fc,pre_fc_norm_embeding]"], "train.trainable: trainable module 'pre_fc_norm_embeding'"),
+])
+def test_bad_settings_are_found_before_any_model_loads(run_models, tmp_path, no_model_loading, case, overrides, message):
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.train import train
+
+    if case == "no-heldout":  # every conversation hashes to the train side
+        overrides = [*overrides, f"data.files=[{train_side_only(run_models, tmp_path / 'train-side.jsonl')}]"]
+    with pytest.raises(ConfigError, match=message):
+        train(run_config(run_models, tmp_path / "run", *overrides))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused(run_models, tmp_path, no_model_loading):
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.train import train
+
+    (tmp_path / "run").write_text("not a directory")
+    with pytest.raises(ConfigError, match="output.dir: .* is a file"):
+        train(run_config(run_models, tmp_path / "run"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=inf", "train.lr: expected a finite number > 0"),
+    ("train.adam_beta2=1.0", r"train.adam_beta2: expected in \[0, 1\)"),
+    ("train.adam_eps=0", "train.adam_eps: expected a finite number > 0"),
+    ("train.weight_decay=-0.1", "train.weight_decay: expected a finite number >= 0"),
+    ("train.step_loss_weights=[0,0]", "train.step_loss_weights"),
+])
+def test_bad_optimizer_settings_are_config_errors(run_models, tmp_path, override, message):
+    from occamy_mtp.config import ConfigError
+
+    extra = ["train.draft_steps=2"] if "step_loss" in override else []
+    with pytest.raises(ConfigError, match=message):
+        run_config(run_models, tmp_path / "run", *extra, override)
+
+
+def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(run_models, tmp_path, monkeypatch):
+    from occamy_mtp import train as train_module
+
+    real = train_module.chain_loss
+    calls = []
+
+    def poisoned(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), stats
+
+    monkeypatch.setattr(train_module, "chain_loss", poisoned)
+    output = tmp_path / "run"
+    with pytest.raises(train_module.TrainingError, match=r"step 3: the loss is nan; .*step-000002.pt, is kept"):
+        train_module.train(run_config(run_models, output))
+    assert [p.name for p in sorted((output / "checkpoints").glob("step-*.pt"))] == ["step-000001.pt", "step-000002.pt"]
+    assert not (output / train_module.TRAINED_TENSORS).exists()
+
+
+def test_a_non_finite_update_is_caught_before_a_checkpoint_keeps_it(run_models, tmp_path, monkeypatch):
+    from occamy_mtp import train as train_module
+
+    # The optimizer's third step overflows one weight (what a huge finite lr does in float32).
+    real_step, steps = torch.optim.AdamW.step, []
+
+    def overflowing(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == 3:
+            with torch.no_grad():
+                fc_weight = next(p for p in self.param_groups[0]["params"] if p.dim() == 2)  # the only matrix
+                fc_weight.view(-1)[0] = float("inf")
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
+    output = tmp_path / "run"
+    with pytest.raises(train_module.TrainingError, match=r"step 3: the update made fc.weight non-finite; .*step-000002.pt, is kept"):
+        train_module.train(run_config(run_models, output))
+    kept = sorted((output / "checkpoints").glob("step-*.pt"))
+    assert [p.name for p in kept] == ["step-000001.pt", "step-000002.pt"]
+    for path in kept:
+        payload = torch.load(path, weights_only=True)
+        assert all(bool(torch.isfinite(t).all()) for t in payload["trainable"].values()), path.name
+
+
+def test_export_refuses_non_finite_tensors(run_models, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from occamy_mtp.export import ExportError, export
+    from occamy_mtp.train import TRAINED_TENSORS, train
+
+    config = run_config(run_models, tmp_path / "run")
+    train(config)
+    path = tmp_path / "run" / TRAINED_TENSORS
+    tensors = load_file(path)
+    with safe_open(str(path), "pt") as handle:  # keep the metadata (the config fingerprint)
+        metadata = handle.metadata()
+    tensors["fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(ExportError, match="tensor fc.weight holds 1 non-finite values"):
+        export(config, allow_worse=True, log=lambda m: None)
+    assert not (tmp_path / "run" / "mtp-trained.safetensors").exists()
+
+
+def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, tmp_path):
+    from occamy_mtp.export import HEAD_FILE, OUTPUT_FILES, RECORD_FILE, export
+    from occamy_mtp.train import train
+
+    config = run_config(run_models, tmp_path / "run")
+    output = tmp_path / "run"
+    train(config)
+    stale = output / f".{HEAD_FILE}.killed.tmp"
+    stale.write_bytes(b"half a head")
+    export(config, allow_worse=True, log=lambda m: None)
+    first = {name: (output / name).read_bytes() for name in OUTPUT_FILES}
+    assert not stale.exists() and not list(output.glob(".*.tmp"))
+    record = json.loads(first[RECORD_FILE])
+    assert record["outputs"][HEAD_FILE] == hashlib.sha256(first[HEAD_FILE]).hexdigest()
+    export(config, allow_worse=True, log=lambda m: None)
+    assert (output / HEAD_FILE).read_bytes() == first[HEAD_FILE]  # identical tensors, identical file
+
+
+def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.run_setup import output_lock
+    from occamy_mtp.train import train
+
+    config = run_config(run_models, tmp_path / "run")
+    with output_lock(config):
+        with pytest.raises(ConfigError, match=rf"output.dir: .* is in use by another run \(pid {os.getpid()}\)"):
+            train(config)
+    train(config)  # the lock went with its holder
+
+
+def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, capsys):
+    from occamy_mtp.train import main
+
+    output = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_yaml(run_config(run_models, output)))
+    assert main(["--config", str(config)]) == 0
+    # flags and overrides in any order; the error goes to stderr and names what changed
+    assert main(["--config", str(config), "--resume", "train.lr=0.02"]) == 2
+    error = capsys.readouterr().err
+    last = error.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "train.lr: 0.01 -> 0.02" in last
+
+
+def test_slow_phases_report_progress(run_models, tmp_path, capsys):
+    from occamy_mtp.export import export
+    from occamy_mtp.train import train
+
+    config = run_config(run_models, tmp_path / "run")
+    train(config)
+    export(config, allow_worse=True)
+    err = capsys.readouterr().err
+    for phase in ("data: reading 1 file(s)", "base: loading", "self-generated windows: the base writes",
+                  "export: measuring the donor head", "hashing "):
+        assert phase in err, phase
+
+
+# ==================================================================================
 # Chat data (occamy_mtp/data.py, and generate.py's prompt reading)
 # ==================================================================================
 
@@ -434,6 +669,36 @@ def test_a_huge_record_is_refused_by_default_without_being_tokenized(tmp_path, s
     text_bytes = len((huge + "Fine.").encode("utf-8"))
     assert f"{text_bytes} bytes of text, over the limit of {D.DEFAULT_MAX_RECORD_BYTES}" in result.excluded_examples[D.RECORD_TOO_LARGE][0]
     assert max(counting.lengths) < 1000
+
+
+def test_the_run_config_sets_the_record_size_limit(tmp_path, sample_tokenizer_dir, sample_tokenizer):
+    from occamy_mtp.config import load_config
+    from occamy_mtp.run_setup import prepare_data
+
+    records = [chat(f"question {i}?", long_text(300 + 400 * i, offset=i)) for i in range(4)]
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    config = load_config(None, [f"model.base={sample_tokenizer_dir}", f"data.files=[{path}]", "data.max_record_bytes=1000",
+                                "data.train_conversations=3", "data.validation_conversations=0", "data.heldout_conversations=1",
+                                "train.select_every_steps=0"])
+    data = prepare_data(config, sample_tokenizer)
+    assert data.excluded[D.RECORD_TOO_LARGE] == 2 and data.summary()["conversations_kept"] == 2
+    assert data.settings["max_record_bytes"] == 1000
+
+
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])  # JSON escapes the control characters itself
+def test_a_line_separator_inside_a_json_string_stays_in_its_record(tmp_path, separator):
+    answer = f"one line{separator}the same answer"
+    path = write_jsonl(tmp_path / "chats.jsonl", [chat("a?", answer), chat("b?", "plain")])
+    assert separator in path.read_text(encoding="utf-8")  # written raw (ensure_ascii=False), not escaped
+    records = list(D.read_records(path))
+    assert [location for location, _ in records] == [f"{path}:1", f"{path}:2"]
+    assert records[0][1]["messages"][-1]["content"] == answer
+
+
+def test_crlf_line_ends_are_read_as_line_ends(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(b"".join(json.dumps(chat(q, "yes")).encode() + b"\r\n" for q in ("a?", "b?")))
+    assert [location for location, _ in D.read_records(path)] == [f"{path}:1", f"{path}:2"]
 
 
 def test_generate_reads_prompts_with_the_same_limit(tmp_path, sample_tokenizer):
