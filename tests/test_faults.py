@@ -682,7 +682,7 @@ def test_the_run_config_sets_the_record_size_limit(tmp_path, sample_tokenizer_di
                                 "train.select_every_steps=0"])
     data = prepare_data(config, sample_tokenizer)
     assert data.excluded[D.RECORD_TOO_LARGE] == 2 and data.summary()["conversations_kept"] == 2
-    assert data.settings["max_record_bytes"] == 1000
+    assert data.max_record_bytes == 1000 and data.provenance()["max_record_bytes"] == 1000
 
 
 @pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85"])  # JSON escapes the control characters itself
