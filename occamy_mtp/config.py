@@ -62,8 +62,10 @@ class DataSettings:
     self_generated_dir: str = ""
     """Where the base's continuations are stored (`occamy_mtp.selfgen`); empty means
     output.dir/self-generated. Runs with the same base and window settings may share it."""
-    self_generate_batch_size: int = 16
-    """Contexts per batch when the base writes the continuations."""
+    self_generate_batch_size: int = 64
+    """Contexts per batch when the base writes the continuations. At real size on one H200,
+    64 writes 2.2x the tokens per second of 16 and peaks at 73 GiB, below the cache pass's
+    74.8 (bench/RESULTS.md); lower it on a GPU with less memory."""
     split_seed: int = 0
     """Seed of the content hash that assigns conversations to train or heldout."""
     skip_bad_records: bool = False
@@ -139,9 +141,11 @@ class EvalSettings:
     """Draft step counts serving may run (`--speculative-num-steps`): the decoder replay is
     reported for each, export refuses a head worse than the donor at any, and checkpoint
     selection scores their mean accept length."""
-    decoder_check_windows: int = 4
+    decoder_check_windows: int = 1
     """Heldout prompts decoded with the reference speculative decoder at export, for each head
-    and served step count, to check the replayed figures against it; 0 skips the check."""
+    and served step count, to check the replayed figures against it; 0 skips the check. It
+    decodes at batch 1 (at real size on one H200, 2 to 3 minutes a prompt and step count
+    when every draft is rejected, the worst case), so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
 

@@ -14,7 +14,11 @@ This reproduces, at toy size and on CPU, the situation the library exists for:
    the tokenizer and its chat template.
 
 Run `python -m occamy_mtp.testing.demo_models --out runs/demo/models`. The build is
-deterministic and skipped when `--out` already holds a build of the same settings.
+deterministic for a given number of threads and skipped when `--out` already holds a
+build of the same settings and data. The repository ships the default build
+(`data/demo-models/`, built by this module with one thread; about 35 minutes on two
+shared cores): when `--out` holds no build, that one is copied (its files' sha256
+checked) instead of building anew, unless `--build` is given.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +43,7 @@ from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
 
 MANIFEST = "demo-models.json"
+SHIPPED_DIR = SAMPLE_DATA_PATH.parent / "demo-models"  # the default build, committed
 
 
 @dataclass(frozen=True)
@@ -117,27 +125,75 @@ def _lm_steps(base, head, sequences, steps, lr, settings: DemoSettings, seed: in
     return losses
 
 
-def settings_hash(settings: DemoSettings, data_path: Path) -> str:
-    """Identity of a build: settings, data and the thread count, which changes the
-    floating-point sums (a build is deterministic for a given number of threads)."""
-    identity = {**asdict(settings), "torch_threads": torch.get_num_threads()}
+def settings_hash(settings: DemoSettings, data_path: Path, torch_threads: int | None = None) -> str:
+    """Identity of a build: settings, data and the thread count it was built with, which
+    changes the floating-point sums (a build is deterministic for a given number of threads)."""
+    threads = torch.get_num_threads() if torch_threads is None else torch_threads
+    identity = {**asdict(settings), "torch_threads": threads}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode())
     digest.update(Path(data_path).read_bytes())
     return digest.hexdigest()
 
 
-def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), data_path: Path = SAMPLE_DATA_PATH, log=print) -> dict:
-    """Build (or reuse) tokenizer, donor and base under `out_dir`; returns the manifest."""
+def _build_files(directory: Path) -> dict[str, str]:
+    """sha256 of every file of a build (the manifest excluded), by relative path."""
+    return {
+        p.relative_to(directory).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+
+
+def reusable(directory: Path, settings: DemoSettings, data_path: Path) -> dict | None:
+    """The manifest of `directory` when it holds a whole build of these settings and data
+    (made with any number of threads), else None."""
+    manifest_path = Path(directory) / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    threads = manifest.get("torch_threads")
+    if not isinstance(threads, int) or manifest.get("fingerprint") != settings_hash(settings, data_path, threads):
+        return None
+    if not all((Path(directory) / d / "config.json").is_file() for d in ("donor", "base")):
+        return None
+    return manifest
+
+
+def copy_shipped(out_dir: Path, shipped: Path = SHIPPED_DIR) -> dict:
+    """Copy the shipped build to `out_dir` (absent), after checking each file's sha256
+    against its manifest; the copy appears under its name only when whole."""
+    manifest = json.loads((shipped / MANIFEST).read_text())
+    found = _build_files(shipped)
+    if found != manifest.get("files"):
+        bad = sorted(set(found.items()) ^ set((manifest.get("files") or {}).items()))
+        raise RuntimeError(f"{shipped}: the shipped demo build does not match its {MANIFEST} (first difference: {bad[0][0]})")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shutil.copytree(shipped, staging / "build")
+        os.replace(staging / "build", out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def build_demo_models(
+    out_dir: Path, settings: DemoSettings = DemoSettings(), data_path: Path = SAMPLE_DATA_PATH, log=print, use_shipped: bool = True
+) -> dict:
+    """Build (or reuse, or copy the shipped one of) tokenizer, donor and base under `out_dir`; returns the manifest."""
     from transformers import AutoTokenizer
 
     out_dir = Path(out_dir)
     fingerprint = settings_hash(settings, data_path)
     manifest_path = out_dir / MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("fingerprint") == fingerprint and all((out_dir / d / "config.json").is_file() for d in ("donor", "base")):
-            log(f"demo models: reusing {out_dir}")
-            return manifest
+    manifest = reusable(out_dir, settings, data_path)
+    if manifest is not None:
+        log(f"demo models: reusing {out_dir}")
+        return manifest
+    if use_shipped and not out_dir.exists() and reusable(SHIPPED_DIR, settings, data_path) is not None:
+        manifest = copy_shipped(out_dir)
+        log(f"demo models: copied the shipped build {SHIPPED_DIR} to {out_dir} (built with {manifest['torch_threads']} "
+            f"thread(s) in {manifest['build_seconds']:.0f} s; --build builds them here instead)")
+        return manifest
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
     torch.use_deterministic_algorithms(True)
@@ -186,6 +242,7 @@ def build_demo_models(out_dir: Path, settings: DemoSettings = DemoSettings(), da
         "donor_lm_loss_first_last": [donor_losses[0], donor_losses[-1]],
         "finetune_lm_loss_first_last": [finetune_losses[0], finetune_losses[-1]],
         "build_seconds": time.perf_counter() - started,
+        "files": _build_files(out_dir),
     }
     ckpt_io.write_json(manifest_path, manifest)
     log(f"demo models: built in {manifest['build_seconds']:.0f} s under {out_dir}")
@@ -198,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
     parser.add_argument("--linear-head-dim", type=int, default=DemoSettings.linear_head_dim,
                         help="Gated DeltaNet key/value head dim (64 or 128 can be served by vLLM's CPU build)")
+    parser.add_argument("--build", action="store_true", help=f"build here even when the shipped build ({SHIPPED_DIR}) fits")
     args = parser.parse_args(argv)
-    build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data))
+    build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data),
+                      use_shipped=not args.build)
     return 0
 
 
