@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp import moe_kernels
+from occamy_mtp.compat import torch_function
 from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
 
 FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
@@ -177,7 +178,7 @@ def _torch_causal_conv1d(x, weight, bias, activation, layout: PackLayout):
     """transformers' PyTorch causal conv1d, each window its own row of the padded grid."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    conv = getattr(qwen.causal_conv1d_fn, "__wrapped__", qwen.causal_conv1d_fn)  # the torch function itself
+    conv = torch_function(qwen.causal_conv1d_fn)
     grid = layout.to_grid(x)  # (W, L, C); right padding never reaches a real position
     out = conv(grid.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
     return layout.from_grid(out)
@@ -187,7 +188,7 @@ def _torch_chunk_gated_delta_rule(q, k, v, g, beta, layout: PackLayout):
     """transformers' PyTorch chunked gated delta rule over the padded grid of windows."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    rule = getattr(qwen.torch_chunk_gated_delta_rule, "__wrapped__", qwen.torch_chunk_gated_delta_rule)
+    rule = torch_function(qwen.torch_chunk_gated_delta_rule)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:  # value heads share query/key heads; older transformers repeat them before the call
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from occamy_mtp import fastbase
+from occamy_mtp.compat import torch_function
 from occamy_mtp.fastbase import (
     FastBasePass,
     Kernels,
@@ -81,8 +82,8 @@ def segment_kernels(fused_norms: bool) -> Kernels:
     They exercise the code path that runs with fla on a GPU."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    conv_fn = qwen.causal_conv1d_fn.__wrapped__
-    rule_fn = qwen.torch_chunk_gated_delta_rule.__wrapped__
+    conv_fn = torch_function(qwen.causal_conv1d_fn)
+    rule_fn = torch_function(qwen.torch_chunk_gated_delta_rule)
 
     def segments(layout: PackLayout, tensor):
         if layout.cu_seqlens is None:
