@@ -1,4 +1,4 @@
-"""Differences between the transformers versions the library runs on (5.17 on GPU images, 5.2x here)."""
+"""Differences between the transformers versions the library runs on (5.17 on GPU images, 5.24 and 5.25 here)."""
 
 from __future__ import annotations
 
