@@ -278,6 +278,9 @@ EVAL_FLAGS=(--served-steps 1,3)
 if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--self-generated"; then
     EVAL_FLAGS=(--steps 3 --self-generated)  # older CLI: self-generation asked for, one step count a run
 fi
+if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--max-windows"; then
+    EVAL_FLAGS+=(--max-windows "$WINDOWS")  # the windows validate sent (older CLIs evaluate them all)
+fi
 "$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" \
     --donor "$MODELS/donor" --data "$DATA" "${EVAL_FLAGS[@]}" --reference-decoder --max-new-tokens "$MAX_TOKENS" \
     --dtype "$EVAL_DTYPE" --out "$WORK/eval" > "$WORK/logs/evaluate.txt"

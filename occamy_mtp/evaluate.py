@@ -448,6 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-decoder", action="store_true",
                         help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
                              "each served step count and check the served figures against it")
+    parser.add_argument("--max-windows", type=int,
+                        help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
+                             "`occamy_mtp.validate --prompt-source windows --prompts N` sends to a server")
     add_split_arguments(parser)
     parser.add_argument("--windows-per-batch", type=int, default=4)
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: --config's model.dtype, else bfloat16")
@@ -486,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --served-steps {args.served_steps!r}: expected step counts >= 1 separated by commas, e.g. 1,3", file=sys.stderr)
         return 2
     max_new_tokens = split["answer_tokens"] if args.max_new_tokens is None else args.max_new_tokens
-    if min(args.steps, max_new_tokens, args.generate_batch_size, args.windows_per_batch) < 1:
-        print("error: --steps, --max-new-tokens, --generate-batch-size and --windows-per-batch must be >= 1", file=sys.stderr)
+    if min(args.steps, max_new_tokens, args.generate_batch_size, args.windows_per_batch,
+           1 if args.max_windows is None else args.max_windows) < 1:
+        print("error: --steps, --max-new-tokens, --generate-batch-size, --windows-per-batch and --max-windows must be >= 1",
+              file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
@@ -511,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     if not data.heldout:
         print("error: no heldout windows; check --data and --heldout-conversations (or --config)", file=sys.stderr)
         return 2
+    heldout = data.heldout[: args.max_windows]
 
     from occamy_mtp.checkpoint import write_json
     from occamy_mtp.generate import default_eos_token_ids
@@ -522,19 +528,20 @@ def main(argv: list[str] | None = None) -> int:
         "inputs": {"base": str(args.base), "head": str(args.head), "donor": None if args.donor is None else str(args.donor),
                    "data": [str(p) for p in args.data], "dtype": args.dtype, "device": str(device)},
         "dataset": {k: v for k, v in data.provenance().items() if k in ("files", "windows", "settings")},
+        "heldout_windows_evaluated": len(heldout),
         "plot": PLOT_FILE,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     if args.teacher_forced_only:
-        results = {name: evaluate_head(base, head, data.heldout, args.steps, args.windows_per_batch).to_dict() for name, head in heads.items()}
+        results = {name: evaluate_head(base, head, heldout, args.steps, args.windows_per_batch).to_dict() for name, head in heads.items()}
         report.update(text=TEACHER_FORCED, exact=False, draft_steps=args.steps, heads=results)
         plot_acceptance(results, args.out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
         printed = format_table(results)
     else:
         stop = default_eos_token_ids(tokenizer, args.base)
-        generated = self_generated_windows(base, data.heldout, max_new_tokens, stop, args.generate_batch_size)
+        generated = self_generated_windows(base, heldout, max_new_tokens, stop, args.generate_batch_size)
         results = {
-            name: heldout_report(base, head, generated.windows, data.heldout, served_steps, args.steps, max_new_tokens, args.windows_per_batch)
+            name: heldout_report(base, head, generated.windows, heldout, served_steps, args.steps, max_new_tokens, args.windows_per_batch)
             for name, head in heads.items()
         }
         report.update(

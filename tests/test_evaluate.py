@@ -218,3 +218,41 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
     assert report["heads"]["trained"]["windows"] == len(expected.heldout) > 0
     assert main(["--config", str(config_path), "--out", str(out)]) == 2  # the config's head is not there
     assert "mtp-trained.safetensors" in capsys.readouterr().err
+
+
+def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_path, capsys):
+    """--max-windows N: the first N heldout windows, the ones validate sends with --prompts N."""
+    from occamy_mtp import checkpoint as ckpt_io
+    from occamy_mtp.data import prepare_windows
+    from occamy_mtp.head import SharedWeights
+    from occamy_mtp.validate import heldout_window_contexts
+    from transformers import AutoTokenizer
+
+    split = dict(context_tokens=16, answer_tokens=12, train_conversations=4, validation_conversations=0,
+                 heldout_conversations=3)
+    argv = [
+        "--base", str(checkpoints["base"]), "--head", str(checkpoints["donor"]), "--data", str(checkpoints["data"]),
+        "--tokenizer", str(checkpoints["tokenizer"]), "--steps", "2", "--context-tokens", "16", "--answer-tokens", "12",
+        "--train-conversations", "4", "--validation-conversations", "0", "--heldout-conversations", "3",
+        "--dtype", "float32", "--teacher-forced-only", "--max-windows", "2",
+    ]
+    assert main(argv + ["--out", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert report["heldout_windows_evaluated"] == 2 == report["heads"]["trained"]["windows"]
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoints["tokenizer"]), local_files_only=True)
+    heldout = prepare_windows([checkpoints["data"]], tokenizer, **split).heldout
+    assert len(heldout) > 2
+    contexts = heldout_window_contexts([checkpoints["data"]], tokenizer, **split)[:2]
+    assert [c.prompt_ids for c in contexts] == [tuple(w.input_ids[: w.answer_start]) for w in heldout[:2]]
+    base = ckpt_io.load_base(checkpoints["base"], dtype=torch.float32, device=torch.device("cpu"))
+    text_config = ckpt_io.read_config(checkpoints["base"]).text_config
+    head = ckpt_io.load_head(checkpoints["donor"], text_config, SharedWeights(base.model.embed_tokens, base.lm_head),
+                             dtype=torch.float32, device=torch.device("cpu"))[0]
+    first_two = evaluate_head(base, head, heldout[:2], 2).to_dict()
+    assert report["heads"]["trained"]["proposed"] == first_two["proposed"]
+    assert report["heads"]["trained"]["accepted"] == first_two["accepted"]
+    assert evaluate_head(base, head, heldout, 2).to_dict()["proposed"] != first_two["proposed"]
+
+    assert main(argv[:-2] + ["--max-windows", "0", "--out", str(tmp_path / "zero")]) == 2
+    assert "--max-windows" in capsys.readouterr().err
