@@ -8,7 +8,8 @@ the engine's text itself: the library's base scores it (its greedy choice at eve
 the library's head drafts on it (`evaluate.chain_outcomes`), and the decoder's walk is
 replayed on it (`metrics.decoder_rounds`) under the engine's budget. Where the library's base
 picks the engine's token at every position, the replay is what the engine should have
-counted; the table shows how close it is, per head and draft step count, and how many
+counted, but for the budget's last step (vLLM drafts and verifies there, the library's
+decoder takes a plain base step); the table shows how close it is, per head and draft step count, and how many
 positions the two bases disagree on.
 
     .venv/bin/python bench/engine_replay.py runs/engine-default --dtype float32 bfloat16
