@@ -9,8 +9,8 @@ the library's head drafts on it (`evaluate.chain_outcomes`), and the decoder's w
 replayed on it (`metrics.decoder_rounds`) under the engine's budget. Where the library's base
 picks the engine's token at every position, the replay is what the engine should have
 counted, but for the budget's last step (vLLM drafts and verifies there, the library's
-decoder takes a plain base step); the table shows how close it is, per head and draft step count, and how many
-positions the two bases disagree on.
+decoder takes a plain base step); the table shows how close it is, per head and draft
+step count, and how many positions the two bases disagree on.
 
     .venv/bin/python bench/engine_replay.py runs/engine-default --dtype float32 bfloat16
 
@@ -44,8 +44,12 @@ def engine_answers(path: Path) -> list[dict]:
             continue
         prompt = prompts[request["prompt"]]
         response = request["response"]
+        counts = response.get("speculative") or {}
+        if counts.get("accepted_tokens") is None or counts.get("verify_passes") is None:
+            raise SystemExit(f"error: {path}: request {request['prompt']!r} carries no per-request acceptance counts "
+                             "(serve with --per-request-spec-decode-metrics summary)")
         answers.append({"name": request["prompt"], "prompt_ids": list(prompt["prompt_ids"]),
-                        "output_ids": list(response["token_ids"]), "engine": response.get("speculative")})
+                        "output_ids": list(response["token_ids"]), "engine": counts})
     if not answers:
         raise SystemExit(f"error: {path}: no window answers with token ids")
     return answers
@@ -72,11 +76,10 @@ def replay(base, head, answers: list[dict], draft_steps: int, max_new_tokens: in
     for answer, window, outcome, disagree in zip(answers, windows, outcomes, disagreements):
         rounds, _ = decoder_rounds(outcome.accepted, window.answer_start, max_new_tokens, draft_steps)
         mine = {"accepted": sum(r.accepted for r in rounds), "rounds": len(rounds)}
-        theirs = answer["engine"] or {}
-        theirs = {"accepted": theirs.get("accepted_tokens"), "rounds": theirs.get("verify_passes")}
+        theirs = {"accepted": answer["engine"]["accepted_tokens"], "rounds": answer["engine"]["verify_passes"]}
         for key in library:
             library[key] += mine[key]
-            engine[key] += theirs[key] or 0
+            engine[key] += theirs[key]
         same = mine["accepted"] == theirs["accepted"] and mine["rounds"] == theirs["rounds"]
         equal_requests += same
         agreeing += disagree == 0
