@@ -28,6 +28,7 @@ from occamy_mtp.data import Window, prepare_windows
 from occamy_mtp.target import base_outputs
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
 WINDOW_SETTINGS = dict(context_tokens=16, answer_tokens=48, train_conversations=6, heldout_conversations=2)
@@ -227,7 +228,10 @@ def test_the_fast_pass_plugs_in(world, tmp_path):
     for ids, expected, plain in zip(windows, fast(windows), C.plain_compute(world["base"])(windows)):
         hidden, greedy = cache.window_outputs(ids)
         assert torch.equal(hidden, expected.hidden) and torch.equal(greedy, expected.greedy)
-        torch.testing.assert_close(hidden, plain.hidden, atol=1e-5, rtol=1e-5)
+        # Both float32 passes of the 4-layer base: about 12 reductions a layer, plus the Gated
+        # DeltaNet's running state over the window's tokens, the widest over 2 x hidden terms.
+        bound = rounding_bound(plain.hidden, torch.float32, reductions=4 * 12 + len(ids), width=2 * HIDDEN_SIZE)
+        assert_close(hidden, plain.hidden, bound, f"fast pass, window of {len(ids)} tokens")
 
 
 def test_auto_pass_choice(world, monkeypatch):

@@ -16,6 +16,7 @@ import torch
 
 from occamy_mtp import fastbase, moe_kernels
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is 2**-7 of the leading bit
 
@@ -81,13 +82,17 @@ def test_combine_reference_equals_token_loop(with_shared):
     if not with_shared:
         shared = shared_gate = None
     got = moe_kernels.combine_reference(expert_out, inverse, weights, shared, shared_gate)
-    torch.testing.assert_close(got, loop_combine(expert_out, inverse, weights, shared, shared_gate), rtol=1e-12, atol=1e-12)
+    want = loop_combine(expert_out, inverse, weights, shared, shared_gate)
+    # float64; per output: products then one sum over the choices and the shared expert.
+    assert_close(got, want, rounding_bound(want, torch.float64, reductions=2, width=4), "combine reference")
 
 
 def test_silu_mul_reference_is_silu_of_gate_times_up():
     gate_up = torch.randn(5, 12, dtype=torch.float64)
     gate, up = gate_up[:, :6], gate_up[:, 6:]
-    torch.testing.assert_close(moe_kernels.silu_mul_reference(gate_up), gate / (1 + torch.exp(-gate)) * up)
+    want = gate / (1 + torch.exp(-gate)) * up
+    # float64, elementwise: exp, division and two products.
+    assert_close(moe_kernels.silu_mul_reference(gate_up), want, rounding_bound(want, torch.float64, reductions=4, width=1), "silu * up")
 
 
 def test_without_triton_the_functions_are_the_references():
@@ -112,7 +117,9 @@ def test_combine_kernel_fp32(interpreted, with_shared, dim):
         shared = shared_gate = None
     assert interpreted.available(expert_out)
     got = interpreted.combine(expert_out, inverse, weights, shared, shared_gate)
-    torch.testing.assert_close(got.double(), loop_combine(expert_out, inverse, weights, shared, shared_gate), rtol=1e-6, atol=1e-6)
+    want = loop_combine(expert_out, inverse, weights, shared, shared_gate)
+    # float32 kernel against the float64 loop: products then one sum over 4 choices and the shared expert.
+    assert_close(got.double(), want, rounding_bound(want, torch.float32, reductions=2, width=5), "combine kernel")
 
 
 def test_combine_kernel_bf16_rounds_once(interpreted):
@@ -132,7 +139,9 @@ def test_combine_kernel_checks_shapes(interpreted):
 def test_silu_mul_kernel(interpreted, inter):
     generator = torch.Generator().manual_seed(5)
     gate_up = torch.randn(11, 2 * inter, generator=generator)
-    torch.testing.assert_close(interpreted.silu_mul(gate_up), moe_kernels.silu_mul_reference(gate_up), rtol=1e-6, atol=1e-6)
+    want = moe_kernels.silu_mul_reference(gate_up)
+    # float32, elementwise: exp, division and two products, no reduction.
+    assert_close(interpreted.silu_mul(gate_up), want, rounding_bound(want, torch.float32, reductions=4, width=1), "silu * up")
     rounded = gate_up.bfloat16()
     assert_within_bf16_rounding(interpreted.silu_mul(rounded), moe_kernels.silu_mul_reference(rounded.double()))
 
@@ -150,15 +159,20 @@ def test_fused_moe_block_equals_the_block_forward(interpreted):
     block = base.float().model.layers[0].mlp
     generator = torch.Generator().manual_seed(6)
     x = torch.randn(1, 40, config.hidden_size, generator=generator)
-    torch.testing.assert_close(fastbase.fused_moe_block(block, x), block(x), rtol=1e-5, atol=1e-6)
+    # float32; the block runs about 8 reductions in series (router, its softmax, expert up and
+    # down, the routed sum, the shared expert's up, down and gate), none wider than hidden.
+    want = block(x)
+    assert_close(fastbase.fused_moe_block(block, x), want, rounding_bound(want, torch.float32, reductions=8, width=config.hidden_size),
+                 "fused MoE block")
     _, weights, selected = block.gate(x[0])
-    torch.testing.assert_close(
-        fastbase.grouped_experts(block.experts, x[0], selected, weights, fused_glue=True),
-        block.experts(x[0], selected, weights), rtol=1e-5, atol=1e-6,
-    )
+    want = block.experts(x[0], selected, weights)
+    assert_close(fastbase.grouped_experts(block.experts, x[0], selected, weights, fused_glue=True), want,
+                 rounding_bound(want, torch.float32, reductions=8, width=config.hidden_size), "grouped experts, fused glue")
     assert type(block.experts.act_fn).__name__ in fastbase._SILU_CLASSES  # so the kernel ran above
     block.experts.act_fn = torch.nn.GELU()  # an activation the kernel does not compute: the module's is used
-    torch.testing.assert_close(fastbase.fused_moe_block(block, x), block(x), rtol=1e-5, atol=1e-6)
+    want = block(x)
+    assert_close(fastbase.fused_moe_block(block, x), want, rounding_bound(want, torch.float32, reductions=8, width=config.hidden_size),
+                 "fused MoE block, GELU experts")
 
 
 # -- the compiled kernels on a GPU ---------------------------------------------------------
