@@ -47,8 +47,9 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import cache as target_cache
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import target_cache
+from occamy_mtp.target import plain_compute, plain_compute_name
+from occamy_mtp import files
 from occamy_mtp.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data import Window
 from occamy_mtp.evaluate import evaluate_head, reference_decoder_check, served_acceptance
@@ -105,7 +106,7 @@ def build(windows, base, directory: Path, compute: str):
     if compute == "fast":
         fn, name = FastBasePass(base, max_tokens_per_batch=FAST_TOKENS_PER_FORWARD), "fastbase.FastBasePass"
     else:
-        fn, name = target_cache.plain_compute(base), target_cache.plain_compute_name()
+        fn, name = plain_compute(base), plain_compute_name()
     identity = identity_for(windows, compute)
     target_cache.build_cache(directory, identity, ids, fn, hidden_size=base.config.hidden_size, compute_name=name)
     return target_cache.TargetCache.open(directory, identity)
@@ -261,7 +262,7 @@ def main() -> int:
         for model in (donor, head):
             evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
         tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
-        ckpt_io.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
+        files.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
 
     phases("export", export)
 

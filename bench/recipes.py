@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import load_config  # noqa: E402
-from occamy_mtp.export import METRICS_FILE, export  # noqa: E402
+from occamy_mtp.export import export  # noqa: E402
+from occamy_mtp.run import RunDir  # noqa: E402
 from occamy_mtp.train import train  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
@@ -57,7 +58,7 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
         what, overrides = RECIPES[name]
         config = load_config(ROOT / "configs" / "demo.yaml", [*common, *overrides, f"output.dir={out / name}"])
         started = time.perf_counter()
-        if not (Path(config.output.dir) / "train-summary.json").is_file():
+        if not RunDir.of(config).train_summary.is_file():
             train(config)
         record = export(config, allow_worse=True, log=lambda message: None)
         results[name] = {
@@ -65,7 +66,7 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
             "overrides": overrides,
             "seconds": time.perf_counter() - started,
             "selected_step": record["training"]["selection"]["written_step"],
-            "metrics": json.loads((Path(config.output.dir) / METRICS_FILE).read_text()),
+            "metrics": json.loads(RunDir.of(config).metrics.read_text()),
         }
         print(f"{name}: done in {results[name]['seconds']:.0f} s", flush=True)
         (out / "recipes.json").write_text(json.dumps(results, indent=1))

@@ -99,7 +99,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from occamy_mtp.errors import OccamyError
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp.head import MTPHead
 
 CONFIG_NAME = "config.json"
@@ -141,7 +143,7 @@ COPY = "copy"
 WEIGHT_MODES = (AUTO, CLONE, SYMLINK, COPY)
 
 
-class AssemblyError(ValueError):
+class AssemblyError(OccamyError, ValueError):
     """The inputs cannot be assembled: names the file, tensor or option at fault."""
 
 
@@ -548,7 +550,7 @@ def _rewrite_without_head(source: Path, target: Path) -> int:
         keep = [k for k in handle.keys() if not k.startswith(ckpt_io.HEAD_PREFIX)]
         tensors = {k: handle.get_tensor(k) for k in keep}
         metadata = handle.metadata() or {"format": "pt"}
-    ckpt_io.save_safetensors(target, tensors, metadata=metadata)
+    files.save_safetensors(target, tensors, metadata=metadata)
     return len(keep)
 
 
@@ -624,7 +626,7 @@ def _temporary_directory(out: Path) -> Path:
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}{ckpt_io.TEMPORARY_SUFFIX}"
+        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}{files.TEMPORARY_SUFFIX}"
         try:
             os.mkdir(tmp)
         except FileExistsError:
@@ -742,15 +744,15 @@ def assemble(base_dir: Path, head_file: Path, out_dir: Path, *, force: bool = Fa
         for name in sorted(set(weight_map.values())):
             header = read_safetensors_header(tmp / name)
             total_size += sum(_tensor_bytes(header[k]) for k in header)
-        ckpt_io.write_json(tmp / ckpt_io.INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
-        ckpt_io.write_json(tmp / CONFIG_NAME, raw)
+        files.write_json(tmp / ckpt_io.INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+        files.write_json(tmp / CONFIG_NAME, raw)
         if hf_quant is not None:
-            ckpt_io.write_json(tmp / HF_QUANT_CONFIG_NAME, hf_quant)
+            files.write_json(tmp / HF_QUANT_CONFIG_NAME, hf_quant)
 
         verify_assembled(tmp, head_path.name, set(head.keys))
         report.replaced_existing_out = out.exists()
         report.entries = sorted({p.name for p in tmp.iterdir()} | {RECORD_NAME})
-        ckpt_io.write_json(tmp / RECORD_NAME, report.to_dict())
+        files.write_json(tmp / RECORD_NAME, report.to_dict())
         _swap_into_place(tmp, out)
     finally:
         if tmp.exists():

@@ -10,25 +10,25 @@ The on-disk layouts this module accepts are those of docs/CONTRACT.md section 3:
   [E, D, I], Qwen3.6), which is also transformers' in-memory layout;
 * sharded safetensors with `model.safetensors.index.json`, or one `model.safetensors`.
 
-Nothing here writes into a checkpoint directory that it reads; every file it writes
-goes through a temporary name and a rename, so an interrupted write never leaves a
-half file under the final name.
+Nothing here writes into a checkpoint directory that it reads; what it writes goes
+through `occamy_mtp.files`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
-import os
 import re
-import tempfile
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from occamy_mtp.errors import OccamyError
+from occamy_mtp.files import save_safetensors, sha256_file, write_json
 
 from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
@@ -58,106 +58,8 @@ _PER_EXPERT_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P
 _FUSED_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(OccamyError, ValueError):
     """A checkpoint that is not what it claims to be: names the file and tensor."""
-
-
-# ----------------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------------
-
-
-TEMPORARY_SUFFIX = ".tmp"
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def temporary_path(final: Path) -> Path:
-    """A new, empty file beside `final`: `.{name}.XXXX.tmp`."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=TEMPORARY_SUFFIX, dir=final.parent)
-    os.close(fd)
-    return Path(tmp)
-
-
-def stale_temporaries(final: Path) -> list[Path]:
-    """Temporaries of `final` left behind by a killed writer."""
-    final = Path(final)
-    return sorted(final.parent.glob(f".{final.name}.*{TEMPORARY_SUFFIX}")) if final.parent.is_dir() else []
-
-
-@contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `final`; rename it over `final` only on success."""
-    with atomic_paths([final]) as (tmp,):
-        yield tmp
-
-
-@contextlib.contextmanager
-def atomic_paths(finals: list[Path]) -> Iterator[list[Path]]:
-    """Yield one temporary path per final path; on success rename them all, in the given order.
-
-    A group of outputs that belong together (a head and the record of its hash) is
-    written completely before any of them replaces an earlier good file, and the last
-    path (the record) lands last. On failure every temporary is removed and no final
-    file is touched.
-    """
-    temporaries = []
-    try:
-        for final in finals:
-            temporaries.append(temporary_path(final))
-        yield list(temporaries)
-        # mkstemp (and safetensors) create 0600 files whatever the umask: a server running
-        # as another user could not read the outputs. Give them the mode open() would.
-        mode = 0o666 & ~_current_umask()
-        for tmp in temporaries:
-            os.chmod(tmp, mode)
-        for tmp, final in zip(temporaries, finals):
-            os.replace(tmp, final)
-    finally:
-        for tmp in temporaries:
-            if tmp.exists():
-                tmp.unlink()
-
-
-def json_text(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
-
-
-def write_json(path: Path, obj) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(json_text(obj))
-
-
-def write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file at `path` (not atomic: see `save_safetensors`), byte for byte reproducible.
-
-    safetensors writes the `__metadata__` entries in an order that changes from process to
-    process, so the same tensors gave files of different sha256; the header is rewritten
-    in place with the entries sorted (same length, so nothing moves).
-    """
-    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(contiguous, str(path), metadata=metadata or {"format": "pt"})
-    with open(path, "r+b") as handle:
-        header_bytes = int.from_bytes(handle.read(8), "little")
-        header = json.loads(handle.read(header_bytes))
-        ordered = {"__metadata__": dict(sorted(header.pop("__metadata__", {}).items())), **header}
-        text = json.dumps(ordered, separators=(",", ":")).encode()
-        if len(text) > header_bytes:  # cannot happen: the same entries, reordered
-            raise CheckpointError(f"{path}: the sorted safetensors header does not fit ({len(text)} > {header_bytes} bytes)")
-        handle.seek(8)
-        handle.write(text.ljust(header_bytes, b" "))
-
-
-def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """One safetensors file, written atomically and reproducibly."""
-    with atomic_path(path) as tmp:
-        write_safetensors(tmp, tensors, metadata)
 
 
 def save_sharded(
@@ -299,6 +201,56 @@ class ModelConfig:
     @property
     def has_mtp(self) -> bool:
         return int(getattr(self.text_config, "mtp_num_hidden_layers", 0) or 0) > 0
+
+
+# Bytes hashed at the start, middle and end of every tensor for `checkpoint_fingerprint`.
+FINGERPRINT_BLOCK_BYTES = 1024  # 512 bf16 values: a changed matrix cannot keep them all
+FINGERPRINT_METHOD = f"safetensors header + first/middle/last {FINGERPRINT_BLOCK_BYTES} bytes of every tensor"
+
+
+def safetensors_fingerprint(path: Path) -> str:
+    """sha256 of a safetensors file's header and of three sampled blocks of every tensor."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        (header_bytes,) = struct.unpack("<Q", handle.read(8))
+        header = handle.read(header_bytes)
+        digest.update(header)
+        data_start = 8 + header_bytes
+        entries = json.loads(header)
+        for name in sorted(k for k in entries if k != "__metadata__"):
+            begin, end = entries[name]["data_offsets"]
+            size = end - begin
+            block = min(FINGERPRINT_BLOCK_BYTES, size)
+            for offset in sorted({0, (size - block) // 2, size - block}):
+                handle.seek(data_start + begin + offset)
+                digest.update(handle.read(block))
+    return digest.hexdigest()
+
+
+def checkpoint_fingerprint(directory: str | Path) -> dict:
+    """The identity of a checkpoint that is cheap at 67 GB, without its path (a moved base still matches).
+
+    sha256 of config.json and of the index; per safetensors file its name, size and
+    `safetensors_fingerprint`; `weights_sample_sha256` over all of them. It detects any
+    change to the config, the file set, a tensor's name, dtype or shape, and any change
+    of values that touches a sampled block, which every fine-tune, merged adapter,
+    re-cast or re-quantisation does. It is a guard for caches, stores and resumes, not a
+    content hash: TRAINING.json keeps the full sha256 of every file.
+    """
+    directory = Path(directory)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory}: no config.json; not a checkpoint directory")
+    index_path = directory / INDEX_NAME
+    files = [{"name": f.name, "bytes": f.stat().st_size, "fingerprint": safetensors_fingerprint(f)}
+             for f in SafetensorsCheckpoint(directory).files()]
+    return {
+        "config_sha256": sha256_file(config_path),
+        "index_sha256": sha256_file(index_path) if index_path.is_file() else None,
+        "method": FINGERPRINT_METHOD,
+        "files": files,
+        "weights_sample_sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest(),
+    }
 
 
 def text_config_from_dict(text: dict, source: str = "config"):

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from occamy_mtp.errors import OccamyError
 
-class ConfigError(ValueError):
+
+class ConfigError(OccamyError, ValueError):
     """A config file or override that does not fit the schema."""
 
 

@@ -57,6 +57,9 @@ from typing import Any
 
 import jinja2
 
+from occamy_mtp.errors import OccamyError
+from occamy_mtp.files import sha256_file
+
 # ---------------------------------------------------------------------------- settings
 
 DEFAULT_CONTEXT_TOKENS = 128
@@ -69,7 +72,6 @@ TURN_CHOICES = ("last", "first", "every")
 # Where an error or an exclusion was found, kept per reason for the report.
 EXAMPLE_LOCATIONS_KEPT = 5
 # Bytes read at a time when hashing input files.
-HASH_CHUNK_BYTES = 1 << 20
 # A conversation's text (UTF-8 bytes of its messages) beyond this is refused: Qwen3.5's
 # longest context, 262,144 tokens, holds about 1 MiB of text, so a record eight times
 # that is not a conversation the base was served (a concatenated corpus, a log dump).
@@ -129,7 +131,7 @@ JSON_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 
 
-class DataError(ValueError):
+class DataError(OccamyError, ValueError):
     """Bad input: the message names the file and line (or record) and what is wrong."""
 
 
@@ -300,14 +302,6 @@ def _span_tokens(windows: Iterable[Window]) -> int:
 
 
 # ---------------------------------------------------------------------------- reading
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while chunk := stream.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -794,7 +788,7 @@ def prepare_windows(
             windows, retokenized = built
             windows_by_hash[content_hash] = windows
             boundary_retokenized += retokenized
-        files.append({"path": str(path), "sha256": file_sha256(path), "bytes": path.stat().st_size, "records": records})
+        files.append({"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size, "records": records})
 
     default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
     fraction = default_heldout if heldout_fraction is None else heldout_fraction

@@ -40,8 +40,6 @@ prompt at each served step count and checks the replayed figures against what it
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -49,7 +47,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.loss import IGNORE, chain_batch, collate
+from occamy_mtp.run import HELDOUT, RunDir, log_stderr, open_run
 from occamy_mtp.metrics import Acceptance, acceptance_from_counts, acceptance_summary, decoder_rounds, replayed_acceptance
 from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
 
@@ -273,40 +275,8 @@ def heldout_report(targets, head, self_generated, recorded, served_steps, draft_
 
 
 # ----------------------------------------------------------------------------------
-# Self-generated heldout text
+# The reference decoder
 # ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SelfGenerated:
-    windows: list
-    generated_tokens: int
-    stopped: int
-    """Continuations that ended with a stop token (the rest hit max_new_tokens)."""
-    seconds: float
-
-
-def self_generated_windows(base, windows, max_new_tokens: int, stop_token_ids, batch_size: int = 8) -> SelfGenerated:
-    """Each window's context (everything before its answer) continued greedily by the base.
-
-    The context already ends with the chat template's assistant header with thinking
-    disabled (see `occamy_mtp.data`). The answer span becomes the base's own greedy
-    continuation of at most `max_new_tokens` tokens, ending with the first stop token,
-    so every scored data token is the base's greedy token and the chained acceptance is
-    exact (`occamy_mtp.selfgen`, which also keeps such windows on disk for a run). A
-    floating-point near-tie that resolves differently in the batched generation than in
-    the evaluation's full forward shows up as `Metrics.data_matches_target` below 1.
-    """
-    from occamy_mtp.selfgen import context_of, self_generate, with_continuation
-
-    started = time.perf_counter()
-    continuations = self_generate(base, [context_of(w) for w in windows], max_new_tokens, stop_token_ids, batch_size)
-    return SelfGenerated(
-        windows=[with_continuation(w, c) for w, c in zip(windows, continuations)],
-        generated_tokens=sum(len(c.tokens) for c in continuations),
-        stopped=sum(c.finished for c in continuations),
-        seconds=time.perf_counter() - started,
-    )
 
 
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
@@ -424,156 +394,112 @@ def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -
     return "\n".join(lines)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    from occamy_mtp import data as data_module
-    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
+    cli = command_line("python -m occamy_mtp.evaluate",
+                       "Served acceptance (exact, on the base's own greedy text), agreement and NLL of MTP heads, side by side.",
+                       config_required=False)
+    cli.add_argument("--head", type=Path, help="trained head: safetensors file or checkpoint directory "
+                                               "(default: the run's output.dir/mtp-trained.safetensors)")
+    cli.add_argument("--out", required=True, type=Path, help="directory for evaluation.json and acceptance.png")
+    cli.add_argument("--teacher-forced-only", action="store_true",
+                     help="skip the base's own continuations: only the approximate figures on the recorded answers")
+    cli.add_argument("--reference-decoder", action="store_true",
+                     help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
+                          "each of eval.served_steps and check the served figures against it")
+    cli.add_argument("--max-windows", type=int,
+                     help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
+                          "`occamy_mtp.validate --prompt-source windows --prompts N` sends to a server")
+    cli.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args, config = parse(cli, argv)
+    if args.max_windows is not None and args.max_windows < 1:
+        raise ConfigError(f"--max-windows: expected 1 or more windows, got {args.max_windows}")
+    head_path = args.head or RunDir.of(config).head
+    if not head_path.exists():
+        raise ConfigError(f"--head {head_path}: no such file or directory (export the run first, or name a head)")
+    report, printed = evaluate_run(config, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
+                                   reference_decoder=args.reference_decoder, max_windows=args.max_windows)
+    print(printed)
+    print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
+    return 0
 
-    parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp.evaluate",
-        description="Served acceptance (exact, on the base's own greedy text), agreement and NLL of MTP heads, side by side.",
-    )
-    parser.add_argument("--base", type=Path, help="base checkpoint directory (default: --config's model.base)")
-    parser.add_argument("--head", type=Path, help="trained head: safetensors file or checkpoint directory "
-                                                  "(default: --config's output.dir/mtp-trained.safetensors)")
-    parser.add_argument("--donor", type=Path, help="donor head (file or directory) to show beside the trained one "
-                                                   "(default: --config's model.donor_head)")
-    parser.add_argument("--data", nargs="+", type=Path, help="chat data files; the heldout split is evaluated (default: --config's)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --config's, else --base)")
-    parser.add_argument("--steps", type=int, default=3, help="chained steps of the per-anchor figures")
-    parser.add_argument("--served-steps", default="1,3", help="draft step counts to report the served figures for, e.g. 1,3")
-    parser.add_argument("--teacher-forced-only", action="store_true",
-                        help="skip the base's own continuations: only the approximate figures on the recorded answers")
-    parser.add_argument("--max-new-tokens", type=int, help="bound of each self-generated continuation (default: --answer-tokens)")
-    parser.add_argument("--generate-batch-size", type=int, default=8, help="prompts per batch when the base writes the text")
-    parser.add_argument("--reference-decoder", action="store_true",
-                        help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
-                             "each served step count and check the served figures against it")
-    parser.add_argument("--max-windows", type=int,
-                        help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
-                             "`occamy_mtp.validate --prompt-source windows --prompts N` sends to a server")
-    add_split_arguments(parser)
-    parser.add_argument("--windows-per-batch", type=int, default=4)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: --config's model.dtype, else bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", required=True, type=Path, help="directory for evaluation.json and acceptance.png")
-    args = parser.parse_args(argv)
 
-    try:
-        config, split = split_from_arguments(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if config is not None:  # the run's own inputs, unless a flag names others
-        from occamy_mtp.checkpoint import HEAD_FILE
-
-        args.base = args.base or Path(config.model.base)
-        args.head = args.head or Path(config.output.dir) / HEAD_FILE
-        args.donor = args.donor or Path(config.model.donor_head)
-        args.data = args.data or [Path(f) for f in config.data.files]
-        args.tokenizer = args.tokenizer or (Path(config.model.tokenizer) if config.model.tokenizer else None)
-        args.dtype = args.dtype or config.model.dtype
-    args.dtype = args.dtype or "bfloat16"
-    missing = [flag for flag, value in (("--base", args.base), ("--head", args.head), ("--data", args.data)) if not value]
-    if missing:
-        print(f"error: {', '.join(missing)} needed (or --config RUN.yaml, which names them)", file=sys.stderr)
-        return 2
-    for flag, path in (("--base", args.base), ("--head", args.head), ("--donor", args.donor), ("--tokenizer", args.tokenizer)):
-        if path is not None and not path.exists():
-            print(f"error: {flag} {path}: no such file or directory", file=sys.stderr)
-            return 2
-    try:
-        served_steps = tuple(int(k) for k in args.served_steps.split(","))
-    except ValueError:
-        served_steps = ()
-    if not served_steps or min(served_steps) < 1:
-        print(f"error: --served-steps {args.served_steps!r}: expected step counts >= 1 separated by commas, e.g. 1,3", file=sys.stderr)
-        return 2
-    max_new_tokens = split["answer_tokens"] if args.max_new_tokens is None else args.max_new_tokens
-    if min(args.steps, max_new_tokens, args.generate_batch_size, args.windows_per_batch,
-           1 if args.max_windows is None else args.max_windows) < 1:
-        print("error: --steps, --max-new-tokens, --generate-batch-size, --windows-per-batch and --max-windows must be >= 1",
-              file=sys.stderr)
-        return 2
-    from transformers import AutoTokenizer
-
+def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
+                 reference_decoder: bool = False, max_windows: int | None = None) -> tuple[dict, str]:
+    """Donor (`model.donor_head`) and the head at `head_path` on the run's heldout windows; writes
+    evaluation.json and the plot into `out`, returns the report and its printed table."""
     from occamy_mtp import checkpoint as ckpt_io
-    from occamy_mtp.head import SharedWeights
-
-    dtype, device = ckpt_io.DTYPES[args.dtype], torch.device(args.device)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or args.base), local_files_only=True)
-        data = data_module.prepare_windows(args.data, tokenizer, **split)
-        base = ckpt_io.load_base(args.base, dtype=dtype, device=device)
-        text_config = ckpt_io.read_config(args.base).text_config
-        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-        heads = {}
-        if args.donor is not None:
-            heads["donor"] = ckpt_io.load_head(args.donor, text_config, shared, dtype=dtype, device=device)[0]
-        heads["trained"] = ckpt_io.load_head(args.head, text_config, shared, dtype=dtype, device=device)[0]
-    except (ckpt_io.CheckpointError, data_module.DataError, ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if not data.heldout:
-        print("error: no heldout windows; check --data and --heldout-conversations (or --config)", file=sys.stderr)
-        return 2
-    heldout = data.heldout[: args.max_windows]
-
-    from occamy_mtp.checkpoint import write_json
-    from occamy_mtp.generate import default_eos_token_ids
+    from occamy_mtp.files import write_json
     from occamy_mtp.plot import plot_acceptance
+
+    if reference_decoder and config.data.target_cache:
+        raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
+    run = open_run(config, device, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
+                   max_heldout=max_windows)
+    dtype = ckpt_io.DTYPES[config.model.dtype]
+    donor = run.models.head
+    for param in donor.parameters():  # as served: every tensor in the model dtype
+        param.data = param.data.to(dtype)
+    text_config = ckpt_io.read_config(config.model.base).text_config
+    trained = ckpt_io.load_head(head_path, text_config, donor.shared, dtype=dtype, device=device,
+                                attn_implementation=config.model.attn_implementation)[0]
+    heads = {"donor": donor, "trained": trained}
+    steps, served_steps, budget = config.eval.draft_steps, config.eval.served_steps, config.data.answer_tokens
+    per_batch = config.eval.windows_per_batch
 
     started = time.perf_counter()
     report = {
         "format": EVALUATION_FORMAT,
-        "inputs": {"base": str(args.base), "head": str(args.head), "donor": None if args.donor is None else str(args.donor),
-                   "data": [str(p) for p in args.data], "dtype": args.dtype, "device": str(device)},
-        "dataset": {k: v for k, v in data.provenance().items() if k in ("files", "windows", "settings")},
-        "heldout_windows_evaluated": len(heldout),
+        "inputs": {"base": config.model.base, "head": str(head_path), "donor": config.model.donor_head,
+                   "data": list(config.data.files), "dtype": config.model.dtype, "device": str(device)},
+        "dataset": {k: v for k, v in run.data.provenance().items() if k in ("files", "windows", "settings")},
+        "heldout_windows_evaluated": len(run.windows.heldout_data),
         "plot": PLOT_FILE,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.teacher_forced_only:
-        results = {name: evaluate_head(base, head, heldout, args.steps, args.windows_per_batch).to_dict() for name, head in heads.items()}
-        report.update(text=TEACHER_FORCED, exact=False, draft_steps=args.steps, heads=results)
-        plot_acceptance(results, args.out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
+    out.mkdir(parents=True, exist_ok=True)
+    if teacher_forced_only:
+        results = {name: evaluate_head(run.targets, head, run.windows.heldout_data, steps, per_batch).to_dict()
+                   for name, head in heads.items()}
+        report.update(text=TEACHER_FORCED, exact=False, draft_steps=steps, heads=results)
+        plot_acceptance(results, out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
         printed = format_table(results)
     else:
-        stop = default_eos_token_ids(tokenizer, args.base)
-        generated = self_generated_windows(base, heldout, max_new_tokens, stop, args.generate_batch_size)
-        results = {
-            name: heldout_report(base, head, generated.windows, heldout, served_steps, args.steps, max_new_tokens, args.windows_per_batch)
-            for name, head in heads.items()
-        }
+        results = {name: heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, served_steps, steps,
+                                        budget, per_batch)
+                   for name, head in heads.items()}
         report.update(
-            text=SELF_GENERATED, exact=True, headline="served", served_steps=list(served_steps), max_new_tokens=max_new_tokens,
+            text=SELF_GENERATED, exact=True, headline="served", served_steps=list(served_steps), max_new_tokens=budget,
             heads=results,
-            self_generated={"max_new_tokens": max_new_tokens, "stop_token_ids": sorted(stop), "windows": len(generated.windows),
-                            "generated_tokens": generated.generated_tokens, "stopped": generated.stopped,
-                            "seconds": generated.seconds, "decoder": "occamy_mtp.generate.greedy_generate",
-                            "batch_size": args.generate_batch_size, "enable_thinking": False},
+            self_generated={**run.windows.self_generated, "max_new_tokens": budget,
+                            "stop_token_ids": sorted(run.stop_token_ids), "batch_size": config.data.self_generate_batch_size},
         )
         largest = str(max(served_steps))
-        plot_acceptance({name: r["served"][largest] for name, r in results.items()}, args.out / PLOT_FILE,
+        plot_acceptance({name: r["served"][largest] for name, r in results.items()}, out / PLOT_FILE,
                         title=f"served acceptance, {largest}-step drafts (self-generated heldout, exact)")
-        printed = format_served(results, served_steps, max_new_tokens)
-        if args.reference_decoder:
+        printed = format_served(results, served_steps, budget)
+        if reference_decoder:
             report["reference_decoder"] = {
-                name: {str(k): reference_decoder_check(base, head, generated.windows, k, max_new_tokens, stop, args.windows_per_batch)
+                name: {str(k): reference_decoder_check(run.models.base, head, run.windows.heldout, k, budget, run.stop_token_ids,
+                                                       per_batch)
                        for k in served_steps}
                 for name, head in heads.items()
             }
-            for name, checks in report["reference_decoder"].items():
-                for k, check in checks.items():
-                    equal = all(check["measured"][f] == check["replayed"][f] for f in ("proposed", "accepted", "drafted", "verify_passes"))
-                    printed += (f"\nreference decoder ({name}, {k}-step): accept length {check['measured']['mean_accept_length']:.3f}, "
-                                f"{check['measured']['tokens_per_verify_pass']:.3f} tokens per verify pass; replayed counts "
-                                f"{'equal' if equal else 'DIFFER'}; {check['decisions_equal']}/{check['decisions']} decisions equal; "
-                                f"{check['texts_equal']}/{check['windows']} texts equal")
+            printed += _format_decoder_checks(report["reference_decoder"])
     report["eval_seconds"] = time.perf_counter() - started
-    write_json(args.out / EVALUATION_FILE, report)
-    print(printed)
-    print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
-    return 0
+    write_json(out / EVALUATION_FILE, report)
+    return report, printed
+
+
+def _format_decoder_checks(checks_by_head: dict) -> str:
+    lines = []
+    for name, checks in checks_by_head.items():
+        for k, check in checks.items():
+            equal = all(check["measured"][f] == check["replayed"][f] for f in ("proposed", "accepted", "drafted", "verify_passes"))
+            lines.append(f"\nreference decoder ({name}, {k}-step): accept length {check['measured']['mean_accept_length']:.3f}, "
+                         f"{check['measured']['tokens_per_verify_pass']:.3f} tokens per verify pass; replayed counts "
+                         f"{'equal' if equal else 'DIFFER'}; {check['decisions_equal']}/{check['decisions']} decisions equal; "
+                         f"{check['texts_equal']}/{check['windows']} texts equal")
+    return "".join(lines)
 
 
 if __name__ == "__main__":

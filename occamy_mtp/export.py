@@ -1,70 +1,37 @@
 """Export: the whole trained head as `mtp-trained.safetensors`, its config, metrics and TRAINING.json.
 
-The exported file holds every `mtp.*` tensor in bf16 and in the donor's expert layout
-(unless `output.expert_layout` says otherwise). The trained tensors are the fp32
-masters rounded to bf16 (round-to-nearest-even, as `Tensor.to` does); every other
-tensor is read back from the written file and checked to be bit-identical to the
-donor's, and the check is part of the record.
-
-What the metrics lead with. Donor and trained head are measured on the same heldout
-windows with the same code, side by side. The headline is what serving will see: the
-reference speculative decoder's per-step acceptance and accept length on the base's
-own greedy text (the self-generated heldout windows, `occamy_mtp.selfgen`), at each of
-`eval.served_steps`, computed exactly by the decoder replay
-(`evaluate.served_acceptance`) and checked against the decoder itself on the first
-`eval.decoder_check_windows` prompts. Teacher-forced agreement, NLL and chained
-acceptance on the recorded answers follow as secondary figures; their acceptance is an
-approximation, which has pointed the wrong way before (bench/RESULTS.md).
-
-A head worse than the donor on the headline (a lower mean accept length at any served
-step count) is refused: nothing is written and the exit status is non-zero, unless
-`--allow-worse` is given; TRAINING.json records the comparison either way.
-
-All outputs are written to temporaries first and renamed together at the end,
-TRAINING.json last, so that a kill never leaves a half-written file, a stale plot or a
-record whose hash does not match the head beside it; temporaries of a killed export
-are removed when the next one starts.
+The file holds every `mtp.*` tensor in bf16, in the donor's expert layout unless
+`output.expert_layout` says otherwise: the trained fp32 masters rounded to bf16, every
+other tensor read back and checked bit-identical to the donor's. Donor and trained head
+are measured side by side on the same heldout windows, led by what serving will see
+(the decoder replay on the base's own greedy text, checked against the reference
+decoder on `eval.decoder_check_windows` prompts). A head worse than the donor there is
+refused unless `--allow-worse`. Outputs are written to temporaries and renamed together,
+TRAINING.json last; temporaries of a killed export are removed by the next one.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp import record as rec
-from occamy_mtp.cache import open_targets
-from occamy_mtp.config import ConfigError, RunConfig, differing_settings, load_config
-from occamy_mtp.evaluate import PLOT_FILE, heldout_report, reference_decoder_check
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import RunConfig, differing_settings
+from occamy_mtp.errors import OccamyError
+from occamy_mtp.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.plot import plot_acceptance
-from occamy_mtp.run_setup import (
-    RunWindows,
-    check_run,
-    check_split,
-    load_tokenizer,
-    log_stderr,
-    open_store,
-    output_lock,
-    prepare_data,
-    run_windows,
-    stop_token_ids,
-)
-from occamy_mtp.selfgen import SelfGenError
-from occamy_mtp.train import TRAIN_SUMMARY, TRAINED_TENSORS, build_models
+from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
 
-HEAD_FILE = ckpt_io.HEAD_FILE
-HEAD_CONFIG_FILE = "mtp_head_config.json"
-METRICS_FILE = "metrics.json"
-RECORD_FILE = "TRAINING.json"
-HASH_CACHE_FILE = ".file-hashes.json"
 METRICS_FORMAT = 2
-OUTPUT_FILES = (HEAD_FILE, HEAD_CONFIG_FILE, METRICS_FILE, PLOT_FILE, RECORD_FILE)  # renamed in this order
-_LOSS_WINDOW_STEPS = 16  # steps summarised at each end of the loss curve in TRAINING.json
 HEADLINE = (
     "served acceptance: the reference speculative decoder on the base's own greedy continuation of each heldout "
     "prompt (self-generated heldout windows; decoder replay, exact)"
@@ -72,13 +39,13 @@ HEADLINE = (
 CRITERION = "the trained head's mean accept length is not below the donor's at any served step count (headline figures)"
 
 
-class ExportError(RuntimeError):
+class ExportError(OccamyError, RuntimeError):
     """The trained tensors do not belong to this config, the written head failed its check, or it is worse than the donor."""
 
 
-def read_trained_tensors(output_dir: Path, config: RunConfig, summary: dict) -> dict[str, torch.Tensor]:
+def read_trained_tensors(run_dir: RunDir, config: RunConfig, summary: dict) -> dict[str, torch.Tensor]:
     """The trained fp32 masters, refused when another config trained them or when any is not finite."""
-    path = output_dir / TRAINED_TENSORS
+    path = run_dir.trained_tensors
     if not path.is_file():
         raise ExportError(f"{path}: no trained tensors; run train.py with this config first")
     with safe_open(str(path), framework="pt") as handle:
@@ -145,12 +112,14 @@ def compare_heads(heldout: dict, served_steps, allow_worse: bool) -> dict:
             "written": not_worse or allow_worse}
 
 
-def decoder_check(base, head, windows: RunWindows, config: RunConfig, stop: set[int]) -> dict:
+def decoder_check(run: Run, head) -> dict:
     """The reference decoder on the first `eval.decoder_check_windows` heldout prompts, per served step count."""
-    chosen = windows.heldout[: config.eval.decoder_check_windows]
+    config = run.config
+    chosen = run.windows.heldout[: config.eval.decoder_check_windows]
     out = {}
     for k in config.eval.served_steps:
-        check = reference_decoder_check(base, head, chosen, k, config.data.answer_tokens, stop, config.eval.windows_per_batch)
+        check = reference_decoder_check(run.models.base, head, chosen, k, config.data.answer_tokens, run.stop_token_ids,
+                                        config.eval.windows_per_batch)
         out[str(k)] = {
             "windows": check["windows"],
             "measured": check["measured"],
@@ -173,56 +142,27 @@ def export(config: RunConfig, allow_worse: bool = False, log=log_stderr) -> dict
 
 def _export(config: RunConfig, allow_worse: bool, log) -> dict:
     started = time.perf_counter()
-    output_dir = Path(config.output.dir)
-    summary_path = output_dir / TRAIN_SUMMARY
-    if not summary_path.is_file():
-        raise ExportError(f"{summary_path}: missing; run train.py with this config first")
-    summary = json.loads(summary_path.read_text())
-    masters = read_trained_tensors(output_dir, config, summary)
-    for name in OUTPUT_FILES:  # what a killed export left behind
-        for stale in ckpt_io.stale_temporaries(output_dir / name):
+    run_dir = RunDir.of(config)
+    if not run_dir.train_summary.is_file():
+        raise ExportError(f"{run_dir.train_summary}: missing; run train.py with this config first")
+    summary = json.loads(run_dir.train_summary.read_text())
+    masters = read_trained_tensors(run_dir, config, summary)
+    for path in run_dir.export_outputs():  # what a killed export left behind
+        for stale in files.stale_temporaries(path):
             stale.unlink()
 
-    tokenizer = load_tokenizer(config)
-    data = prepare_data(config, tokenizer, log=log)
-    check_split(config, data)
-    store = open_store(config, tokenizer)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cached = bool(config.data.target_cache)
-    models = build_models(config, device, with_base=not cached, log=log)
-    head = models.head
-    windows = run_windows(config, data, store, models.base, log=log)
-    # The frozen base's targets: read from the offline cache when there is one.
-    targets = open_targets(config.data.target_cache, config.model.base, windows.all(), data.settings, config.model.dtype,
-                           config.model.attn_implementation, base=models.base)
+    run = open_run(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"), log=log)
+    head = run.models.head
     dtype = ckpt_io.DTYPES[config.model.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype
         param.data = param.data.to(dtype)
-    stop = stop_token_ids(config, tokenizer)
-
-    def measure(name: str) -> tuple[dict, dict]:
-        log(f"export: measuring the {name} head on {len(windows.heldout)} heldout windows")
-        report = heldout_report(targets, head, windows.heldout, windows.heldout_data, config.eval.served_steps,
-                                config.eval.draft_steps, config.data.answer_tokens, config.eval.windows_per_batch)
-        if models.base is None or not config.eval.decoder_check_windows:
-            reason = "data.target_cache is set (no base loaded)" if models.base is None else "eval.decoder_check_windows is 0"
-            return report, {"skipped": reason}
-        log(f"export: reference decoder on {min(len(windows.heldout), config.eval.decoder_check_windows)} heldout prompts ({name})")
-        return report, decoder_check(models.base, head, windows, config, stop)
 
     # Donor first, then the same head with the trained tensors swapped in.
     eval_started = time.perf_counter()
-    donor_report, donor_check = measure("donor")
+    donor_report, donor_check = _measure(run, head, "donor", log)
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
-    params = dict(head.named_parameters())
-    max_rounding = 0.0
-    for name, master in masters.items():
-        if name not in params:
-            raise ExportError(f"{TRAINED_TENSORS}: tensor {name!r} is not a head parameter")
-        rounded = master.to(torch.bfloat16)
-        max_rounding = max(max_rounding, float((rounded.float() - master.float()).abs().max()))
-        params[name].data = rounded.to(device=params[name].device, dtype=dtype)
-    trained_report, trained_check = measure("trained")
+    max_rounding = _swap_in(head, masters, dtype)
+    trained_report, trained_check = _measure(run, head, "trained", log)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
@@ -243,111 +183,81 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
             + "\nchange the recipe (see README: the recipe), or pass --allow-worse to write it anyway"
         )
 
-    layout = models.donor_layout if config.output.expert_layout == "donor" else config.output.expert_layout
-    trained_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
-    disk = ckpt_io.head_checkpoint_tensors(trained_state, layout)
-    if layout == models.donor_layout:  # compare against the donor's own bytes on disk
-        donor_ckpt = ckpt_io.SafetensorsCheckpoint(Path(config.model.donor_head))
-        donor_disk = {k: donor_ckpt.get(k) for k in ckpt_io.head_disk_keys(donor_ckpt)}
-    else:
-        donor_disk = ckpt_io.head_checkpoint_tensors(donor_state, layout)
+    layout = run.models.donor_layout if config.output.expert_layout == "donor" else config.output.expert_layout
+    disk = ckpt_io.head_checkpoint_tensors({k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}, layout)
+    donor_disk = _donor_disk(config, layout, run.models.donor_layout, donor_state)
     trained_disk = {ckpt_io.HEAD_PREFIX + k: disk[ckpt_io.HEAD_PREFIX + k] for k in masters}
-    base_text_config = ckpt_io.read_config(config.model.base).text_config
-    head_config = head_config_json(base_text_config, layout, list(trained_disk), disk)
-    hash_cache_path = output_dir / HASH_CACHE_FILE
-    hash_cache = rec.load_hash_cache(hash_cache_path)
-    identities = {
-        "base": rec.checkpoint_identity(Path(config.model.base), hash_cache, log),
-        "donor": rec.checkpoint_identity(Path(config.model.donor_head), hash_cache, log),
-    }
+    head_config = head_config_json(ckpt_io.read_config(config.model.base).text_config, layout, list(trained_disk), disk)
+    hash_cache = rec.load_hash_cache(run_dir.hash_cache)
+    identities = {name: rec.checkpoint_identity(Path(path), hash_cache, log)
+                  for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
     largest = max(config.eval.served_steps)
 
-    with ckpt_io.atomic_paths([output_dir / name for name in OUTPUT_FILES]) as temporaries:
-        tmp = dict(zip(OUTPUT_FILES, temporaries))
-        ckpt_io.write_safetensors(tmp[HEAD_FILE], disk, metadata={"format": "pt", "producer": "occamy-mtp", "expert_layout": layout})
-        check = verify_export(tmp[HEAD_FILE], donor_disk, trained_disk)
-        tmp[HEAD_CONFIG_FILE].write_text(ckpt_io.json_text(head_config))
-        tmp[METRICS_FILE].write_text(ckpt_io.json_text(metrics))
+    with files.atomic_paths(list(run_dir.export_outputs())) as temporaries:
+        tmp = dict(zip(run_dir.export_outputs(), temporaries))
+        files.write_safetensors(tmp[run_dir.head], disk, metadata={"format": "pt", "producer": "occamy-mtp", "expert_layout": layout})
+        check = verify_export(tmp[run_dir.head], donor_disk, trained_disk)
+        tmp[run_dir.head_config].write_text(files.json_text(head_config))
+        tmp[run_dir.metrics].write_text(files.json_text(metrics))
         plot_acceptance(
-            {name: heldout[name]["served"][str(largest)] for name in heldout}, tmp[PLOT_FILE],
+            {name: heldout[name]["served"][str(largest)] for name in heldout}, tmp[run_dir.plot],
             title=f"served acceptance, {largest}-step drafts (self-generated heldout, exact)", image_format="png",
         )
-        losses = [h["loss"] for h in summary["history"]]
-        record = {
-            "format": rec.RECORD_FORMAT,
-            "library": rec.library_identity(),
-            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            **identities,
-            "dataset": data.provenance(),
-            "settings": config.to_dict(),
-            "derived": {
-                "total_steps": summary["steps"],
-                "steps_per_epoch": summary["steps_per_epoch"],
-                "trainable_parameters": models.trainable_parameters,
-                "head_parameters": models.head_parameters,
-                "trainable_tensors": sorted(trained_disk),
-                "donor_layout": models.donor_layout,
-                "export_layout": layout,
-                "train_windows": summary["train_windows"],
-            },
-            "packages": rec.package_versions(),
-            "hardware": rec.hardware(summary["processes"]),
-            "timings": {
-                "train_seconds": summary["train_seconds"],
-                "base_forward_seconds": summary["base_forward_seconds"],
-                # the continuations are usually written by train.py; export writes any it lacks
-                "self_generation_seconds": summary["self_generated"]["generation_seconds"]
-                + windows.self_generated["generation_seconds"],
-                "eval_seconds": eval_seconds,
-                "export_seconds": time.perf_counter() - started,
-            },
-            "training": {
-                "final_loss": summary["final_loss"],
-                "loss_first_steps": losses[:_LOSS_WINDOW_STEPS],
-                "loss_last_steps": losses[-_LOSS_WINDOW_STEPS:],
-                "selection": summary["selection"],
-            },
-            "self_generated": windows.self_generated,
-            "metrics": metrics,
-            "export": {**check, "replaced": sorted(trained_disk), "max_abs_rounding_error": max_rounding},
-            "outputs": {
-                HEAD_FILE: rec.sha256_file(tmp[HEAD_FILE]),
-                HEAD_CONFIG_FILE: rec.sha256_file(tmp[HEAD_CONFIG_FILE]),
-            },
-        }
+        record = rec.training_record(
+            config, identities, run.data.provenance(), summary, run.windows.self_generated, metrics,
+            derived={"trainable_parameters": run.models.trainable_parameters, "head_parameters": run.models.head_parameters,
+                     "trainable_tensors": sorted(trained_disk), "donor_layout": run.models.donor_layout, "export_layout": layout},
+            export={**check, "replaced": sorted(trained_disk), "max_abs_rounding_error": max_rounding},
+            seconds={"eval_seconds": eval_seconds, "export_seconds": time.perf_counter() - started},
+            outputs={path.name: files.sha256_file(tmp[path]) for path in (run_dir.head, run_dir.head_config)},
+        )
         errors = rec.validate_record(record)
         if errors:
             raise ExportError("TRAINING.json does not fit its schema:\n  " + "\n  ".join(errors))
-        tmp[RECORD_FILE].write_text(ckpt_io.json_text(record))
-    ckpt_io.write_json(hash_cache_path, hash_cache)
+        tmp[run_dir.record].write_text(files.json_text(record))
+    files.write_json(run_dir.hash_cache, hash_cache)
     return record
 
 
+def _measure(run: Run, head, name: str, log) -> tuple[dict, dict]:
+    """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
+    config, windows = run.config, run.windows
+    log(f"export: measuring the {name} head on {len(windows.heldout)} heldout windows")
+    report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.served_steps,
+                            config.eval.draft_steps, config.data.answer_tokens, config.eval.windows_per_batch)
+    if run.models.base is None or not config.eval.decoder_check_windows:
+        reason = "data.target_cache is set (no base loaded)" if run.models.base is None else "eval.decoder_check_windows is 0"
+        return report, {"skipped": reason}
+    log(f"export: reference decoder on {min(len(windows.heldout), config.eval.decoder_check_windows)} heldout prompts ({name})")
+    return report, decoder_check(run, head)
+
+
+def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    """Put the trained masters, rounded to bf16 as the file stores them, into `head`; returns the largest rounding."""
+    params = dict(head.named_parameters())
+    max_rounding = 0.0
+    for name, master in masters.items():
+        if name not in params:
+            raise ExportError(f"trained-tensors.safetensors: tensor {name!r} is not a head parameter")
+        rounded = master.to(torch.bfloat16)
+        max_rounding = max(max_rounding, float((rounded.float() - master.float()).abs().max()))
+        params[name].data = rounded.to(device=params[name].device, dtype=dtype)
+    return max_rounding
+
+
+def _donor_disk(config: RunConfig, layout: str, donor_layout: str, donor_state: dict) -> dict[str, torch.Tensor]:
+    """The donor's tensors in the export's layout: its own bytes on disk when the layout is the donor's."""
+    if layout == donor_layout:
+        donor_ckpt = ckpt_io.SafetensorsCheckpoint(Path(config.model.donor_head))
+        return {k: donor_ckpt.get(k) for k in ckpt_io.head_disk_keys(donor_ckpt)}
+    return ckpt_io.head_checkpoint_tensors(donor_state, layout)
+
+
 def format_metrics(metrics: dict) -> str:
-    """Donor beside trained: the headline (served acceptance) first, then the secondary figures."""
-    donor, trained = metrics["heldout"]["donor"], metrics["heldout"]["trained"]
-    first = donor["served"][str(metrics["served_steps"][0])]
-    lines = [f"headline: {metrics['headline']}", f"  {first['texts']} heldout prompts, <= {metrics['max_new_tokens']} new tokens each",
-             f"  {'':<40} {'donor':>16} {'trained':>16}"]
-    for k in metrics["served_steps"]:
-        a, b = donor["served"][str(k)], trained["served"][str(k)]
-        for j in range(k):
-            label = f"{k}-step drafts: step {j + 1} acceptance"
-            lines.append(f"  {label:<40} {a['acceptance'][j]:>16.2%} {b['acceptance'][j]:>16.2%}")
-        for label, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
-            lines.append(f"  {f'{k}-step drafts: {label}':<40} {a[field]:>16.3f} {b[field]:>16.3f}")
+    """Donor beside trained (`evaluate.format_served`), the verdict, and the reference decoder's checks."""
+    lines = [format_served(metrics["heldout"], metrics["served_steps"], metrics["max_new_tokens"])]
     verdict = "not worse than the donor" if metrics["comparison"]["trained_not_worse"] else "WORSE than the donor"
-    lines.append(f"  trained head: {verdict} ({metrics['comparison']['criterion']})")
-    tf_d, tf_t = donor["teacher_forced"], trained["teacher_forced"]
-    sg_d, sg_t = donor["self_generated"], trained["self_generated"]
-    lines.append("secondary: teacher-forced on the recorded answers (approximate), and every anchor of the self-generated text")
-    rows = [
-        ("target top-1 agreement (recorded)", f"{tf_d['agreement']:.2%}", f"{tf_t['agreement']:.2%}"),
-        ("data-answer NLL (recorded)", f"{tf_d['data_nll']:.4f}", f"{tf_t['data_nll']:.4f}"),
-        ("accept length, approximate", f"{tf_d['mean_accept_length']:.3f}", f"{tf_t['mean_accept_length']:.3f}"),
-        ("accept length, every anchor", f"{sg_d['mean_accept_length']:.3f}", f"{sg_t['mean_accept_length']:.3f}"),
-    ]
-    lines += [f"  {name:<40} {a:>16} {b:>16}" for name, a, b in rows]
+    lines.append(f"trained head: {verdict} ({metrics['comparison']['criterion']})")
     for name, checks in metrics["decoder_check"].items():
         if "skipped" in checks:
             lines.append(f"reference decoder check ({name}): skipped, {checks['skipped']}")
@@ -359,28 +269,17 @@ def format_metrics(metrics: dict) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="export.py", description="Export the trained MTP head, its metrics and TRAINING.json.")
-    parser.add_argument("--config", required=True, help="the YAML run config the head was trained with")
-    parser.add_argument("--allow-worse", action="store_true",
-                        help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides (the same as for training)")
-    args = parser.parse_intermixed_args(argv)  # flags and overrides in any order
-    from occamy_mtp.data import DataError
-
-    try:
-        config = load_config(args.config, args.overrides)
-        record = export(config, allow_worse=args.allow_worse)
-    except (ConfigError, ckpt_io.CheckpointError, ExportError, DataError, SelfGenError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    cli = command_line("export.py", "Export the trained MTP head, its metrics and TRAINING.json.")
+    cli.add_argument("--allow-worse", action="store_true",
+                     help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
+    args, config = parse(cli, argv)
+    record = export(config, allow_worse=args.allow_worse)
     print(format_metrics(record["metrics"]))
     if not record["metrics"]["comparison"]["trained_not_worse"]:
         print("warning: the trained head is worse than the donor; written because --allow-worse was given", file=sys.stderr)
-    print(f"wrote {Path(config.output.dir) / HEAD_FILE} and {RECORD_FILE}")
+    print(f"wrote {RunDir.of(config).head} and {RunDir.of(config).record.name}")
     return 0
 
 

@@ -75,7 +75,6 @@ the regeneration, rather than mixing a regenerated train side with an original h
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -87,10 +86,12 @@ from typing import Any
 
 import torch
 
+from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.files import sha256_file, write_json
 from occamy_mtp import data as D
-from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.greedy import default_eos_token_ids, greedy_generate, template_end_of_turn_id
 
 # ---------------------------------------------------------------------------- settings
 
@@ -98,11 +99,6 @@ DEFAULT_MAX_NEW_TOKENS = D.DEFAULT_ANSWER_TOKENS  # a window scores at most this
 DEFAULT_BATCH_SIZE = 8
 SIDECAR_SUFFIX = ".meta.json"
 SIDECAR_FORMAT = 1
-# Any id works for padding: padded positions are masked out of every layer (see _greedy_batch).
-PAD_INPUT_ID = 0
-# Weights fingerprint: blocks read from each safetensors file, evenly spaced.
-FINGERPRINT_BLOCKS_PER_FILE = 16
-FINGERPRINT_BLOCK_BYTES = 64 * 1024
 # Settings that change what the generated text is: a resume must match them.
 COMPARED_SETTINGS = ("turns", "max_new_tokens", "eos_token_ids", "enable_thinking", "dtype", "exclude", "skip_bad_records")
 # Tokenizer fields that change the rendering (its path may differ between runs).
@@ -120,128 +116,8 @@ ROUNDTRIP_OUTCOMES = (ROUNDTRIP_EXACT, DIFFERENT_END_TOKEN, LOSSY_DECODE, SPECIA
 REPLACEMENT_CHARACTER = "\ufffd"
 
 
-class GenerateError(ValueError):
+class GenerateError(OccamyError, ValueError):
     """An output that cannot be resumed, or an argument that cannot work; says which and why."""
-
-
-# ---------------------------------------------------------------------------- greedy decoding
-
-
-@torch.no_grad()
-def greedy_generate(
-    base,
-    prompts: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    eos_token_ids: Collection[int],
-    batch_size: int,
-) -> list[list[int]]:
-    """Greedy continuations of `prompts` by the frozen base, `batch_size` prompts at a time.
-
-    `base` is a transformers Qwen3.5-MoE / Qwen3-Next causal LM (`checkpoint.load_base`)
-    on any device. Returns, per prompt and in order, the generated token ids: up to
-    `max_new_tokens` of them, ending with the first token in `eos_token_ids` when one is
-    generated (it is included; a continuation is finished iff its last id is in the set).
-
-    Equal to decoding each prompt alone with a full forward per step (no cache, no
-    padding): checked token for token by the tests on tiny fp32 models, with prompts of
-    different lengths in one batch. "Equal" is up to floating point: the batched cached
-    path sums in a different order (recurrent vs chunked delta rule, padded chunk
-    alignment, batch-dependent matmul blocking), so a near-tie between the top two
-    logits can in principle resolve differently; in bf16 on a GPU such ties are real.
-    Seen on an H200 (torch 2.11, transformers 5.17), random tiny models, 8 prompts of 1
-    to 200 tokens, 16 new tokens: fp32 identical; bf16 one row of 8 parted from the
-    one-by-one reference (at its 2nd and its 14th token in two models), which is itself
-    just another summation order. The same prompts in the same batches on the same
-    machine give the same tokens.
-
-    Why not `base.generate`: it would apply the checkpoint's generation_config
-    (repetition penalty, top-k...) unless every field is overridden, and its handling of
-    the hybrid model's padding is not ours to pin. Here, rows are left-padded; the
-    attention mask removes padded keys from full attention, transformers'
-    `apply_mask_to_padding_states` zeroes padded inputs of the Gated DeltaNet layers
-    (zero inputs leave their conv and recurrent states at zero, as if the row started at
-    its first real token), and position ids count from each row's first real token.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
-    if empty:
-        raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
-    eos = frozenset(int(token) for token in eos_token_ids)
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        out.extend(_greedy_batch(base, [list(p) for p in prompts[start : start + batch_size]], max_new_tokens, eos))
-    return out
-
-
-def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
-    from transformers import DynamicCache
-
-    device = base.lm_head.weight.device
-    rows, longest = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((rows, longest), PAD_INPUT_ID, dtype=torch.long)
-    attention_mask = torch.zeros((rows, longest), dtype=torch.long)
-    for row, prompt in enumerate(prompts):  # left padding: every row's next token is at the end
-        input_ids[row, longest - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, longest - len(prompt) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T): 0 at each row's first real token
-    cache = DynamicCache(config=base.config)  # KV for full attention, conv + recurrent state for DeltaNet
-    cache_argument = {cache_kwarg(base.forward): cache}
-
-    generated: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * rows
-    step_ids, step_positions = input_ids, position_ids
-    for _ in range(max_new_tokens):
-        logits = base(
-            input_ids=step_ids,
-            attention_mask=attention_mask,
-            position_ids=step_positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **cache_argument,
-        ).logits[:, -1]  # (B, V)
-        next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
-        for row, token in enumerate(next_ids.tolist()):
-            if not finished[row]:
-                generated[row].append(token)
-                finished[row] = token in eos
-        if all(finished):
-            break
-        # Finished rows keep decoding (their tokens are discarded) so the batch keeps its shape.
-        step_ids = next_ids[:, None]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
-        step_positions = step_positions[:, -1:] + 1
-    return generated
-
-
-def default_eos_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[int]:
-    """The tokenizer's eos, the template's end of turn, and the base's generation_config eos ids."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    end_of_turn = template_end_of_turn_id(tokenizer)
-    if end_of_turn is not None:
-        ids.add(end_of_turn)
-    path = Path(base_dir) / "generation_config.json" if base_dir is not None else None
-    if path is not None and path.is_file():
-        configured = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(int(t) for t in (configured if isinstance(configured, list) else [configured]) if t is not None)
-    return ids
-
-
-def template_end_of_turn_id(tokenizer) -> int | None:
-    """The special token that closes an assistant turn in the chat template (Qwen: <|im_end|>)."""
-    messages = [D.Message("user", "Hi"), D.Message("assistant", "Hello")]
-    rendered = D.render_turn(tokenizer, messages, 1)
-    if isinstance(rendered, D.Excluded):
-        return None
-    span_ids = D.tokenize_turn(tokenizer, *rendered).span_ids
-    special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return span_ids[-1] if span_ids and span_ids[-1] in special else None
 
 
 # ---------------------------------------------------------------------------- prompts
@@ -335,7 +211,7 @@ def read_prompts(
                 prompt_text, _ = D.render_turn(tokenizer, conversation.messages, turn_index)
                 prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
                 prompts.append(Prompt(conversation, turn_index, prompt_ids))
-        files.append({"path": str(path), "sha256": D.file_sha256(path), "bytes": path.stat().st_size, "records": records})
+        files.append({"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size, "records": records})
     order = {reason: i for i, reason in enumerate(D.EXCLUSION_REASONS)}
     return Prompts(
         prompts=prompts,
@@ -500,37 +376,8 @@ def sidecar_path(out_path: Path) -> Path:
 
 
 def checkpoint_fingerprint(directory: str | Path) -> dict[str, Any]:
-    """Identity of a base checkpoint that is cheap at 67 GB: config sha256 and a weights sample.
-
-    `weights_sample_sha256` hashes each safetensors file's name, size, header and
-    FINGERPRINT_BLOCKS_PER_FILE evenly spaced blocks. A fine-tune changes every weight,
-    so another checkpoint of the same architecture is told apart with near certainty;
-    it is a resume guard, not a content hash (TRAINING.json records full sha256s).
-    """
-    directory = Path(directory)
-    config = directory / "config.json"
-    if not config.is_file():
-        raise ckpt_io.CheckpointError(f"{directory}: no config.json; not a checkpoint directory")
-    digest = hashlib.sha256()
-    files = ckpt_io.SafetensorsCheckpoint(directory).files()
-    total = 0
-    for path in files:
-        size = path.stat().st_size
-        total += size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with path.open("rb") as handle:
-            header_bytes = int.from_bytes(handle.read(8), "little")
-            digest.update(handle.read(min(header_bytes, size - 8)))
-            for block in range(FINGERPRINT_BLOCKS_PER_FILE):
-                handle.seek(size * block // FINGERPRINT_BLOCKS_PER_FILE)
-                digest.update(handle.read(FINGERPRINT_BLOCK_BYTES))
-    return {
-        "path": str(directory.resolve()),
-        "config_sha256": D.file_sha256(config),
-        "weights_sample_sha256": digest.hexdigest(),
-        "safetensors_files": len(files),
-        "safetensors_bytes": total,
-    }
+    """The base's identity in the sidecar (`checkpoint.checkpoint_fingerprint`) with its path, for the reader."""
+    return {"path": str(Path(directory).resolve()), **ckpt_io.checkpoint_fingerprint(directory)}
 
 
 def _differences(existing: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -655,7 +502,7 @@ def regenerate_answers(
     device = str(parameter.device)
     runs.append({"device": device, "batch_size": batch_size, "limit": limit, "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     sidecar.update(status="running", runs=runs, data=_data_section(read, limit))
-    ckpt_io.write_json(meta_path, sidecar)
+    write_json(meta_path, sidecar)
 
     end_of_turn_id = template_end_of_turn_id(tokenizer)
     metas = list(existing.metas)
@@ -705,7 +552,7 @@ def regenerate_answers(
     )
     runs[-1].update(generated=report.generated_now, torn_lines_dropped=report.torn_lines_dropped, seconds=round(report.seconds, 3))
     sidecar.update(status="complete" if report.complete else "partial", counts=report.to_dict())
-    ckpt_io.write_json(meta_path, sidecar)
+    write_json(meta_path, sidecar)
     return report
 
 

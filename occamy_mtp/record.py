@@ -6,45 +6,24 @@ that every exported record passes it and that a broken one does not.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
 import subprocess
 import sys
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from occamy_mtp.files import hash_cache_key, sha256_file
 
 from occamy_mtp import __version__
 from occamy_mtp import checkpoint as ckpt_io
 
 RECORD_FORMAT = 2
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
-_HASH_BLOCK_BYTES = 16 * 1024 * 1024
-
-
-def _hash_cache_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-
-
-def sha256_file(path: Path, cache: dict | None = None) -> str:
-    """sha256 of a file; `cache` maps (path, size, mtime) to a known digest so a 67 GB base is hashed once."""
-    path = Path(path)
-    key = _hash_cache_key(path)
-    if cache is not None and key in cache:
-        return cache[key]
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(_HASH_BLOCK_BYTES):
-            digest.update(block)
-    if cache is not None:
-        cache[key] = digest.hexdigest()
-    return digest.hexdigest()
-
-
 def load_hash_cache(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
@@ -82,7 +61,7 @@ def checkpoint_identity(path: Path, hash_cache: dict, log=None) -> dict:
     if log is not None:
         files = ckpt.files()
         for number, f in enumerate(files, start=1):
-            if _hash_cache_key(f) not in hash_cache:
+            if hash_cache_key(f) not in hash_cache:
                 log(f"hashing {f} ({number}/{len(files)}, {f.stat().st_size / 2**30:.2f} GiB)")
                 sha256_file(f, hash_cache)
     config_path = path / "config.json" if path.is_dir() else None
@@ -125,6 +104,49 @@ def hardware(processes: int) -> dict:
 
 def library_identity() -> dict:
     return {"name": "occamy-mtp", "version": __version__, **git_commit()}
+
+
+_LOSS_WINDOW_STEPS = 16  # steps summarised at each end of the loss curve
+
+
+def training_record(config, identities: dict, dataset: dict, summary: dict, self_generated: dict, metrics: dict, *,
+                    derived: dict, export: dict, seconds: dict, outputs: dict) -> dict:
+    """TRAINING.json: provenance and results of one exported head (SCHEMA below).
+
+    `summary` is train.py's train-summary.json; `self_generated` the provenance of the
+    continuations export read (any it wrote itself are timed there); `seconds` the
+    export's own timings.
+    """
+    losses = [h["loss"] for h in summary["history"]]
+    return {
+        "format": RECORD_FORMAT,
+        "library": library_identity(),
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **identities,
+        "dataset": dataset,
+        "settings": config.to_dict(),
+        "derived": {"total_steps": summary["steps"], "steps_per_epoch": summary["steps_per_epoch"], **derived,
+                    "train_windows": summary["train_windows"]},
+        "packages": package_versions(),
+        "hardware": hardware(summary["processes"]),
+        "timings": {
+            "train_seconds": summary["train_seconds"],
+            "base_forward_seconds": summary["base_forward_seconds"],
+            # the continuations are usually written by train.py; export writes any it lacks
+            "self_generation_seconds": summary["self_generated"]["generation_seconds"] + self_generated["generation_seconds"],
+            **seconds,
+        },
+        "training": {
+            "final_loss": summary["final_loss"],
+            "loss_first_steps": losses[:_LOSS_WINDOW_STEPS],
+            "loss_last_steps": losses[-_LOSS_WINDOW_STEPS:],
+            "selection": summary["selection"],
+        },
+        "self_generated": self_generated,
+        "metrics": metrics,
+        "export": export,
+        "outputs": outputs,
+    }
 
 
 # ----------------------------------------------------------------------------------

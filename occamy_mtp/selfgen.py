@@ -36,7 +36,6 @@ uninterrupted one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -44,9 +43,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
+from occamy_mtp.errors import OccamyError
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
+from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.data import Window
 
 STORE_FILE = "self-generated.jsonl"
@@ -57,13 +57,13 @@ COMPARED_FIELDS = ("format", "base_config_sha256", "base_weights_sample_sha256",
                    "max_new_tokens", "stop_token_ids")
 
 
-class SelfGenError(ValueError):
+class SelfGenError(OccamyError, ValueError):
     """A store that is not this run's or is damaged, or continuations that are missing; says which and why."""
 
 
 def context_digest(context_ids: Sequence[int]) -> str:
-    """sha256 of a context's token ids as little-endian int32: its key in the store."""
-    return hashlib.sha256(np.asarray(context_ids, dtype="<i4").tobytes()).hexdigest()
+    """A context's key in the store (`files.token_ids_sha256`)."""
+    return token_ids_sha256(context_ids)
 
 
 def context_of(window: Window) -> tuple[int, ...]:
@@ -80,8 +80,8 @@ class Continuation:
 def self_generate(
     base, contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Collection[int], batch_size: int
 ) -> list[Continuation]:
-    """The base's greedy continuations of `contexts` (`generate.greedy_generate`, batched)."""
-    from occamy_mtp.generate import greedy_generate
+    """The base's greedy continuations of `contexts` (`greedy.greedy_generate`, batched)."""
+    from occamy_mtp.greedy import greedy_generate
 
     stop = frozenset(int(t) for t in stop_token_ids)
     generated = greedy_generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size)
@@ -95,9 +95,7 @@ def with_continuation(window: Window, continuation: Continuation) -> Window:
 
 def store_identity(base_dir: str | Path, dtype: str, attn_implementation: str, max_new_tokens: int, stop_token_ids: Collection[int]) -> dict:
     """What a store's continuations are a function of (the fields of COMPARED_FIELDS)."""
-    from occamy_mtp.generate import checkpoint_fingerprint
-
-    base = checkpoint_fingerprint(base_dir)
+    base = ckpt_io.checkpoint_fingerprint(base_dir)
     return {
         "format": STORE_FORMAT,
         "base_config_sha256": base["config_sha256"],
@@ -162,7 +160,7 @@ class SelfGeneratedStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         meta_path = self.directory / META_FILE
         if not meta_path.is_file():
-            ckpt_io.write_json(meta_path, self.identity)
+            files.write_json(meta_path, self.identity)
         store_path = self.directory / STORE_FILE
         _drop_torn_tail(store_path)
         started = time.perf_counter()
@@ -209,7 +207,7 @@ class SelfGeneratedStore:
             "generated_now": self.generated_now,
             "generation_seconds": self.generation_seconds,
             "torn_lines_dropped": self.torn_lines_dropped,
-            "decoder": "occamy_mtp.generate.greedy_generate",
+            "decoder": "occamy_mtp.greedy.greedy_generate",
         }
 
 

@@ -347,7 +347,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     from transformers import AutoTokenizer
 
     from occamy_mtp import checkpoint as ckpt_io
-    from occamy_mtp.generate import default_eos_token_ids
+    from occamy_mtp.greedy import default_eos_token_ids
     from occamy_mtp.head import SharedWeights
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]

@@ -12,6 +12,7 @@ logits is 30 GiB.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +60,7 @@ def base_outputs(
 
 class TargetSource(Protocol):
     """Where a training or evaluation step gets its targets: the base online, or the offline cache
-    (`cache.TargetCache`), which stores exactly what `base_outputs` computes for each window."""
+    (`target_cache.TargetCache`), which stores exactly what `base_outputs` computes for each window."""
 
     def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs: ...
 
@@ -78,3 +79,63 @@ class OnlineTargets:
 
     def provenance(self) -> dict:
         return {"source": "online"}
+
+
+# ----------------------------------------------------------------------------------
+# Per window: the pass a target cache stores
+# ----------------------------------------------------------------------------------
+
+
+class WindowTargets(Protocol):
+    """The base's outputs for one window of T tokens (`fastbase.WindowOutputs` is one)."""
+
+    hidden: torch.Tensor  # (T, D) post-final-norm hidden states, base dtype
+    greedy: torch.Tensor  # (T,) argmax(W @ hidden)
+
+
+# A pass over windows: token ids of each window -> its outputs, in order. It batches as
+# it likes: `plain_compute` below, or `fastbase.FastBasePass` (packed, fla kernels) as is.
+ComputeOutputs = Callable[[Sequence[Sequence[int]]], Sequence[WindowTargets]]
+
+
+def padded_ids(rows: Sequence[Sequence[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids (B, T) right-padded with 0, attention_mask (B, T) or None): as `loss.collate` pads."""
+    lengths = torch.tensor([len(ids) for ids in rows])
+    length = int(lengths.max())
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+    padded = bool((lengths < length).any())
+    attention_mask = (torch.arange(length)[None] < lengths[:, None]).long() if padded else None
+    return input_ids.to(device), None if attention_mask is None else attention_mask.to(device)
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    hidden: torch.Tensor  # (T, D)
+    greedy: torch.Tensor  # (T,)
+
+
+def plain_compute(base, windows_per_batch: int = 1, logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> ComputeOutputs:
+    """The reference pass: `base_outputs` on `windows_per_batch` windows at a time, right-padded.
+
+    One window per forward (the default) gives each window's canonical targets, free of
+    any dependence on batch composition.
+    """
+    if windows_per_batch < 1:
+        raise ValueError(f"windows_per_batch must be >= 1, got {windows_per_batch}")
+    device = next(base.parameters()).device
+
+    def compute(windows: Sequence[Sequence[int]]) -> list[_Outputs]:
+        out = []
+        for start in range(0, len(windows), windows_per_batch):
+            batch = windows[start : start + windows_per_batch]
+            outputs = base_outputs(base, *padded_ids(batch, device), logits_chunk_tokens)
+            out += [_Outputs(outputs.hidden[row, : len(ids)], outputs.greedy[row, : len(ids)]) for row, ids in enumerate(batch)]
+        return out
+
+    return compute
+
+
+def plain_compute_name(windows_per_batch: int = 1) -> str:
+    return f"target.base_outputs, {windows_per_batch} window(s) per forward"

@@ -1,23 +1,14 @@
 """Training: distil the frozen base's greedy choices into the head's trainable tensors.
 
-`train(config)` reads top to bottom: set up (accelerate, data, models, the
-self-generated windows, optimizer, schedule), resume if asked, then for each step: base
-forward (no grad) -> head chain -> loss -> backward -> clip -> optimizer and lr step ->
-log -> select -> checkpoint. Helpers are plain functions beside it.
-
-Selection. Every `train.select_every_steps` steps, and before the first (the donor
-itself), the head is measured where serving runs it: the decoder replay
-(`evaluate.served_acceptance`) on the self-generated validation windows, at each of
-`eval.served_steps`, with the trainable tensors rounded as export rounds them. The
-best mean accept length is kept, and that head is what the run writes: a run never
-ends with a head that validation already saw losing to an earlier one, the donor
-included. The heldout windows, which the reported figures come from, are never seen.
-
-Checkpoints hold tensors and plain values only (loadable with `weights_only=True`):
-the fp32 master copies of the trainable tensors (and of the best so far), the
-optimizer state, the step, the selection history and the timings. The window order is
-a pure function of (seed, epoch), so a resumed run takes the same windows in the same
-order and, on CPU, ends with a bit-identical head.
+`train(config)` reads top to bottom: open the run (`run.open_run`: data, models, the
+self-generated windows, targets), the optimizer, resume if asked, then per step
+`train_step` (base targets, no grad -> head chain -> loss -> backward -> clip ->
+update), log, select, checkpoint. Selection scores the head where serving runs it (the
+decoder replay on the self-generated validation windows, trainable tensors rounded as
+export rounds them) before the first step and every `train.select_every_steps`; the best
+step is what the run writes. Checkpoints hold tensors and plain values only; the window
+order is a pure function of (seed, epoch), so a resumed run ends, on CPU, with a
+bit-identical head.
 """
 
 from __future__ import annotations
@@ -26,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,28 +26,18 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.cache import open_targets
-from occamy_mtp.config import ConfigError, RunConfig, differing_settings, dump_yaml, step_loss_weights
+from occamy_mtp import files
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
 from occamy_mtp.data import Window
+from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluate import served_acceptance
-from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.loss import chain_batch, chain_loss, collate
-from occamy_mtp.run_setup import (
-    check_run,
-    check_split,
-    load_tokenizer,
-    log_stderr,
-    open_store,
-    output_lock,
-    prepare_data,
-    run_windows,
-)
+from occamy_mtp.head import MTPHead
+from occamy_mtp.loss import StepStats, chain_batch, chain_loss, collate
+from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.target import TargetSource
 
-CHECKPOINT_DIR = "checkpoints"
-TRAINED_TENSORS = "trained-tensors.safetensors"
-TRAIN_SUMMARY = "train-summary.json"
-RESOLVED_CONFIG = "config.resolved.yaml"
 # Head submodules whose fp32 master weights the forward can use directly: the norms
 # compute in fp32 anyway, and `MTPHead.project` rounds fc's weight to the activation
 # dtype. Training anything else runs the head under autocast.
@@ -79,58 +59,182 @@ class TrainState:
     selection_seconds: float = 0.0
 
 
-@dataclass(frozen=True)
-class Models:
-    base: torch.nn.Module | None
-    head: MTPHead
-    donor_layout: str
-    trainable_parameters: int
-    head_parameters: int
-
-
 # ----------------------------------------------------------------------------------
-# Set-up helpers
+# The loop
 # ----------------------------------------------------------------------------------
 
 
-def _quiet(message: str) -> None:
-    """The log of every process but the main one, and of callers that want none."""
-
-
-def build_models(config: RunConfig, device, with_base: bool = True, log=_quiet) -> Models:
-    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
-
-    Without the base (`with_base=False`, training from the target cache) only the two
-    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
-    """
-    dtype = ckpt_io.DTYPES[config.model.dtype]
-    base_config = ckpt_io.read_config(config.model.base)
-    started = time.perf_counter()
-    files = ckpt_io.SafetensorsCheckpoint(Path(config.model.base)).files()
-    size = sum(f.stat().st_size for f in files) / 2**30
-    if with_base:
-        log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
-        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
-        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    else:
-        log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
-        base = None
-        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
-    head, layout = ckpt_io.load_head(
-        config.model.donor_head,
-        base_config.text_config,
-        shared,
-        dtype=dtype,
-        device=device,
-        attn_implementation=config.model.attn_implementation,
+def train(config: RunConfig, resume: bool = False) -> dict:
+    """Train the head's trainable tensors; returns the train summary written to the run dir."""
+    run_dir = RunDir.of(config)
+    check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
+    accelerator = Accelerator(
+        # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
+        cpu=not torch.cuda.is_available(),
+        log_with=None if config.train.tracker == "none" else config.train.tracker,
+        project_dir=str(run_dir.root),
     )
-    trainable = set_trainable(head, config.train.trainable)
-    for name, param in head.named_parameters():
-        if param.requires_grad:
-            param.data = param.data.float()  # fp32 master copy; the forward rounds it as serving stores it
-    total, _ = count_parameters(head)
-    log(f"models: loaded in {time.perf_counter() - started:.1f} s; head {total:,} parameters, {trainable:,} trainable")
-    return Models(base, head, layout, trainable, total)
+    # One run at a time writes into output.dir (the main process holds its lock).
+    with output_lock(config) if accelerator.is_main_process else contextlib.nullcontext():
+        set_seed(config.train.seed)
+        world = accelerator.num_processes
+        if config.train.windows_per_step % world:
+            raise ConfigError(
+                f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
+                f"over {world} processes; use a multiple of {world}"
+            )
+        existing = run_dir.latest_checkpoint()
+        if existing is not None and not resume:
+            raise ConfigError(f"{run_dir.root} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
+        log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
+        # The base writes the continuations the store lacks: the main process, while the others wait.
+        run = open_run(config, accelerator.device, log=log, writer_first=accelerator.main_process_first)
+        trainable = [p for p in run.models.head.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=config.train.lr, betas=(config.train.adam_beta1, config.train.adam_beta2),
+                                      eps=config.train.adam_eps, weight_decay=config.train.weight_decay)
+        model, optimizer = accelerator.prepare(run.models.head, optimizer)
+        head: MTPHead = accelerator.unwrap_model(model)
+        act_dtype = ckpt_io.DTYPES[config.model.dtype]
+        total_steps = config.train.epochs * steps_per_epoch(len(run.windows.train), config.train.windows_per_step)
+        weights = step_loss_weights(config.train)
+        state, best = TrainState(), None
+        if resume and existing is not None:
+            state, best = load_checkpoint(existing, config, head, optimizer)
+            log(f"resumed from {existing} at step {state.step}/{total_steps}")
+        if accelerator.is_main_process:
+            with files.atomic_path(run_dir.resolved_config) as tmp:
+                tmp.write_text(dump_yaml(config))
+        if config.train.tracker != "none":
+            accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
+
+        def select() -> None:
+            """Score the head as served; keep it when it is the best so far (every process agrees)."""
+            nonlocal best
+            if selection_step(state, head, run, act_dtype, log):
+                best = trainable_tensors(head)
+
+        select_every = config.train.select_every_steps
+        progress = _progress(accelerator, total_steps, state.step)
+        model.train()
+        started = time.perf_counter() - state.elapsed_seconds
+        if select_every and not state.selection:
+            select()  # step 0: the donor itself
+        while state.step < total_steps:
+            lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            # This process's share of the step's windows.
+            windows = step_windows(run.windows.train, state.step, config.train.windows_per_step, config.train.seed)
+            try:
+                step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
+                                  config.train, weights, act_dtype, backward=accelerator.backward,
+                                  clip_grad_norm=accelerator.clip_grad_norm_)
+            except NonFiniteStep as err:
+                _stop(run_dir, state.step + 1, str(err), lr)
+            state.step += 1
+            state.base_forward_seconds += step.base_seconds
+            state.elapsed_seconds = time.perf_counter() - started
+
+            record = _step_record(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
+            state.history.append(record)
+            if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
+                accelerator.log(record, step=state.step)
+                progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
+            progress.update(1)
+            if select_every and (state.step % select_every == 0 or state.step == total_steps):
+                select()
+                state.elapsed_seconds = time.perf_counter() - started
+            if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best)
+        progress.close()
+
+        accelerator.wait_for_everyone()
+        summary = _summary(run, state, total_steps, world, accelerator.device)
+        if accelerator.is_main_process:
+            written = best if select_every else trainable_tensors(head)
+            metadata = {"format": "pt", "config_fingerprint": summary["config_fingerprint"]}
+            files.save_safetensors(run_dir.trained_tensors, {n: t.float() for n, t in written.items()}, metadata=metadata)
+            files.write_json(run_dir.train_summary, summary)
+        accelerator.end_training()
+        return summary
+
+
+# ----------------------------------------------------------------------------------
+# One step, and selection
+# ----------------------------------------------------------------------------------
+
+
+class NonFiniteStep(OccamyError, ArithmeticError):
+    """A step's loss or update is not finite: nothing of the step is kept."""
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: torch.Tensor
+    """The step's loss on this process (detached)."""
+    stats: list[StepStats]
+    grad_norm: float | None
+    base_seconds: float
+    """Time spent getting the base's targets (the forward, or the cache read)."""
+
+
+def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window], optimizer, settings: TrainSettings,
+               loss_weights: tuple[float, ...], act_dtype: torch.dtype, *, backward=None, clip_grad_norm=None) -> StepOutput:
+    """One optimizer step on `windows`: the base's targets (no grad), the head's chain, the loss, the update.
+
+    `model` is `head` as the caller runs it (wrapped by accelerate for several
+    processes, or `head` itself); `backward` and `clip_grad_norm` default to torch's.
+    Raises NonFiniteStep, before anything is kept, on a non-finite loss or update.
+    """
+    device = head.fc.weight.device
+    batch = collate(windows, device)
+    started = time.perf_counter()
+    base = targets.outputs(batch.input_ids, batch.attention_mask)
+    base_seconds = time.perf_counter() - started
+
+    chain = chain_batch(batch.input_ids, base.greedy, batch.assistant, batch.lengths, settings.draft_steps)
+    with head_autocast(head, device, act_dtype):
+        hidden = model(chain.step_token_ids, base.hidden, detach_chain=settings.detach_chain)  # (K, B, T, D)
+        loss, stats = chain_loss(head, hidden, chain.labels, loss_weights)
+    if not torch.isfinite(loss.detach()):
+        raise NonFiniteStep(f"the loss is {float(loss.detach()):g}")
+    (backward or torch.Tensor.backward)(loss)
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    grad_norm = None
+    if settings.grad_clip_norm > 0:
+        grad_norm = float((clip_grad_norm or torch.nn.utils.clip_grad_norm_)(trainable, settings.grad_clip_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    broken = [n for n, p in head.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+    if broken:  # caught before a checkpoint could keep it
+        raise NonFiniteStep(f"the update made {', '.join(broken)} non-finite")
+    return StepOutput(loss.detach(), stats, grad_norm, base_seconds)
+
+
+def selection_step(state: TrainState, head: MTPHead, run: Run, act_dtype: torch.dtype, log=quiet) -> bool:
+    """Measure the head on the validation windows as served, record it in `state`; True when it is the best so far."""
+    config = run.config
+    started = time.perf_counter()
+    device = head.fc.weight.device
+    with as_served(head, act_dtype), head_autocast(head, device, act_dtype):
+        served = served_acceptance(run.targets, head, run.windows.validation, config.eval.served_steps,
+                                   config.data.answer_tokens, config.eval.windows_per_batch)
+    score = selection_score(served)
+    state.selection.append({"step": state.step, "score": score,
+                            **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
+    is_best = state.best_score is None or score > state.best_score
+    if is_best:
+        state.best_step, state.best_score = state.step, score
+    state.selection_seconds += time.perf_counter() - started
+    log(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
+    return is_best
+
+
+# ----------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------
 
 
 def head_autocast(head: MTPHead, device: torch.device, dtype: torch.dtype):
@@ -200,10 +304,9 @@ def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().cpu() for n, p in head.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimizer, config: RunConfig, keep: int,
+def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer, config: RunConfig, keep: int,
                     best: dict[str, torch.Tensor] | None) -> Path:
-    directory = output_dir / CHECKPOINT_DIR
-    path = directory / f"step-{state.step:06d}.pt"
+    path = run_dir.checkpoint(state.step)
     payload = {
         "format": 2,
         "config_fingerprint": config.fingerprint(),
@@ -213,16 +316,11 @@ def save_checkpoint(output_dir: Path, state: TrainState, head: MTPHead, optimize
         "best_trainable": best or {},
         "optimizer": optimizer.state_dict(),
     }
-    with ckpt_io.atomic_path(path) as tmp:
+    with files.atomic_path(path) as tmp:
         torch.save(payload, tmp)
-    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
+    for old in sorted(run_dir.checkpoints.glob("step-*.pt"))[:-keep]:
         old.unlink()
     return path
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    found = sorted((output_dir / CHECKPOINT_DIR).glob("step-*.pt"))
-    return found[-1] if found else None
 
 
 def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
@@ -245,198 +343,43 @@ def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> 
     return TrainState(**payload["state"]), dict(payload["best_trainable"])
 
 
-# ----------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------
-
-
-def train(config: RunConfig, resume: bool = False) -> dict:
-    """Train the head's trainable tensors; returns the train summary written to the run dir."""
-    output_dir = Path(config.output.dir)
-    check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
-    accelerator = Accelerator(
-        # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
-        cpu=not torch.cuda.is_available(),
-        log_with=None if config.train.tracker == "none" else config.train.tracker,
-        project_dir=str(output_dir),
-    )
-    # One run at a time writes into output.dir (the main process holds its lock).
-    with output_lock(config) if accelerator.is_main_process else contextlib.nullcontext():
-        set_seed(config.train.seed)
-        device = accelerator.device
-        world = accelerator.num_processes
-        if config.train.windows_per_step % world:
-            raise ConfigError(
-                f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
-                f"over {world} processes; use a multiple of {world}"
-            )
-        fingerprint = config.fingerprint()
-        existing = latest_checkpoint(output_dir)
-        if existing is not None and not resume:
-            raise ConfigError(f"{output_dir} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
-
-        # Data: windows from the chat files, split into train, validation and heldout.
-        tokenizer = load_tokenizer(config)
-        log = log_stderr if accelerator.is_main_process else _quiet  # progress of the slow phases, once
-        data = prepare_data(config, tokenizer, log=log)
-        check_split(config, data)
-        store = open_store(config, tokenizer)
-
-        # Models: frozen base (unless its targets come from the cache), donor head with
-        # fp32 master copies of what trains.
-        cached = bool(config.data.target_cache)
-        models = build_models(config, device, with_base=not cached, log=log)
-        head = models.head
-        # The base writes the continuations the store lacks: the main process, while the others wait.
-        with accelerator.main_process_first():
-            if not accelerator.is_main_process:
-                store = open_store(config, tokenizer)  # read what the main process wrote
-            windows = run_windows(config, data, store, models.base, log=log)
-        targets_source: TargetSource = open_targets(
-            config.data.target_cache, config.model.base, windows.all(), data.settings, config.model.dtype,
-            config.model.attn_implementation, base=models.base,
-        )
-        trainable = [p for p in head.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            trainable,
-            lr=config.train.lr,
-            betas=(config.train.adam_beta1, config.train.adam_beta2),
-            eps=config.train.adam_eps,
-            weight_decay=config.train.weight_decay,
-        )
-        head, optimizer = accelerator.prepare(head, optimizer)
-        raw_head: MTPHead = accelerator.unwrap_model(head)
-        act_dtype = ckpt_io.DTYPES[config.model.dtype]
-
-        per_epoch = steps_per_epoch(len(windows.train), config.train.windows_per_step)
-        total_steps = config.train.epochs * per_epoch
-        weights = step_loss_weights(config.train)
-        state, best = TrainState(), None
-        if resume and existing is not None:
-            state, best = load_checkpoint(existing, config, raw_head, optimizer)
-            log(f"resumed from {existing} at step {state.step}/{total_steps}")
-
-        if accelerator.is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            with ckpt_io.atomic_path(output_dir / RESOLVED_CONFIG) as tmp:
-                tmp.write_text(dump_yaml(config))
-        if config.train.tracker != "none":
-            accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
-
-        def select() -> None:
-            """Measure the head on the validation windows as served; keep it when it is the best so far.
-
-            Every process measures the same windows with the same head, so all agree on the choice.
-            """
-            nonlocal best
-            started = time.perf_counter()
-            with as_served(raw_head, act_dtype), head_autocast(raw_head, device, act_dtype):
-                served = served_acceptance(targets_source, raw_head, windows.validation, config.eval.served_steps,
-                                           config.data.answer_tokens, config.eval.windows_per_batch)
-            score = selection_score(served)
-            state.selection.append({"step": state.step, "score": score,
-                                    **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
-            if state.best_score is None or score > state.best_score:
-                state.best_step, state.best_score, best = state.step, score, trainable_tensors(raw_head)
-            state.selection_seconds += time.perf_counter() - started
-            log(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
-
-        select_every = config.train.select_every_steps
-        progress = _progress(accelerator, total_steps, state.step)
-        head.train()
-        started = time.perf_counter() - state.elapsed_seconds
-        if select_every and not state.selection:
-            select()  # step 0: the donor itself
-        while state.step < total_steps:
-            lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-
-            # This process's share of the step's windows.
-            step_batch = step_windows(windows.train, state.step, config.train.windows_per_step, config.train.seed)
-            batch = collate(step_batch[accelerator.process_index :: world], device)
-
-            # Frozen base (or its cache): post-norm hidden states and greedy targets, no gradients.
-            base_started = time.perf_counter()
-            targets = targets_source.outputs(batch.input_ids, batch.attention_mask)
-            state.base_forward_seconds += time.perf_counter() - base_started
-
-            chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, config.train.draft_steps)
-            with head_autocast(raw_head, device, act_dtype):
-                head_hidden = head(chain.step_token_ids, targets.hidden, detach_chain=config.train.detach_chain)
-                loss, stats = chain_loss(raw_head, head_hidden, chain.labels, weights)
-            if not torch.isfinite(loss.detach()):
-                _stop(output_dir, state.step + 1, f"the loss is {float(loss.detach()):g}", lr)
-            accelerator.backward(loss)
-            grad_norm = None
-            if config.train.grad_clip_norm > 0:
-                grad_norm = accelerator.clip_grad_norm_(trainable, config.train.grad_clip_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            broken = [n for n, p in raw_head.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
-            if broken:  # caught before a checkpoint could keep it
-                _stop(output_dir, state.step + 1, f"the update made {', '.join(broken)} non-finite", lr)
-            state.step += 1
-            state.elapsed_seconds = time.perf_counter() - started
-
-            record = _step_record(accelerator, state, lr, loss, stats, grad_norm)
-            state.history.append(record)
-            if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
-                accelerator.log(record, step=state.step)
-                progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
-            progress.update(1)
-
-            if select_every and (state.step % select_every == 0 or state.step == total_steps):
-                select()
-                state.elapsed_seconds = time.perf_counter() - started
-            if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
-                accelerator.wait_for_everyone()
-                if accelerator.is_main_process:
-                    save_checkpoint(output_dir, state, raw_head, optimizer, config, config.train.keep_checkpoints, best)
-        progress.close()
-
-        accelerator.wait_for_everyone()
-        summary = {
-            "steps": total_steps,
-            "steps_per_epoch": per_epoch,
-            "processes": world,
-            "device": str(device),
-            "train_seconds": state.elapsed_seconds,
-            "base_forward_seconds": state.base_forward_seconds,
-            "trainable_parameters": models.trainable_parameters,
-            "head_parameters": models.head_parameters,
-            "donor_layout": models.donor_layout,
-            "config_fingerprint": fingerprint,
-            "fingerprinted_settings": config.fingerprinted(),
-            "final_loss": state.history[-1]["loss"] if state.history else None,
-            "history": state.history,
-            "selection": _selection_summary(config, state, len(windows.validation)),
-            "data": data.provenance(),
-            "answers": config.data.answers,
-            "train_windows": len(windows.train),
-            "self_generated": windows.self_generated,
-            "targets": targets_source.provenance(),
-        }
-        if accelerator.is_main_process:
-            written = best if select_every else trainable_tensors(raw_head)
-            tensors = {n: t.float() for n, t in written.items()}
-            ckpt_io.save_safetensors(output_dir / TRAINED_TENSORS, tensors, metadata={"format": "pt", "config_fingerprint": fingerprint})
-            ckpt_io.write_json(output_dir / TRAIN_SUMMARY, summary)
-        accelerator.end_training()
-        return summary
-
-
-class TrainingError(RuntimeError):
+class TrainingError(OccamyError, RuntimeError):
     """Training cannot go on (a non-finite loss or update); says where and what is kept."""
 
 
-def _stop(output_dir: Path, step: int, what: str, lr: float) -> None:
-    last = latest_checkpoint(output_dir)
+def _stop(run_dir: RunDir, step: int, what: str, lr: float) -> None:
+    last = run_dir.latest_checkpoint()
     kept = f"the last good checkpoint, {last}, is kept" if last is not None else "no checkpoint had been written yet"
     raise TrainingError(
         f"step {step}: {what}; training stopped and nothing of this step was kept ({kept}). "
         f"The learning rate was {lr:g}: try a lower train.lr, in a new output.dir"
     )
+
+
+def _summary(run: Run, state: TrainState, total_steps: int, processes: int, device) -> dict:
+    """train-summary.json: what export needs of training, and its history."""
+    config = run.config
+    return {
+        "steps": total_steps,
+        "steps_per_epoch": steps_per_epoch(len(run.windows.train), config.train.windows_per_step),
+        "processes": processes,
+        "device": str(device),
+        "train_seconds": state.elapsed_seconds,
+        "base_forward_seconds": state.base_forward_seconds,
+        "trainable_parameters": run.models.trainable_parameters,
+        "head_parameters": run.models.head_parameters,
+        "donor_layout": run.models.donor_layout,
+        "config_fingerprint": config.fingerprint(),
+        "fingerprinted_settings": config.fingerprinted(),
+        "final_loss": state.history[-1]["loss"] if state.history else None,
+        "history": state.history,
+        "selection": _selection_summary(config, state, len(run.windows.validation)),
+        "data": run.data.provenance(),
+        "answers": config.data.answers,
+        "train_windows": len(run.windows.train),
+        "self_generated": run.windows.self_generated,
+        "targets": run.targets.provenance(),
+    }
 
 
 def _selection_summary(config: RunConfig, state: TrainState, validation_windows: int) -> dict:
@@ -494,27 +437,12 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).",
-    )
-    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/512step.yaml")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
-    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4")
-    args = parser.parse_intermixed_args(argv)  # flags and overrides in any order
-    from occamy_mtp.config import load_config
-    from occamy_mtp.data import DataError
-    from occamy_mtp.selfgen import SelfGenError
-
-    try:
-        config = load_config(args.config, args.overrides)
-        train(config, resume=args.resume)
-    except (ConfigError, ckpt_io.CheckpointError, DataError, SelfGenError, TrainingError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    cli = command_line("train.py", "Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).")
+    cli.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    args, config = parse(cli, argv)
+    train(config, resume=args.resume)
     return 0
 
 

@@ -73,6 +73,8 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from occamy_mtp.errors import OccamyError
+
 CHAT = "chat"
 COMPLETIONS = "completions"
 ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
@@ -125,7 +127,7 @@ AUTHORED_PROMPTS = (
 )
 
 
-class ValidationError(ValueError):
+class ValidationError(OccamyError, ValueError):
     """Bad arguments or inputs: names the option or file."""
 
 

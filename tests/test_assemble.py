@@ -21,6 +21,7 @@ import torch
 
 from occamy_mtp import assemble as asm
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config, write_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def write_head(directory: Path, path: Path, layout: str | None = None, text_conf
         state, _ = ckpt_io.load_head_state(ckpt_io.SafetensorsCheckpoint(directory), head)
         state["fc.weight"] = tensors["mtp.fc.weight"]
         tensors = ckpt_io.head_checkpoint_tensors(state, layout)
-    ckpt_io.save_safetensors(path, tensors)
+    files.save_safetensors(path, tensors)
     return tensors
 
 
@@ -133,15 +134,15 @@ def relayout(source: Path, target: Path, shard_of, single_file: bool = False) ->
     target.mkdir(parents=True)
     tensors = base_tensors(source)
     if single_file:
-        ckpt_io.save_safetensors(target / ckpt_io.SINGLE_NAME, tensors)
+        files.save_safetensors(target / ckpt_io.SINGLE_NAME, tensors)
     else:
         shards: dict[str, dict] = {}
         for key, tensor in tensors.items():
             shards.setdefault(shard_of(key), {})[key] = tensor
         for name, members in shards.items():
-            ckpt_io.save_safetensors(target / name, members)
+            files.save_safetensors(target / name, members)
         weight_map = {k: shard_of(k) for k in sorted(tensors)}
-        ckpt_io.write_json(target / ckpt_io.INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
+        files.write_json(target / ckpt_io.INDEX_NAME, {"metadata": {}, "weight_map": weight_map})
     for name in ("config.json", "generation_config.json"):
         (target / name).write_bytes((source / name).read_bytes())
 
@@ -372,7 +373,7 @@ def write_quantized(path: Path, quantization_config: dict, *, multimodal: bool, 
 
 def test_modelopt_nvfp4_base_excludes_head(tmp_path):
     base = write_quantized(tmp_path / "base", MODELOPT_NVFP4, multimodal=True)
-    ckpt_io.write_json(base.path / asm.HF_QUANT_CONFIG_NAME, HF_QUANT_NVFP4)
+    files.write_json(base.path / asm.HF_QUANT_CONFIG_NAME, HF_QUANT_NVFP4)
     head_file = tmp_path / "mtp-trained.safetensors"
     head = write_head(base.path, head_file)
     before = tree_state(base.path)
@@ -446,7 +447,7 @@ def test_non_modelopt_quantization_is_refused(tmp_path):
 def head_variant(base_dir: Path, path: Path, edit) -> Path:
     tensors = {k: v for k, v in base_tensors(base_dir).items() if k.startswith(ckpt_io.HEAD_PREFIX)}
     edit(tensors)
-    ckpt_io.save_safetensors(path, tensors)
+    files.save_safetensors(path, tensors)
     return path
 
 

@@ -19,8 +19,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from occamy_mtp import cache as C
+from occamy_mtp import cache as CP
+from occamy_mtp import target as T
+from occamy_mtp import target_cache as C
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp import loss as loss_module
 from occamy_mtp import train as train_module
 from occamy_mtp.config import load_config
@@ -28,6 +31,7 @@ from occamy_mtp.data import Window, prepare_windows
 from occamy_mtp.target import base_outputs
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.files import sha256_file
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
@@ -64,7 +68,7 @@ def world(tmp_path_factory, sample_tokenizer_dir):
     model = ckpt_io.load_base(base.path, dtype=torch.float32)
     identity = identity_of(base.path, data, "float32", "sdpa")
     directory = root / "targets"
-    C.build_cache(directory, identity, window_ids(data), C.plain_compute(model), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+    C.build_cache(directory, identity, window_ids(data), T.plain_compute(model), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     return {
         "root": root, "base_path": base.path, "donor_path": donor.path, "tokenizer": tokenizer, "data_file": data_file,
         "data": data, "base": model, "identity": identity, "directory": directory,
@@ -85,7 +89,7 @@ def identity_of(base_path, data, dtype, attn_implementation):
 
 
 def online(base, windows):
-    return base_outputs(base, *C.padded_ids([w.input_ids for w in windows]))
+    return base_outputs(base, *T.padded_ids([w.input_ids for w in windows]))
 
 
 def counting(compute, calls: list):
@@ -118,7 +122,7 @@ def test_cached_outputs_equal_online_outputs_exactly(world):
     manifest = json.loads((world["directory"] / C.MANIFEST_NAME).read_text())
     assert manifest["complete"] and len(manifest["shards"]) == 4
     for window in windows:
-        input_ids, mask = C.padded_ids([window.input_ids])
+        input_ids, mask = T.padded_ids([window.input_ids])
         expected, got = online(world["base"], [window]), cache.outputs(input_ids, mask)
         assert got.hidden.dtype == expected.hidden.dtype == torch.float32
         assert got.greedy.dtype == expected.greedy.dtype == torch.long
@@ -131,10 +135,10 @@ def test_padded_batch_equals_online_when_batched_alike(world, tmp_path):
     full = windows_of(world["data"])[:3]
     windows = [Window(w.conversation_hash, w.turn_index, w.input_ids[:length], w.answer_start) for w, length in zip(full, (64, 37, 50))]
     identity = C.CacheIdentity(world["identity"].base, {"windows": "truncated"}, world["identity"].settings)
-    C.build_cache(tmp_path / "c", identity, [w.input_ids for w in windows], C.plain_compute(world["base"], windows_per_batch=3),
-                  hidden_size=HIDDEN_SIZE, compute_name=C.plain_compute_name(3))
+    C.build_cache(tmp_path / "c", identity, [w.input_ids for w in windows], T.plain_compute(world["base"], windows_per_batch=3),
+                  hidden_size=HIDDEN_SIZE, compute_name=T.plain_compute_name(3))
     cache = C.TargetCache.open(tmp_path / "c", identity)
-    input_ids, mask = C.padded_ids([w.input_ids for w in windows])
+    input_ids, mask = T.padded_ids([w.input_ids for w in windows])
     expected, got = online(world["base"], windows), cache.outputs(input_ids, mask)
     for row, window in enumerate(windows):
         length = len(window.input_ids)
@@ -147,7 +151,7 @@ def test_padded_ids_are_collate_s(world):
     windows = windows_of(world["data"])[:2]
     short = [windows[0], Window(windows[1].conversation_hash, 0, windows[1].input_ids[:20], 4)]
     for batch in (windows, short):
-        input_ids, mask = C.padded_ids([w.input_ids for w in batch])
+        input_ids, mask = T.padded_ids([w.input_ids for w in batch])
         collated = loss_module.collate(batch, "cpu")
         assert torch.equal(input_ids, collated.input_ids)
         assert (mask is None and collated.attention_mask is None) or torch.equal(mask, collated.attention_mask)
@@ -172,7 +176,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp import export as export_module
-    from occamy_mtp.run_setup import open_store, prepare_data, run_windows
+    from occamy_mtp.run import open_store, prepare_data, run_windows
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -180,17 +184,17 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     online_config = load_config(run_config(world, world["root"] / "run-online"))
     cached_config = load_config(run_config(world, world["root"] / "run-cached"), [f"data.target_cache={directory}"])
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
-    assert C.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
+    assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
     windows = run_windows(cached_config, data, open_store(cached_config, world["tokenizer"]), base=None).all()
     assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 2  # self-generated, + recorded heldout
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
     C.build_cache(library, C.cache_identity(world["base_path"], windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
-                  C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
+                  T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     assert shard_bytes(directory) == shard_bytes(library)
     with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded for a complete cache"))
-        assert C.build_for_config(cached_config, directory, log=lambda m: None)["complete"]
+        assert CP.build_for_config(cached_config, directory, log=lambda m: None)["complete"]
 
     train_module.train(online_config)
     with monkeypatch.context() as patch:  # training from the cache needs only embed_tokens and lm_head
@@ -210,8 +214,8 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
             # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties
             assert abs(online[part]["agreement"] - cached[part]["agreement"]) <= 2 / online[part]["scored_positions"]
     assert cached_record["metrics"]["decoder_check"]["trained"] == {"skipped": "data.target_cache is set (no base loaded)"}
-    trained_online = load_file(world["root"] / "run-online" / train_module.TRAINED_TENSORS)
-    trained_cached = load_file(world["root"] / "run-cached" / train_module.TRAINED_TENSORS)
+    trained_online = load_file(world["root"] / "run-online" / "trained-tensors.safetensors")
+    trained_cached = load_file(world["root"] / "run-cached" / "trained-tensors.safetensors")
     assert trained_online.keys() == trained_cached.keys() and trained_online
     for name in trained_online:
         assert torch.equal(trained_online[name], trained_cached[name]), name
@@ -225,7 +229,7 @@ def test_the_fast_pass_plugs_in(world, tmp_path):
     identity = C.CacheIdentity(world["identity"].base, {"windows": "first three"}, world["identity"].settings)
     C.build_cache(tmp_path / "fast", identity, windows, fast, hidden_size=HIDDEN_SIZE, compute_name="fastbase")
     cache = C.TargetCache.open(tmp_path / "fast", identity)
-    for ids, expected, plain in zip(windows, fast(windows), C.plain_compute(world["base"])(windows)):
+    for ids, expected, plain in zip(windows, fast(windows), T.plain_compute(world["base"])(windows)):
         hidden, greedy = cache.window_outputs(ids)
         assert torch.equal(hidden, expected.hidden) and torch.equal(greedy, expected.greedy)
         # Both float32 passes of the 4-layer base: about 12 reductions a layer, plus the Gated
@@ -237,8 +241,8 @@ def test_the_fast_pass_plugs_in(world, tmp_path):
 def test_auto_pass_choice(world, monkeypatch):
     """auto: the fast pass only where it runs its kernels (Qwen3.5-MoE on CUDA with fla), else plain."""
     base = world["base"]
-    assert C.auto_fastbase_tokens(base) == 0  # a CPU base
-    assert C.make_compute(base, fastbase_tokens=None)[1] == C.plain_compute_name()
+    assert CP.auto_fastbase_tokens(base) == 0  # a CPU base
+    assert CP.make_compute(base, fastbase_tokens=None)[1] == T.plain_compute_name()
 
     def on_cuda(model_type):  # what auto reads of a base, as if it were on a GPU
         return SimpleNamespace(
@@ -250,30 +254,33 @@ def test_auto_pass_choice(world, monkeypatch):
     from occamy_mtp import fastbase
 
     monkeypatch.setattr(fastbase, "fla_kernels", lambda: fastbase.torch_kernels())
-    assert C.auto_fastbase_tokens(fast_base) == C.DEFAULT_FASTBASE_TOKENS
-    assert C.auto_fastbase_tokens(next_base) == 0  # FastBasePass is for Qwen3.5-MoE bases only
+    assert CP.auto_fastbase_tokens(fast_base) == CP.DEFAULT_FASTBASE_TOKENS
+    assert CP.auto_fastbase_tokens(next_base) == 0  # FastBasePass is for Qwen3.5-MoE bases only
 
     def missing():
         raise ImportError("no fla")
 
     monkeypatch.setattr(fastbase, "fla_kernels", missing)
-    assert C.auto_fastbase_tokens(fast_base) == 0
+    assert CP.auto_fastbase_tokens(fast_base) == 0
 
 
 def test_fastbase_tokens_argument():
-    assert C._tokens_or_auto("auto") is None and C._tokens_or_auto("0") == 0 and C._tokens_or_auto("4096") == 4096
+    assert CP._tokens_or_auto("auto") is None and CP._tokens_or_auto("0") == 0 and CP._tokens_or_auto("4096") == 4096
     for bad in ("-1", "many"):
         with pytest.raises(Exception, match="tokens"):
-            C._tokens_or_auto(bad)
+            CP._tokens_or_auto(bad)
 
 
 def test_online_source_is_base_outputs(world):
-    source = C.open_targets("", world["base_path"], windows_of(world["data"]), world["data"].settings, "float32", "sdpa", base=world["base"])
+    from occamy_mtp.run import open_targets
+
+    config = load_config(None, [f"model.base={world['base_path']}", "model.dtype=float32"])
+    source = open_targets(config, windows_of(world["data"]), world["data"].settings, base=world["base"])
     window = windows_of(world["data"])[0]
-    expected, got = online(world["base"], [window]), source.outputs(*C.padded_ids([window.input_ids]))
+    expected, got = online(world["base"], [window]), source.outputs(*T.padded_ids([window.input_ids]))
     assert torch.equal(got.hidden, expected.hidden) and source.provenance() == {"source": "online"}
     with pytest.raises(ValueError, match="base itself is needed"):
-        C.open_targets("", world["base_path"], windows_of(world["data"]), world["data"].settings, "float32", "sdpa")
+        open_targets(config, windows_of(world["data"]), world["data"].settings)
 
 
 def test_shared_weights_only_are_the_base_s(world):
@@ -325,10 +332,10 @@ def test_changed_settings_are_refused(world):
 def test_pass_refuses_another_cache_or_a_non_cache_directory(world, tmp_path):
     bf16 = identity_of(world["base_path"], world["data"], "bfloat16", "sdpa")
     with pytest.raises(C.CacheError, match="holds a target cache for another base, data or settings"):
-        C.build_cache(world["directory"], bf16, window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+        C.build_cache(world["directory"], bf16, window_ids(world["data"]), T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(C.CacheError, match="not empty"):
-        C.build_cache(tmp_path, world["identity"], window_ids(world["data"]), C.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
+        C.build_cache(tmp_path, world["identity"], window_ids(world["data"]), T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE)
     with pytest.raises(C.CacheError, match="no target cache here"):
         C.TargetCache.open(tmp_path, world["identity"])
 
@@ -348,7 +355,7 @@ def test_a_window_not_in_the_cache_is_an_error(world):
 def test_interrupted_pass_resumes_into_the_identical_cache(world, tmp_path):
     directory = tmp_path / "targets"
     windows = window_ids(world["data"])
-    plain = C.plain_compute(world["base"])
+    plain = T.plain_compute(world["base"])
     calls = []
 
     def dies_in_shard_2(batch):  # called once per shard
@@ -369,7 +376,7 @@ def test_interrupted_pass_resumes_into_the_identical_cache(world, tmp_path):
     # A write killed before its rename leaves a temporary file: never referenced, removed.
     (directory / f".{manifest['shards'][1]['file']}.x1y2.tmp").write_bytes(b"half a shard")
     with pytest.raises(C.CacheError, match="started with compute 'target.base_outputs, 1 window"):
-        C.build_cache(directory, world["identity"], windows, plain, compute_name=C.plain_compute_name(2), **build)
+        C.build_cache(directory, world["identity"], windows, plain, compute_name=T.plain_compute_name(2), **build)
 
     calls.clear()
     C.build_cache(directory, world["identity"], windows, counting(plain, calls), **build)
@@ -397,7 +404,7 @@ def test_corrupted_or_truncated_shard_is_detected_and_recomputed(world):
         C.TargetCache.open(directory, world["identity"], verify=False)
 
     calls = []
-    plain = C.plain_compute(world["base"])
+    plain = T.plain_compute(world["base"])
     C.build_cache(directory, world["identity"], window_ids(world["data"]), counting(plain, calls),
                   hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     assert calls == [list(window_ids(world["data"])[2:4]), list(window_ids(world["data"])[4:6])]  # the damaged shards only
@@ -411,7 +418,7 @@ def test_a_shard_from_another_cache_is_detected(world, tmp_path):
     bf16 = identity_of(world["base_path"], world["data"], "bfloat16", "sdpa")
     windows = window_ids(world["data"])[:2]
     other = tmp_path / "other"
-    plain = C.plain_compute(world["base"])
+    plain = T.plain_compute(world["base"])
 
     def in_bf16(batch):
         return [WindowOutputs(out.hidden.bfloat16(), out.greedy) for out in plain(batch)]
@@ -421,7 +428,7 @@ def test_a_shard_from_another_cache_is_detected(world, tmp_path):
     foreign = next(other.glob("*.safetensors"))
     target = directory / manifest["shards"][0]["file"]
     shutil.copyfile(foreign, target)
-    manifest["shards"][0].update(bytes=target.stat().st_size, sha256=C._sha256_file(target))
-    ckpt_io.write_json(directory / C.MANIFEST_NAME, manifest)
+    manifest["shards"][0].update(bytes=target.stat().st_size, sha256=sha256_file(target))
+    files.write_json(directory / C.MANIFEST_NAME, manifest)
     with pytest.raises(C.CacheError, match="written for another cache"):
         C.TargetCache.open(directory, world["identity"])

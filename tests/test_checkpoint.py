@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp.checkpoint import FUSED, PER_EXPERT, CheckpointError, SafetensorsCheckpoint
 from occamy_mtp.head import SharedWeights
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
@@ -47,7 +48,7 @@ def write_variant(src: Path, dst: Path, tensors: dict[str, torch.Tensor], single
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(src / "config.json", dst / "config.json")
     if single_file:
-        ckpt_io.save_safetensors(dst / ckpt_io.SINGLE_NAME, tensors)
+        files.save_safetensors(dst / ckpt_io.SINGLE_NAME, tensors)
     else:
         ckpt_io.save_sharded(dst, tensors, max_shard_bytes=400_000)
     return dst
@@ -147,7 +148,7 @@ def test_head_round_trip_is_bit_identical(tiny_checkpoint, tmp_path, variant):
     donor = SafetensorsCheckpoint(written.path)
     donor_keys = {k for k in donor.keys() if k.startswith("mtp.")}
     exported = tmp_path / "mtp.safetensors"
-    ckpt_io.save_safetensors(exported, ckpt_io.head_checkpoint_tensors(head.state_dict(), layout))
+    files.save_safetensors(exported, ckpt_io.head_checkpoint_tensors(head.state_dict(), layout))
     with safe_open(str(exported), framework="pt") as handle:
         assert set(handle.keys()) == donor_keys
         for key in sorted(donor_keys):

@@ -103,7 +103,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from occamy_mtp.data import prepare_windows
     from occamy_mtp.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.head import SharedWeights
-    from occamy_mtp.run_setup import open_store
+    from occamy_mtp.run import open_store
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []

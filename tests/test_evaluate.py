@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp.data import Window
+from occamy_mtp.selfgen import context_of, self_generate, with_continuation
 from occamy_mtp.evaluate import (
     SELF_GENERATED,
     TEACHER_FORCED,
@@ -18,7 +19,6 @@ from occamy_mtp.evaluate import (
     evaluate_head,
     format_table,
     main,
-    self_generated_windows,
 )
 from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.plot import plot_acceptance
@@ -117,11 +117,12 @@ def test_evaluate_head_equals_a_plain_per_anchor_loop(models):
 def test_self_generated_text_is_exact(models):
     base, head = models
     windows = random_windows(2, seed=2)
-    generated = self_generated_windows(base, windows, max_new_tokens=9, stop_token_ids={1023}, batch_size=2)
-    assert [len(w.input_ids) for w in generated.windows] == [w.answer_start + 9 for w in windows]
-    assert all(g.input_ids[: g.answer_start] == w.input_ids[: w.answer_start] for g, w in zip(generated.windows, windows))
-    assert generated.generated_tokens == 18 and generated.stopped == 0
-    metrics = evaluate_head(base, head, generated.windows, 2, text=SELF_GENERATED)
+    continuations = self_generate(base, [context_of(w) for w in windows], 9, {1023}, batch_size=2)
+    generated = [with_continuation(w, c) for w, c in zip(windows, continuations)]
+    assert [len(w.input_ids) for w in generated] == [w.answer_start + 9 for w in windows]
+    assert all(g.input_ids[: g.answer_start] == w.input_ids[: w.answer_start] for g, w in zip(generated, windows))
+    assert sum(len(c.tokens) for c in continuations) == 18 and sum(c.finished for c in continuations) == 0
+    metrics = evaluate_head(base, head, generated, 2, text=SELF_GENERATED)
     assert metrics.exact and metrics.data_matches_target == 1.0
     table = format_table({"trained": metrics.to_dict()})
     assert "exact" in table and "acceptance step 2" in table
@@ -149,15 +150,15 @@ def checkpoints(tmp_path_factory, sample_tokenizer_dir):
 def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_forced_only):
     out = tmp_path / "eval"
     argv = [
-        "--base", str(checkpoints["base"]), "--head", str(checkpoints["base"]), "--donor", str(checkpoints["donor"]),
-        "--data", str(checkpoints["data"]), "--tokenizer", str(checkpoints["tokenizer"]), "--steps", "2",
-        "--context-tokens", "16", "--answer-tokens", "12", "--train-conversations", "4", "--validation-conversations", "0",
-        "--heldout-conversations", "2", "--dtype", "float32", "--out", str(out),
+        f"model.base={checkpoints['base']}", "--head", str(checkpoints["base"]), f"model.donor_head={checkpoints['donor']}",
+        f"data.files=[{checkpoints['data']}]", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2",
+        "data.context_tokens=16", "data.train_conversations=4", "data.validation_conversations=0", "train.select_every_steps=0",
+        "data.heldout_conversations=2", "model.dtype=float32", f"output.dir={tmp_path / 'run'}", "--out", str(out),
     ]
     if teacher_forced_only:
-        argv += ["--teacher-forced-only"]
+        argv += ["data.answer_tokens=12", "--teacher-forced-only"]
     else:
-        argv += ["--max-new-tokens", "8", "--served-steps", "1,2", "--reference-decoder"]
+        argv += ["data.answer_tokens=8", "eval.served_steps=[1,2]", "--reference-decoder"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "evaluation.json").read_text())
@@ -189,14 +190,14 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
 
 
 def test_cli_refuses_missing_inputs(tmp_path, capsys):
-    code = main(["--base", str(tmp_path / "nope"), "--head", str(tmp_path), "--data", "x.jsonl", "--out", str(tmp_path / "o")])
-    assert code == 2 and "--base" in capsys.readouterr().err
+    code = main([f"model.base={tmp_path / 'nope'}", "--head", str(tmp_path), "data.files=[x.jsonl]", "--out", str(tmp_path / "o")])
+    assert code == 2 and "nope" in capsys.readouterr().err
 
 
 def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, capsys):
     from occamy_mtp.config import load_config, window_settings
     from occamy_mtp.data import prepare_windows
-    from occamy_mtp.run_setup import load_tokenizer
+    from occamy_mtp.run import load_tokenizer
 
     config_path = tmp_path / "run.yaml"
     config_path.write_text(
@@ -207,7 +208,7 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
     )
     out = tmp_path / "eval"
     # --head names another file than the config's output.dir/mtp-trained.safetensors (which does not exist)
-    argv = ["--config", str(config_path), "--head", str(checkpoints["base"]), "--teacher-forced-only", "--steps", "2", "--out", str(out)]
+    argv = ["--config", str(config_path), "--head", str(checkpoints["base"]), "--teacher-forced-only", "eval.draft_steps=2", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "evaluation.json").read_text())
     config = load_config(config_path)
@@ -231,10 +232,11 @@ def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_pa
     split = dict(context_tokens=16, answer_tokens=12, train_conversations=4, validation_conversations=0,
                  heldout_conversations=3)
     argv = [
-        "--base", str(checkpoints["base"]), "--head", str(checkpoints["donor"]), "--data", str(checkpoints["data"]),
-        "--tokenizer", str(checkpoints["tokenizer"]), "--steps", "2", "--context-tokens", "16", "--answer-tokens", "12",
-        "--train-conversations", "4", "--validation-conversations", "0", "--heldout-conversations", "3",
-        "--dtype", "float32", "--teacher-forced-only", "--max-windows", "2",
+        f"model.base={checkpoints['base']}", "--head", str(checkpoints["donor"]), f"data.files=[{checkpoints['data']}]",
+        f"model.donor_head={checkpoints['donor']}", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2",
+        "data.context_tokens=16", "data.answer_tokens=12", "data.train_conversations=4", "data.validation_conversations=0", "train.select_every_steps=0",
+        "data.heldout_conversations=3", "model.dtype=float32", f"output.dir={tmp_path / 'run'}", "--teacher-forced-only",
+        "--max-windows", "2",
     ]
     assert main(argv + ["--out", str(tmp_path / "eval")]) == 0
     report = json.loads((tmp_path / "eval" / "evaluation.json").read_text())

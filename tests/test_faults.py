@@ -464,7 +464,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(run
     with pytest.raises(train_module.TrainingError, match=r"step 3: the loss is nan; .*step-000002.pt, is kept"):
         train_module.train(run_config(run_models, output))
     assert [p.name for p in sorted((output / "checkpoints").glob("step-*.pt"))] == ["step-000001.pt", "step-000002.pt"]
-    assert not (output / train_module.TRAINED_TENSORS).exists()
+    assert not (output / "trained-tensors.safetensors").exists()
 
 
 def test_a_non_finite_update_is_caught_before_a_checkpoint_keeps_it(run_models, tmp_path, monkeypatch):
@@ -498,11 +498,12 @@ def test_export_refuses_non_finite_tensors(run_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from occamy_mtp.export import ExportError, export
-    from occamy_mtp.train import TRAINED_TENSORS, train
+    from occamy_mtp.run import RunDir
+    from occamy_mtp.train import train
 
     config = run_config(run_models, tmp_path / "run")
     train(config)
-    path = tmp_path / "run" / TRAINED_TENSORS
+    path = RunDir.of(config).trained_tensors
     tensors = load_file(path)
     with safe_open(str(path), "pt") as handle:  # keep the metadata (the config fingerprint)
         metadata = handle.metadata()
@@ -514,26 +515,27 @@ def test_export_refuses_non_finite_tensors(run_models, tmp_path):
 
 
 def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, tmp_path):
-    from occamy_mtp.export import HEAD_FILE, OUTPUT_FILES, RECORD_FILE, export
+    from occamy_mtp.export import export
+    from occamy_mtp.run import RunDir
     from occamy_mtp.train import train
 
     config = run_config(run_models, tmp_path / "run")
-    output = tmp_path / "run"
+    output = RunDir.of(config)
     train(config)
-    stale = output / f".{HEAD_FILE}.killed.tmp"
+    stale = output.root / f".{output.head.name}.killed.tmp"
     stale.write_bytes(b"half a head")
     export(config, allow_worse=True, log=lambda m: None)
-    first = {name: (output / name).read_bytes() for name in OUTPUT_FILES}
-    assert not stale.exists() and not list(output.glob(".*.tmp"))
-    record = json.loads(first[RECORD_FILE])
-    assert record["outputs"][HEAD_FILE] == hashlib.sha256(first[HEAD_FILE]).hexdigest()
+    first = {path: path.read_bytes() for path in output.export_outputs()}
+    assert not stale.exists() and not list(output.root.glob(".*.tmp"))
+    record = json.loads(first[output.record])
+    assert record["outputs"][output.head.name] == hashlib.sha256(first[output.head]).hexdigest()
     export(config, allow_worse=True, log=lambda m: None)
-    assert (output / HEAD_FILE).read_bytes() == first[HEAD_FILE]  # identical tensors, identical file
+    assert output.head.read_bytes() == first[output.head]  # identical tensors, identical file
 
 
 def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
     from occamy_mtp.config import ConfigError
-    from occamy_mtp.run_setup import output_lock
+    from occamy_mtp.run import output_lock
     from occamy_mtp.train import train
 
     config = run_config(run_models, tmp_path / "run")
@@ -673,7 +675,7 @@ def test_a_huge_record_is_refused_by_default_without_being_tokenized(tmp_path, s
 
 def test_the_run_config_sets_the_record_size_limit(tmp_path, sample_tokenizer_dir, sample_tokenizer):
     from occamy_mtp.config import load_config
-    from occamy_mtp.run_setup import prepare_data
+    from occamy_mtp.run import prepare_data
 
     records = [chat(f"question {i}?", long_text(300 + 400 * i, offset=i)) for i in range(4)]
     path = write_jsonl(tmp_path / "chats.jsonl", records)

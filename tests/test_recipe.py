@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from occamy_mtp.config import load_config
-from occamy_mtp.export import HEAD_FILE, METRICS_FILE, OUTPUT_FILES, RECORD_FILE, ExportError, export
+from occamy_mtp.export import ExportError, export
 from occamy_mtp.export import main as export_main
 from occamy_mtp.testing.demo_models import DemoSettings, build_demo_models
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
-from occamy_mtp.train import TRAINED_TENSORS, train
+from occamy_mtp.run import RunDir
+from occamy_mtp.train import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
@@ -78,9 +79,9 @@ def test_selection_scores_the_donor_first_and_writes_the_best_step(run):
 
 
 def test_a_head_worse_than_the_donor_is_refused_unless_allowed(run, capsys):
-    output = run["config"].output.dir
-    path = f"{output}/{TRAINED_TENSORS}"
-    before = {name: (run["root"] / "run" / name).read_bytes() for name in OUTPUT_FILES}
+    run_dir = RunDir.of(run["config"])
+    path = run_dir.trained_tensors
+    before = {path_: path_.read_bytes() for path_ in run_dir.export_outputs()}
     with safe_open(path, "pt") as handle:
         metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
     tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])  # the head no longer sees its inputs
@@ -88,16 +89,16 @@ def test_a_head_worse_than_the_donor_is_refused_unless_allowed(run, capsys):
 
     with pytest.raises(ExportError, match="worse than the donor where serving runs it, so it was not written"):
         export(run["config"], log=lambda message: None)
-    assert {name: (run["root"] / "run" / name).read_bytes() for name in OUTPUT_FILES} == before
+    assert {path_: path_.read_bytes() for path_ in run_dir.export_outputs()} == before
     argv = ["--config", "configs/demo.yaml", *run["overrides"]]
     assert export_main(argv) == 2
     assert "WORSE than the donor" in capsys.readouterr().err
 
     assert export_main([*argv, "--allow-worse"]) == 0
     assert "written because --allow-worse was given" in capsys.readouterr().err
-    record = json.loads((run["root"] / "run" / RECORD_FILE).read_text())
+    record = json.loads(run_dir.record.read_text())
     comparison = record["metrics"]["comparison"]
     assert not comparison["trained_not_worse"] and comparison["allow_worse"] and comparison["written"]
     assert all(step["difference"] < 0 for step in comparison["steps"].values())
-    assert json.loads((run["root"] / "run" / METRICS_FILE).read_text())["comparison"] == comparison
-    assert (run["root"] / "run" / HEAD_FILE).read_bytes() != before[HEAD_FILE]
+    assert json.loads(run_dir.metrics.read_text())["comparison"] == comparison
+    assert run_dir.head.read_bytes() != before[run_dir.head]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp.head import MTPHead, SharedWeights
 
 # Literal sizes of the tiny models (real: hidden 2048, 40 layers, 256 experts top-8).
@@ -181,8 +182,8 @@ def write_checkpoint(
         for key, shape in _VISION_TENSORS.items():
             tensors[key] = torch.randn(shape, generator=generator).to(torch.bfloat16)
     ckpt_io.save_sharded(out_dir, tensors, max_shard_bytes)
-    ckpt_io.write_json(out_dir / "config.json", config_json(text_config, multimodal, quantization_config))
-    ckpt_io.write_json(out_dir / "generation_config.json", {"do_sample": False, "eos_token_id": None})
+    files.write_json(out_dir / "config.json", config_json(text_config, multimodal, quantization_config))
+    files.write_json(out_dir / "generation_config.json", {"do_sample": False, "eos_token_id": None})
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out_dir)
     return TinyCheckpoint(out_dir, text_config, layout, multimodal)

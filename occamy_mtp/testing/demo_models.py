@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp import files
 from occamy_mtp.head import MTPHead, SharedWeights
 from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
@@ -244,7 +245,7 @@ def build_demo_models(
         "build_seconds": time.perf_counter() - started,
         "files": _build_files(out_dir),
     }
-    ckpt_io.write_json(manifest_path, manifest)
+    files.write_json(manifest_path, manifest)
     log(f"demo models: built in {manifest['build_seconds']:.0f} s under {out_dir}")
     return manifest
 

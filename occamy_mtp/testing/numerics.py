@@ -41,7 +41,8 @@ def worst_difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[floa
     """(largest |actual - expected|, its index, actual there, expected there)."""
     if actual.shape != expected.shape:
         raise AssertionError(f"shapes differ: {list(actual.shape)} vs expected {list(expected.shape)}")
-    difference = (actual.detach().double() - expected.detach().double()).abs()
+    actual, expected = actual.detach(), expected.detach()
+    difference = (actual.double() - expected.double()).abs()
     if not bool(torch.isfinite(difference).all()):
         index = tuple(int(i) for i in torch.nonzero(~torch.isfinite(difference))[0])
         return math.inf, index, float(actual[index]), float(expected[index])

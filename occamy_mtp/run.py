@@ -1,0 +1,413 @@
+"""A run opened from its config: the one set-up path of train, export, the cache pass and evaluate.
+
+`open_run` reads, in this order and nowhere else: the cheap checks (paths, outputs
+outside the base, `train.trainable`), the tokenizer, the chat files into windows and
+their split, the self-generated store, the models when asked (the frozen base, or only
+the two tensors the head borrows when the targets are cached, and the donor head with
+fp32 masters of what trains), the run's windows (the base writes the continuations the
+store lacks) and the target source (the base online, or the offline cache).
+
+`RunDir` names every file a run keeps under `output.dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.config import ConfigError, RunConfig, window_settings
+from occamy_mtp.data import PreparedData, Window, prepare_windows
+from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.selfgen import SelfGenError, SelfGeneratedStore, store_identity
+from occamy_mtp.target import OnlineTargets, TargetSource
+from occamy_mtp.target_cache import TargetCache, cache_identity
+
+Log = Callable[[str], None]
+
+
+def log_stderr(message: str) -> None:
+    """Progress of the slow phases, on stderr so that stdout keeps the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def quiet(message: str) -> None:
+    """The log of every process but the main one, and of callers that want none."""
+
+
+# ----------------------------------------------------------------------------------
+# The run directory
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every file a run keeps under `output.dir` (README: outputs)."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, config: RunConfig) -> RunDir:
+        return cls(Path(config.output.dir))
+
+    lock = property(lambda self: self.root / ".lock")
+    """Held by a running train or export (its pid inside)."""
+    resolved_config = property(lambda self: self.root / "config.resolved.yaml")
+    """The run's settings as resolved; evaluate and validate read its split with `--config`."""
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    """Resumable training state, `step-NNNNNN.pt`."""
+    trained_tensors = property(lambda self: self.root / "trained-tensors.safetensors")
+    """fp32 masters of the trained tensors at the step selection kept (train.py)."""
+    train_summary = property(lambda self: self.root / "train-summary.json")
+    """Loss and selection history (train.py)."""
+    self_generated = property(lambda self: self.root / "self-generated")
+    """The base's continuations, unless `data.self_generated_dir` puts them elsewhere."""
+    head = property(lambda self: self.root / ckpt_io.HEAD_FILE)
+    """The exported head (export.py)."""
+    head_config = property(lambda self: self.root / "mtp_head_config.json")
+    metrics = property(lambda self: self.root / "metrics.json")
+    plot = property(lambda self: self.root / "acceptance.png")
+    record = property(lambda self: self.root / "TRAINING.json")
+    hash_cache = property(lambda self: self.root / ".file-hashes.json")
+    """Known sha256 of the base's and donor's files, by path, size and mtime."""
+
+    def export_outputs(self) -> tuple[Path, ...]:
+        """What export writes, in the order it renames them: TRAINING.json, which records the others' hashes, last."""
+        return (self.head, self.head_config, self.metrics, self.plot, self.record)
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:06d}.pt"
+
+    def latest_checkpoint(self) -> Path | None:
+        found = sorted(self.checkpoints.glob("step-*.pt"))
+        return found[-1] if found else None
+
+
+def self_generated_dir(config: RunConfig) -> Path:
+    return Path(config.data.self_generated_dir) if config.data.self_generated_dir else RunDir.of(config).self_generated
+
+
+# ----------------------------------------------------------------------------------
+# Checks and the lock
+# ----------------------------------------------------------------------------------
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = path.resolve(), directory.resolve()
+    return path == directory or directory in path.parents
+
+
+def check_run(config: RunConfig) -> None:
+    """The checks that need no data and no weights, before anything slow starts.
+
+    The base and donor exist and the base's config reads; no output of the run
+    (output.dir, the store, the target cache) is a file or lies inside the base or the
+    donor directory (symlinks resolved: the base is never written into); every name in
+    `train.trainable` is a head submodule (checked on a head built on the meta device).
+    """
+    base, donor = Path(config.model.base), Path(config.model.donor_head)
+    base_config = ckpt_io.read_config(base)
+    if not donor.exists():
+        raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
+    protected = [("model.base", base)] + ([("model.donor_head", donor)] if donor.is_dir() else [])
+    outputs = [("output.dir", Path(config.output.dir)), ("data.self_generated_dir", self_generated_dir(config))]
+    if config.data.target_cache:
+        outputs.append(("data.target_cache", Path(config.data.target_cache)))
+    for option, path in outputs:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{option}: {path} is a file; a directory is expected there")
+        for source, directory in protected:
+            if _inside(path, directory):
+                raise ConfigError(
+                    f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
+                )
+    with torch.device("meta"):
+        head = MTPHead(base_config.text_config)
+    try:
+        set_trainable(head, config.train.trainable)
+    except ValueError as err:
+        raise ConfigError(f"train.trainable: {err}") from None
+
+
+@contextlib.contextmanager
+def output_lock(config: RunConfig) -> Iterator[None]:
+    """Hold an exclusive lock on output.dir (its `.lock` file, with the holder's pid) while a run writes there.
+
+    Two trainings into one directory would both run and the last would silently win;
+    the second one now stops at once, naming the process that holds the directory.
+    """
+    run_dir = RunDir.of(config)
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir.lock, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise ConfigError(
+                f"output.dir: {run_dir.root} is in use by another run (pid {holder}); wait for it, or use another output.dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # releases the lock
+
+
+# ----------------------------------------------------------------------------------
+# Tokenizer, windows, store
+# ----------------------------------------------------------------------------------
+
+
+def tokenizer_path(config: RunConfig) -> str:
+    return config.model.tokenizer or config.model.base
+
+
+def load_tokenizer(config: RunConfig):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path(config)
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def prepare_data(config: RunConfig, tokenizer, log: Log = quiet) -> PreparedData:
+    if not config.data.files:
+        raise ConfigError("data.files: no chat data files given")
+    size = sum(Path(f).stat().st_size for f in config.data.files if Path(f).is_file())
+    log(f"data: reading {len(config.data.files)} file(s) ({size / 2**20:.1f} MiB) into windows")
+    started = time.perf_counter()
+    data = prepare_windows(list(config.data.files), tokenizer, **window_settings(config.data))
+    summary = data.summary()
+    log(f"data: {summary['conversations_read']} conversations read, {summary['conversations_kept']} kept; "
+        f"{summary['train_windows']} train / {summary['validation_windows']} validation / {summary['heldout_windows']} "
+        f"heldout windows ({time.perf_counter() - started:.1f} s)")
+    return data
+
+
+TRAIN, VALIDATION, HELDOUT = "train", "validation", "heldout"
+EVERY_SPLIT = (TRAIN, VALIDATION, HELDOUT)
+
+
+def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> None:
+    """Refuse a split that leaves the run nothing to train, select or report on."""
+    sides = [(TRAIN, data.train, "data.train_conversations"), (HELDOUT, data.heldout, "data.heldout_conversations")]
+    if config.train.select_every_steps:
+        sides.append((VALIDATION, data.validation, "data.validation_conversations (or set train.select_every_steps=0)"))
+    for side, windows, option in sides:
+        if side in splits and not windows:
+            raise ConfigError(
+                f"data: no {side} windows were built, so the run would have nothing to "
+                f"{'train on' if side == TRAIN else 'measure'}; check data.files and {option} "
+                "(see `python -m occamy_mtp.data`)"
+            )
+
+
+def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
+    """Where the base's continuations end: eos, the template's end of turn, generation_config's eos."""
+    from occamy_mtp.greedy import default_eos_token_ids
+
+    return default_eos_token_ids(tokenizer, config.model.base)
+
+
+def open_store(config: RunConfig, tokenizer) -> SelfGeneratedStore:
+    """The run's store of continuations (refused when written for another base or settings)."""
+    identity = store_identity(
+        config.model.base,
+        config.model.dtype,
+        config.model.attn_implementation,
+        max_new_tokens=config.data.answer_tokens,
+        stop_token_ids=stop_token_ids(config, tokenizer),
+    )
+    return SelfGeneratedStore.open(self_generated_dir(config), identity)
+
+
+@dataclass(frozen=True)
+class RunWindows:
+    """The windows of one run, by what they are for."""
+
+    train: list[Window]
+    """What the head trains on: recorded answers, self-generated ones, or both (`data.answers`)."""
+    validation: list[Window]
+    """Self-generated validation windows: what checkpoint selection scores."""
+    heldout: list[Window]
+    """Self-generated heldout windows: the headline figures (exact; the decoder replay)."""
+    heldout_data: list[Window]
+    """The recorded heldout answers: teacher-forced agreement and NLL (approximate acceptance)."""
+    self_generated: dict
+    """Provenance of the continuations (`SelfGeneratedStore.provenance`)."""
+
+    def all(self) -> list[Window]:
+        """Every distinct window the run reads targets for, in a fixed order (what a target cache covers)."""
+        seen: set[tuple[int, ...]] = set()
+        out = []
+        for window in [*self.train, *self.validation, *self.heldout, *self.heldout_data]:
+            if window.input_ids not in seen:
+                seen.add(window.input_ids)
+                out.append(window)
+        return out
+
+
+def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> list[Window]:
+    """The windows of `splits` whose self-generated twins the run uses: validation, heldout, and
+    train unless the head trains on the recorded answers only."""
+    train = data.train if TRAIN in splits and config.data.answers != "data" else []
+    return [*(data.validation if VALIDATION in splits else []), *(data.heldout if HELDOUT in splits else []), *train]
+
+
+def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore | None, base=None, log: Log = quiet,
+                splits=EVERY_SPLIT) -> RunWindows:
+    """The windows of `splits`; the base (when given) first writes the continuations the store lacks.
+
+    Without the base (a run reading the target cache) every continuation must be in the
+    store already: the cache pass writes them. Without a store, the recorded answers only
+    (train and the teacher-forced heldout windows).
+    """
+    if store is None:
+        return RunWindows(train=list(data.train) if TRAIN in splits else [], validation=[], heldout=[],
+                          heldout_data=list(data.heldout) if HELDOUT in splits else [], self_generated={})
+    needed = self_generated_needed(config, data, splits)
+    missing = store.missing(needed)
+    if missing:
+        if base is None:
+            raise SelfGenError(
+                f"{store.directory}: {len(missing)} of the run's {len(needed)} windows have no self-generated continuation, "
+                "and the base is not loaded to write them (data.target_cache is set); run "
+                "`python -m occamy_mtp.cache --config CONFIG` first, which writes them with the target cache"
+            )
+        store.generate(base, needed, config.data.self_generate_batch_size, log)
+    train: list[Window] = []
+    if TRAIN in splits:
+        answers = config.data.answers
+        if answers == "data":
+            train = list(data.train)
+        else:
+            generated = store.windows(data.train)
+            train = generated if answers == "self_generated" else [w for pair in zip(data.train, generated) for w in pair]
+    return RunWindows(
+        train=train,
+        validation=store.windows(data.validation) if VALIDATION in splits else [],
+        heldout=store.windows(data.heldout) if HELDOUT in splits else [],
+        heldout_data=list(data.heldout) if HELDOUT in splits else [],
+        self_generated=store.provenance(needed),
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Models and targets
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Models:
+    base: torch.nn.Module | None
+    """The frozen base; None when the targets come from the cache."""
+    head: MTPHead
+    """The donor head, trainable tensors as fp32 masters."""
+    donor_layout: str
+    trainable_parameters: int
+    head_parameters: int
+
+
+def load_models(config: RunConfig, device, with_base: bool = True, log: Log = quiet) -> Models:
+    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
+
+    Without the base (`with_base=False`, training from the target cache) only the two
+    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
+    """
+    dtype = ckpt_io.DTYPES[config.model.dtype]
+    base_config = ckpt_io.read_config(config.model.base)
+    started = time.perf_counter()
+    files = ckpt_io.SafetensorsCheckpoint(Path(config.model.base)).files()
+    size = sum(f.stat().st_size for f in files) / 2**30
+    if with_base:
+        log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
+        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    else:
+        log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
+        base = None
+        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
+    head, layout = ckpt_io.load_head(
+        config.model.donor_head,
+        base_config.text_config,
+        shared,
+        dtype=dtype,
+        device=device,
+        attn_implementation=config.model.attn_implementation,
+    )
+    trainable = set_trainable(head, config.train.trainable)
+    for param in head.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # fp32 master copy; the forward rounds it as serving stores it
+    total, _ = count_parameters(head)
+    log(f"models: loaded in {time.perf_counter() - started:.1f} s; head {total:,} parameters, {trainable:,} trainable")
+    return Models(base, head, layout, trainable, total)
+
+
+def open_targets(config: RunConfig, windows: list[Window], window_settings: dict, base=None) -> TargetSource:
+    """The base online, or the offline cache at `data.target_cache` checked against `windows`
+    (built with `window_settings`, `PreparedData.settings`)."""
+    if not config.data.target_cache:
+        if base is None:
+            raise ValueError("no target cache configured, so the base itself is needed for the online path")
+        return OnlineTargets(base)
+    identity = cache_identity(Path(config.model.base), windows, window_settings, config.model.dtype,
+                              config.model.attn_implementation)
+    return TargetCache.open(Path(config.data.target_cache), identity)
+
+
+# ----------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """Everything a stage reads, set up once from the config."""
+
+    config: RunConfig
+    dir: RunDir
+    tokenizer: object
+    data: PreparedData
+    models: Models
+    windows: RunWindows
+    targets: TargetSource
+    stop_token_ids: set[int]
+
+
+def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT, self_generated: bool = True,
+             max_heldout: int | None = None,
+             writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
+    """Tokenizer, windows of `splits`, models, the self-generated twins, targets (module docstring).
+
+    `self_generated=False` reads the recorded answers only (no store, no generation);
+    `max_heldout` keeps the first heldout windows only. `writer_first` orders the
+    processes of a multi-process run around the store: the main process writes the
+    missing continuations while the others wait, then they read them
+    (`accelerator.main_process_first`).
+    """
+    tokenizer = load_tokenizer(config)
+    data = prepare_data(config, tokenizer, log=log)
+    check_split(config, data, splits)
+    if max_heldout is not None:
+        data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
+    models = load_models(config, device, with_base=not config.data.target_cache, log=log)
+    with writer_first():
+        store = open_store(config, tokenizer) if self_generated else None
+        windows = run_windows(config, data, store, models.base, log=log, splits=splits)
+    targets = open_targets(config, windows.all(), data.settings, base=models.base)
+    return Run(config, RunDir.of(config), tokenizer, data, models, windows, targets, stop_token_ids(config, tokenizer))
