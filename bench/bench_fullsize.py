@@ -671,7 +671,7 @@ def main(argv=None) -> int:
     set_trainable(head)
     for param in head.parameters():
         if param.requires_grad:
-            param.data = param.data.float()  # fp32 masters, as train.build_models keeps them
+            param.data = param.data.float()  # fp32 masters, as run.load_models keeps them
 
     if args.agreement_shape:
         guarded(results, "agreement", lambda: agreement(base, config, device, parse_shape(args.agreement_shape), args.variable_windows, args))

@@ -12,19 +12,19 @@ the library's own pieces:
    batch); `--generate-windows` of the 320 are timed and the whole is extrapolated from
    them (random weights never stop early, so every continuation runs the full budget:
    the worst case); `--extra-generate-batch-sizes` times one more batch at each size given
-   (the library's default, `data.self_generate_batch_size`, is 16), outside the recipe's
+   (the library's default, `data.self_generate_batch_size`, is 64), outside the recipe's
    sum. Before the layers are dropped, `--decoder-check-windows` heldout
    prompts are decoded with the reference speculative decoder at 1 and 3 draft steps
    (export's `eval.decoder_check_windows`, per head);
-1. target cache: `cache.build_cache` runs the frozen base over all 320 windows (256 train +
+1. target cache: `target_cache.build_cache` runs the frozen base over all 320 windows (256 train +
    32 validation + 32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
    picks the pass: `fast` (`fastbase.FastBasePass`, 65,536 tokens a forward), `plain`
-   (`cache.plain_compute`: one transformers forward a window, the canonical targets) or
+   (`target.plain_compute`: one transformers forward a window, the canonical targets) or
    `both` (two caches; the recipe time uses the fast one, and the two are compared);
 2. the base's decoder layers are dropped (a training run that reads the cache loads only
    `embed_tokens` and `lm_head`);
 3. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
-   2 epochs of one window a step, reading targets from the cache (`cache.TargetCache`),
+   2 epochs of one window a step, reading targets from the cache (`target_cache.TargetCache`),
    the step of `occamy_mtp.train.train` without accelerate, with its checkpoint selection:
    the decoder replay on the 32 validation windows before the first step and every 64;
 4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
@@ -55,10 +55,10 @@ from occamy_mtp.data import Window
 from occamy_mtp.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.fastbase import FastBasePass
 from occamy_mtp.head import MTPHead, SharedWeights, set_trainable
-from occamy_mtp.loss import chain_batch, chain_loss, collate
+from occamy_mtp.config import TrainSettings, step_loss_weights
 from occamy_mtp.selfgen import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
-from occamy_mtp.train import lr_at, step_windows
+from occamy_mtp.train import lr_at, step_windows, train_step
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
@@ -223,10 +223,12 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    # 3. the 512 steps (the loop of occamy_mtp.train.train without accelerate)
+    # 3. the 512 steps: occamy_mtp.train's own step, with the default settings, without accelerate
     total_steps = EPOCHS * args.steps_per_epoch
+    settings = TrainSettings()
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=5e-4, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                                  eps=settings.adam_eps, weight_decay=settings.weight_decay)
 
     selection_seconds = []
 
@@ -242,15 +244,9 @@ def main() -> int:
         select()
         for step in range(total_steps):
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, total_steps, 5e-4, 32, 0.1)
-            batch = collate(step_windows(train_windows, step, 1, 0), device)
-            out = targets.outputs(batch.input_ids, batch.attention_mask)
-            chain = chain_batch(batch.input_ids, out.greedy, batch.assistant, batch.lengths, 1)
-            loss, _ = chain_loss(head, head(chain.step_token_ids, out.hidden), chain.labels, (1.0,))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                group["lr"] = lr_at(step, total_steps, settings.lr, settings.lr_warmup_steps, settings.lr_min_ratio)
+            windows_of_step = step_windows(train_windows, step, settings.windows_per_step, settings.seed)
+            train_step(head, head, targets, windows_of_step, optimizer, settings, step_loss_weights(settings), dtype)
             if (step + 1) % SELECT_EVERY_STEPS == 0 or step + 1 == total_steps:
                 select()
 

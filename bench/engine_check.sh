@@ -167,10 +167,10 @@ mkdir -p "$WORK/logs" "$WORK/validate"
 STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 bash scripts/setup.sh
 setup_engine
-CHAT_SET=(--data "$DATA" --tokenizer "$MODELS/tokenizer" --prompts 20 --cold-warm 4 --max-tokens 64)
+CHAT_SET=("data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" --prompts 20 --cold-warm 4 --max-tokens 64)
 # The window prompts are the run's own heldout windows: its resolved config names the split.
-WINDOW_SET=(--config "$RUN/config.resolved.yaml" --data "$DATA" --tokenizer "$MODELS/tokenizer" --prompt-source windows --endpoint completions
-            --prompts "$WINDOWS" --cold-warm 0 --max-tokens "$MAX_TOKENS")
+WINDOW_SET=(--config "$RUN/config.resolved.yaml" "data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" --prompt-source windows
+            --endpoint completions --prompts "$WINDOWS" --cold-warm 0 --max-tokens "$MAX_TOKENS")
 
 # assemble HEAD FILE: the servable directory of the base with that head; kept when it already
 # holds this very head file, else made afresh (the directory is this script's own output).
@@ -274,16 +274,11 @@ on_engine trained
 
 # 4. The library's offline figures on the same windows: the base's own greedy continuation of
 #    each heldout context, the reference speculative decoder on it, 1 and 3 draft steps.
-EVAL_FLAGS=(--served-steps 1,3)
-if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--self-generated"; then
-    EVAL_FLAGS=(--steps 3 --self-generated)  # older CLI: self-generation asked for, one step count a run
-fi
-if "$PY" -m occamy_mtp.evaluate --help 2>/dev/null | grep -q -- "--max-windows"; then
-    EVAL_FLAGS+=(--max-windows "$WINDOWS")  # the windows validate sent (older CLIs evaluate them all)
-fi
-"$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" --base "$MODELS/base" --head "$RUN/mtp-trained.safetensors" \
-    --donor "$MODELS/donor" --data "$DATA" "${EVAL_FLAGS[@]}" --reference-decoder --max-new-tokens "$MAX_TOKENS" \
-    --dtype "$EVAL_DTYPE" --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
+# The continuations are MAX_TOKENS long, as the engine's; they get a store of their own.
+"$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" \
+    "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" \
+    "data.self_generated_dir=$WORK/eval/self-generated" --head "$RUN/mtp-trained.safetensors" --max-windows "$WINDOWS" \
+    --reference-decoder --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
 
 # 4b. At each token where MTP on and off differ in the engine: the float32 base's own log-probs
 #     of the two tokens, given the same prefix (a near tie there is a tie the engine's bf16 can

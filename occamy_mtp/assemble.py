@@ -1,85 +1,6 @@
 """Assembly: the frozen base plus the trained head, as one directory an engine serves (docs/CONTRACT.md section 5).
 
-    python assemble_head.py --base BASE_DIR --head mtp-trained.safetensors --out SERVE_DIR
-
-The new directory holds
-
-* every base weight shard used unchanged (`--weights`, default `auto`): a copy-on-write
-  clone where the filesystem of `--out` can clone the base's files (btrfs, XFS with
-  reflink: no space used, an independent file); else an absolute symlink where the
-  base lies on a read-only filesystem (nothing can write through it; the base must
-  then stay where it is); else a copy.
-  A link into a writable base is never made unasked: a tool that writes a shard in
-  place through the assembled directory (safetensors' `save_file`, `open(..., "wb")`)
-  would rewrite the base's file. A hard link is no better (it is the base's file:
-  in-place writes and chmod reach the base as through a symlink, and the sharing is
-  not even visible), and permission bits do not stop root. `--weights symlink` links
-  anyway (the report notes it); `--weights copy` always copies;
-* a copy of every other base file used unchanged (tokenizer files, generation config,
-  chat template, ...), so that `save_pretrained` into the assembled directory writes
-  its own files. Subdirectories, and weight files the base index does not name, are
-  not carried over (the engines read the top level and the indexed shards);
-* a copy of the head file (checked: every `mtp.*` tensor present, shapes from the
-  base config, bf16, nothing but `mtp.*`), so the directory holds the bytes that were
-  checked, whatever later happens to the training output;
-* a rewritten `model.safetensors.index.json` mapping every `mtp.*` key to the head
-  file; every `mtp.*` key the base had is gone from it;
-* a rewritten `config.json` with the fields that make the engines build the MTP draft,
-  and, for a ModelOpt-quantized base, the head's modules added to the quantization
-  exclusions (also in `hf_quant_config.json` when the base has one);
-* `assembly.json`: what was done, for the record, and the marker of a directory this
-  module wrote (`written_by`, and the `entries` it wrote). `--force` replaces an existing
-  `--out` only when its assembly.json says so and it holds nothing else; any other
-  directory is refused, whatever it holds (nothing is deleted).
-
-The base directory is only read; `--out` may lie neither inside the base nor around it,
-nor be (or contain) the head's directory. Everything is written into a temporary
-directory beside `--out` and renamed into place at the end, so an interrupted assembly
-never leaves a half directory under the final name. Directories and files are created
-with the mode a plain mkdir/open gives under the umask (never mkdtemp's 0700), so that a
-server running as another user can read them. A head with a non-finite value (NaN or
-inf) is refused, naming the tensor.
-
-What the engines do (read from their sources, see also docs/CONTRACT.md section 3):
-
-* Weight files. vLLM and SGLang (`model_loader/weight_utils.py`,
-  `filter_duplicate_safetensors_files`) glob `*.safetensors` in the model directory
-  and, when `model.safetensors.index.json` exists, keep the files the index names;
-  they then read EVERY tensor of each kept file, whatever the index says about single
-  keys. So a base shard that still holds old `mtp.*` tensors would load the old head
-  too (the order of the two decides which one wins). Hence: a base shard holding only
-  `mtp.*` tensors is not carried over at all, and a shard mixing `mtp.*` with base
-  tensors is rewritten without them into the new directory (reported). `*.safetensors`
-  files the base index does not name are not carried over either.
-* The head's tensor names. SGLang's `Qwen3_5ForCausalLMMTP.load_weights`
-  (`srt/models/qwen3_5_mtp.py`) and vLLM's `Qwen3_5MTP.load_weights`
-  (`model_executor/models/qwen3_5_mtp.py`) take `mtp.*` tensors from that stream
-  (`mtp.` -> the draft's own module names), either expert layout.
-* Config fields. vLLM's `SpeculativeConfig.hf_config_override` (`config/speculative.py`)
-  turns a `qwen3_5_moe` config into `Qwen3_5MoeMTP` with `n_predict =
-  mtp_num_hidden_layers` (read from `text_config`), and a `qwen3_next` config into
-  `Qwen3NextMTP` with `n_predict = num_nextn_predict_layers`. SGLang's
-  `ModelConfig._config_draft_model` (`srt/configs/model_config.py`) maps the
-  architectures `Qwen3_5MoeForConditionalGeneration` -> `Qwen3_5ForCausalLMMTP` and
-  `Qwen3NextForCausalLM` -> `Qwen3NextForCausalLMMTP` for `--speculative-algorithm
-  NEXTN` (a text-only `Qwen3_5MoeForCausalLM` architecture is not mapped; reported as
-  a note). We set the head's layer count (one) in those fields.
-* Quantization exclusions. Both engines read `quantization_config` from config.json
-  first and `hf_quant_config.json` otherwise; the flat config.json layout keeps its
-  exclusions in `ignore`, the nested hf_quant_config.json layout in
-  `quantization.exclude_modules` (vLLM `ModelOptQuantConfigBase.from_config`, SGLang
-  `ModelOptFp8Config.from_config`). The draft's module prefixes are `mtp.fc`,
-  `mtp.layers.0.self_attn.qkv_proj`, `mtp.layers.0.mlp.experts`, ... vLLM excludes a
-  module when an entry equals it, is a substring of it, or fnmatch-es it; SGLang when
-  an entry, read as a glob, matches the whole prefix or one of its dot-separated parts
-  (older SGLang: plain substring). `mtp` (plain) is caught by every one of these
-  checks; `mtp*` is ModelOpt's own spelling for "this module tree" and is what a
-  pattern-only checker needs. A quantized base whose config leaks into the bf16 head
-  collapses acceptance (SGLang and vLLM special-case only some of this, e.g. vLLM
-  forces `mtp.fc` unquantized for modelopt_fp4 alone).
-
-Other quantization methods (compressed-tensors, GPTQ, Quark, ...) spell their
-exclusions differently; assembling onto such a base is refused rather than guessed.
+docs/ASSEMBLY.md sets out the details.
 """
 
 from __future__ import annotations
@@ -99,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import files
@@ -812,6 +734,7 @@ def format_report(report: AssemblyReport) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="assemble_head.py",
@@ -832,8 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = assemble(args.base, args.head, args.out, force=args.force, weights=args.weights)
-    except (AssemblyError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return 2
+    except OSError as err:
+        raise AssemblyError(str(err)) from None
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 0

@@ -74,10 +74,14 @@ class DataSettings:
     """Skip (and count) malformed records instead of failing on the first one."""
     max_record_bytes: int = 8 * 2**20
     """A conversation with more text than this (UTF-8 bytes) is excluded and counted
-    (record_too_large) before it is tokenized."""
+    (record_too_large) before it is tokenized. Qwen3.5's longest context, 262,144 tokens,
+    holds about 1 MiB of text: a record eight times that is not a conversation the base was
+    served (a concatenated corpus, a log dump)."""
     target_cache: str = ""
     """Directory of the offline target cache (`python -m occamy_mtp.cache`); empty runs the base online."""
 
+
+TURN_CHOICES = ("last", "first", "every")
 
 # The data settings that decide which windows a run builds and how they are split; the
 # keyword arguments of `occamy_mtp.data.prepare_windows`, under the same names.
@@ -211,47 +215,6 @@ def _plain(obj):
 
 
 # ----------------------------------------------------------------------------------
-# The split on other command lines (evaluate, validate)
-# ----------------------------------------------------------------------------------
-
-_SPLIT_FLAGS = {  # flag -> (setting, type, help)
-    "--context-tokens": ("context_tokens", int, "tokens kept before each answer"),
-    "--answer-tokens": ("answer_tokens", int, "answer tokens kept per window"),
-    "--turns": ("turns", str, "assistant turns that become windows: last, first or every"),
-    "--train-conversations": ("train_conversations", int, "train split size"),
-    "--validation-conversations": ("validation_conversations", int, "validation split size"),
-    "--heldout-conversations": ("heldout_conversations", int, "heldout split size"),
-    "--split-seed": ("split_seed", int, "seed of the split's content hash"),
-    "--max-record-bytes": ("max_record_bytes", int, "conversations with more text are excluded"),
-}
-
-
-def add_split_arguments(parser) -> None:
-    """`--config RUN.yaml` and one flag per window setting, so that a tool outside
-    training builds the run's own windows and heldout split (every setting decides it)."""
-    parser.add_argument("--config", type=Path, help="the run's config (train.py's): the defaults of the data, split, model and "
-                                                    "output flags, so that the heldout split is the run's exactly")
-    defaults = DataSettings()
-    group = parser.add_argument_group("windows and split (default: --config's, else the training defaults)")
-    for flag, (name, kind, text) in _SPLIT_FLAGS.items():
-        group.add_argument(flag, type=kind, default=None, help=f"{text} (training default {getattr(defaults, name)})")
-    group.add_argument("--skip-bad-records", action="store_true", default=None, help="skip and count malformed records")
-
-
-def split_from_arguments(args) -> tuple[RunConfig | None, dict]:
-    """(the --config's RunConfig or None, `prepare_windows` keyword arguments): a flag
-    given on the command line wins over the config, the config over the defaults."""
-    config = load_config(args.config) if args.config is not None else None
-    settings = window_settings(config.data if config is not None else DataSettings())
-    for name, _, _ in _SPLIT_FLAGS.values():
-        if getattr(args, name) is not None:
-            settings[name] = getattr(args, name)
-    if args.skip_bad_records:
-        settings["skip_bad_records"] = True
-    return config, settings
-
-
-# ----------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------
 
@@ -369,16 +332,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     config = _build(RunConfig, tree, "")
-    validate(config)
+    check(config)
     return config
 
 
-def validate(config: RunConfig) -> None:
+def check(config: RunConfig) -> None:
     """Cross-field checks, each naming the option at fault."""
     checks = [
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
-        (config.data.turns in ("last", "first", "every"), "data.turns", "last, first or every"),
+        (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
         (config.data.context_tokens >= 1, "data.context_tokens", ">= 1"),
         (config.data.answer_tokens >= 2, "data.answer_tokens", ">= 2"),
         (config.data.train_conversations >= 1, "data.train_conversations", ">= 1"),

@@ -1,53 +1,12 @@
 """Chat data -> assistant-only training windows (docs/CONTRACT.md section 4), with counted exclusions.
 
-The flow, top to bottom:
-
-1. Read. JSONL / JSON files (parsed here, so that an error names the file and line) and
-   parquet files (through `datasets`), OpenAI style (`messages` with role/content,
-   content a string or a list of typed parts) or ShareGPT style (`conversations` with
-   from/value). Each record becomes one normalised `Conversation` of system/user/
-   assistant `Message`s with string content, or is excluded for a counted reason.
-2. Render. A window for the assistant message at index k is built from two renderings
-   by the tokenizer's own chat template, thinking disabled (as the served checks ran):
-       prompt = render(messages[:k], add_generation_prompt=True)
-       turn   = render(messages[:k + 1])
-   `turn` must start with `prompt`; the rest is the assistant span as the template
-   renders it (Qwen: content, `<|im_end|>`, newline). No {% generation %} markers are
-   needed (Qwen's templates have none) and no string search on decoded text is done.
-   A window is never cut from the rendering of the WHOLE conversation: Qwen templates
-   render earlier assistant turns differently (no think block) from the turn being
-   generated, which is exactly the difference between training and serving.
-3. Tokenize. input = tokens(prompt)[-context_tokens:] + tokens(span)[:answer_tokens],
-   where tokens(span) ends at its first special token: the template's end of turn
-   (`<|im_end|>` for Qwen; it is the template's because content holding a special token
-   is excluded). The served base predicts that token, so it is scored when it falls
-   within the limit; the newline after it is dropped, since no engine generates it.
-   The prompt is tokenized on its own exactly as a server tokenizes it; the span is
-   tokenized on its own, so that the boundary is a token boundary by construction.
-   Where tokenizing `turn` in one piece would merge tokens across the boundary, the
-   window still uses the split form and the event is counted
-   (`windows.boundary_retokenized` in the provenance).
-   Only the text a window keeps is tokenized (`tokenize_window`): a tail of the prompt
-   and a head of the span, each grown until it provably gives the tokens the whole
-   text gives there, so that the work per conversation is bounded by the window, not
-   by the conversation (`tokenize_turn`, which tokenizes everything, is the reference
-   it is tested against). A conversation whose text exceeds `max_record_bytes` is
-   excluded as RECORD_TOO_LARGE before it is rendered.
-4. Split. Conversations (never windows) go to train or heldout by a seeded hash of
-   their content; see `assign_split` for the exact guarantee when data is added.
-
-Every exclusion is counted by reason (`EXCLUSION_REASONS`) with the first few
-locations, and everything needed for TRAINING.json is in `PreparedData.provenance()`.
-
-    python -m occamy_mtp.data data/sample.jsonl --tokenizer DIR --json
+docs/DATA.md sets out the details.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 import tempfile
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -57,25 +16,26 @@ from typing import Any
 
 import jinja2
 
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import TURN_CHOICES, ConfigError, DataSettings, RunConfig, window_settings
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.files import sha256_file
 
 # ---------------------------------------------------------------------------- settings
 
-DEFAULT_CONTEXT_TOKENS = 128
-DEFAULT_ANSWER_TOKENS = 382
-DEFAULT_TRAIN_CONVERSATIONS = 256  # the original run
-DEFAULT_HELDOUT_CONVERSATIONS = 32
-DEFAULT_VALIDATION_CONVERSATIONS = 0  # a third side for choosing among checkpoints; none unless asked
-TURN_CHOICES = ("last", "first", "every")
+# The defaults of the window settings are a run's (`config.DataSettings`, where defaults
+# live), but for the validation side: the function splits two ways unless asked; runs and
+# commands ask.
+_DEFAULTS = DataSettings()
+DEFAULT_CONTEXT_TOKENS = _DEFAULTS.context_tokens
+DEFAULT_ANSWER_TOKENS = _DEFAULTS.answer_tokens
+NO_VALIDATION = 0
 
 # Where an error or an exclusion was found, kept per reason for the report.
 EXAMPLE_LOCATIONS_KEPT = 5
 # Bytes read at a time when hashing input files.
-# A conversation's text (UTF-8 bytes of its messages) beyond this is refused: Qwen3.5's
-# longest context, 262,144 tokens, holds about 1 MiB of text, so a record eight times
-# that is not a conversation the base was served (a concatenated corpus, a log dump).
-DEFAULT_MAX_RECORD_BYTES = 8 * 2**20
+DEFAULT_MAX_RECORD_BYTES = _DEFAULTS.max_record_bytes
 # Bounded tokenization (tokenize_window). A text cut at an arbitrary character may
 # tokenize differently within a few tokens of the cut; no token that close to a cut is
 # ever kept. The first cut allows this many characters per token wanted, and doubles.
@@ -608,7 +568,7 @@ def conversation_windows(
     *,
     context_tokens: int = DEFAULT_CONTEXT_TOKENS,
     answer_tokens: int = DEFAULT_ANSWER_TOKENS,
-    turns: str = "last",
+    turns: str = _DEFAULTS.turns,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
 ) -> tuple[list[Window], int] | Excluded:
     """The windows of one conversation and how many were retokenized at the boundary,
@@ -725,17 +685,17 @@ def prepare_windows(
     paths: Iterable[str | Path],
     tokenizer,
     *,
-    context_tokens: int = DEFAULT_CONTEXT_TOKENS,
-    answer_tokens: int = DEFAULT_ANSWER_TOKENS,
-    turns: str = "last",
-    train_conversations: int = DEFAULT_TRAIN_CONVERSATIONS,
-    heldout_conversations: int = DEFAULT_HELDOUT_CONVERSATIONS,
-    split_seed: int = 0,
+    context_tokens: int = _DEFAULTS.context_tokens,
+    answer_tokens: int = _DEFAULTS.answer_tokens,
+    turns: str = _DEFAULTS.turns,
+    train_conversations: int = _DEFAULTS.train_conversations,
+    heldout_conversations: int = _DEFAULTS.heldout_conversations,
+    split_seed: int = _DEFAULTS.split_seed,
     heldout_fraction: float | None = None,
-    skip_bad_records: bool = False,
+    skip_bad_records: bool = _DEFAULTS.skip_bad_records,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
-    validation_conversations: int = DEFAULT_VALIDATION_CONVERSATIONS,
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    validation_conversations: int = NO_VALIDATION,
+    max_record_bytes: int = _DEFAULTS.max_record_bytes,
 ) -> PreparedData:
     """Read chat files, build assistant-only windows, split them; see the module docstring.
 
@@ -872,6 +832,16 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- CLI
 
 
+def load_tokenizer(config: RunConfig):
+    """The run's tokenizer (`model.tokenizer`, else the base's directory), from local files only."""
+    from transformers import AutoTokenizer
+
+    path = config.model.tokenizer or config.model.base
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def _format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"files: {', '.join(summary['files'])}",
@@ -890,57 +860,31 @@ def _format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp.data",
-        description="Check chat data as training would see it: conversations read, kept, excluded per reason, windows, split.",
-    )
-    parser.add_argument("files", nargs="*", type=Path, help="JSONL, JSON or parquet files of conversations (default: --config's)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (the base model's) with a chat template "
-                                                       "(default: --config's model.tokenizer or model.base)")
-    parser.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
-    parser.add_argument("--keep-empty-answers", action="store_true", help="keep empty answers (a one-token window)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
-    add_split_arguments(parser)  # training's windows and split: --config RUN.yaml, or the training defaults
-    args = parser.parse_args(argv)
-
-    try:
-        config, split = split_from_arguments(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if config is not None:
-        args.files = args.files or [Path(f) for f in config.data.files]
-        args.tokenizer = args.tokenizer or Path(config.model.tokenizer or config.model.base)
-    if not args.files or args.tokenizer is None:
-        print("error: data files and --tokenizer are needed (or --config RUN.yaml, which names them)", file=sys.stderr)
-        return 2
-    missing = [path for path in args.files if not path.exists()]
+    cli = command_line("python -m occamy_mtp.data",
+                       "Check chat data as training would see it: conversations read, kept, excluded per reason, windows, split.",
+                       config_required=False)
+    cli.add_argument("--keep-non-text", action="store_true", help="drop image/audio parts and keep the text instead of excluding")
+    cli.add_argument("--keep-empty-answers", action="store_true", help="keep empty answers (a one-token window)")
+    cli.add_argument("--json", action="store_true", help="print one JSON object instead of a summary")
+    args, config = parse(cli, argv)
+    if not config.data.files:
+        raise ConfigError("data.files: no chat data files given (data.files=[a.jsonl,b.jsonl], or --config RUN.yaml)")
+    missing = [path for path in config.data.files if not Path(path).exists()]
     if missing:  # before the slow transformers import: a typo should fail at once
-        print(f"error: {missing[0]}: no such file", file=sys.stderr)
-        return 2
-    if not args.tokenizer.is_dir():
-        print(f"error: --tokenizer {args.tokenizer}: no such directory", file=sys.stderr)
-        return 2
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
-    except (OSError, ValueError) as err:
-        print(f"error: --tokenizer {args.tokenizer}: cannot load ({err})", file=sys.stderr)
-        return 2
+        raise ConfigError(f"data.files: {missing[0]}: no such file")
+    tokenizer = load_tokenizer(config)
     exclude = set(DEFAULT_EXCLUSIONS)
     if args.keep_non_text:
         exclude.discard(NON_TEXT_CONTENT)
     if args.keep_empty_answers:
         exclude.discard(EMPTY_ANSWER)
+    split = window_settings(config.data)
     try:
-        data = prepare_windows(args.files, tokenizer, exclude=frozenset(exclude), **split)
-    except (DataError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        data = prepare_windows(config.data.files, tokenizer, exclude=frozenset(exclude), **split)
+    except ValueError as err:
+        raise DataError(str(err)) from None
     summary = data.summary()
     if args.json:
         summary["excluded_examples"] = data.excluded_examples

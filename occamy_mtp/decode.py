@@ -1,39 +1,6 @@
 """Reference decoding in plain PyTorch: greedy with the base alone, and speculative with the MTP head.
 
-`greedy_decode` is the oracle: the frozen base, one token at a time, argmax.
-`speculative_decode` drafts 1..K tokens with the head (top-1) and verifies them with one
-base forward, as SGLang's NEXTN / EAGLE worker does; it must return exactly the tokens of
-`greedy_decode` (the tests check that on many prompts, with rejections forced at every
-draft position).
-
-One round, when the text is x_0..x_{n-1} (x_{n-1} emitted but not yet seen by the base)
-and the head holds step-1 keys/values for anchors 0..n-2 (anchor i: H_i and x_{i+1}):
-
-1. draft. The chain is anchored at a = n-2. Step 1's output g1_a (computed when x_{n-1}
-   was accepted) gives d_1 = argmax(W g1_a), the draft for x_n. Step k >= 2 embeds
-   d_{k-1}, feeds g(k-1)_a back, sits at rotary position a+k-1 and attends over all
-   step-1 entries plus its own chain (docs/CONTRACT.md section 2). The chain's keys/values are then
-   dropped again: the head cache keeps only step-1 entries of accepted text.
-2. verify. The base runs [x_{n-1}, d_1..d_k] at positions n-1..n-1+k and gives its
-   greedy y_0..y_k. d_j is accepted while d_j == y_{j-1}; with j drafts accepted the
-   round emits d_1..d_j and the bonus token y_j.
-3. roll back. Attention caches are cropped. Gated DeltaNet conv and recurrent states
-   have no per-position history (transformers can only crop conv states), so they are
-   snapshotted before the verify pass; on a rejection they are restored, the attention
-   caches cropped to n-1, and the accepted tokens [x_{n-1}, d_1..d_j] re-run (simple and
-   correct; an engine keeps per-position states instead).
-4. extend the head. Step 1 runs on the verified hidden states H_{n-1}..H_{n-1+j} with the
-   emitted tokens x_n..x_{n+j}: the head cache now holds step-1 entries of every accepted
-   position (as SGLang keeps the draft model's KV for accepted tokens), and the last
-   output anchors the next chain.
-
-Counting (docs/CONTRACT.md section 4): step k of a round is proposed only when steps 1..k-1 were
-accepted; the round's drafted tokens are counted towards the accept rate. Steps whose
-predicted position lies beyond the end of the final text (after a stop token, or past
-`max_new_tokens`) are not counted: no text exists there to score them, offline or
-served. Drafts are capped at the tokens left in the budget, so that only a stop token
-can end the text inside a round. With that rule the counts equal the offline chained
-evaluation at the anchors the decoder drafted from (`occamy_mtp.evaluate.chain_outcomes`).
+docs/DECODER.md sets out the details.
 """
 
 from __future__ import annotations

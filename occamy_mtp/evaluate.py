@@ -1,41 +1,6 @@
 """Offline evaluation of a head against the frozen base (docs/CONTRACT.md section 4).
 
-Per heldout window: the base runs once (post-norm hidden states, greedy choices), the
-head runs the engine's K-step chain, and the metrics are:
-
-* target top-1 agreement: step-1 argmax == the base's greedy choice for position i+2;
-* data-answer NLL: mean -log p_head(x_{i+2}) over the same positions;
-* chained acceptance: step k counts only where steps 1..k-1 were accepted;
-  acc_k = accepted_k / proposed_k; mean accept length = 1 + sum_k prod_{j<=k} acc_j
-  (bonus token included, as SGLang reports it); accept rate = accepted draft tokens /
-  drafted tokens.
-
-Step k >= 2 embeds the greedy token of the step before it. Where the chain is still
-accepted that is exactly the token the engine drafted, and once a step is rejected
-nothing later is counted, so the chain is the engine's.
-
-Exact or approximate. On teacher-forced data the hidden states and step-1 tokens come
-from the recorded answer, not from the base's own continuation, so the figure is exact
-only where the data token equals the base's greedy token (`data_matches_target` says how
-often it does). On text the base generated greedily itself (`self_generated_windows`,
-`occamy_mtp.selfgen`) every data token is the greedy token, and the chain at anchor i
-is exactly what a speculative decoder drafting from anchor i proposes and verifies.
-
-Served, or every anchor. A decoder drafts only from the anchors where a verification
-lands, a subset that depends on earlier outcomes, and its per-step acceptance over
-that subset is not the per-anchor average over every anchor (on repetitive text the two
-have moved in opposite directions; bench/RESULTS.md). `served_acceptance` replays the
-decoder's walk from the per-anchor outcomes (`metrics.decoder_rounds`): on
-self-generated text it gives exactly what `decode.speculative_decode` measures, at any
-number of draft steps, from one batched pass (tests/test_metrics.py). That is the
-headline figure; `heldout_report` gathers it with the per-anchor and teacher-forced ones.
-
-    python -m occamy_mtp.evaluate --base DIR --head FILE --donor DIR --data FILES \
-        --tokenizer DIR --served-steps 1,3 --out runs/eval
-
-`--reference-decoder` also runs `occamy_mtp.decode.speculative_decode` on every heldout
-prompt at each served step count and checks the replayed figures against what it counts;
-`--teacher-forced-only` skips the base's continuations (the approximate figures only).
+docs/EVALUATION.md sets out the details.
 """
 
 from __future__ import annotations
@@ -176,7 +141,7 @@ def evaluate_head(
     """Agreement, NLL and chained acceptance of `head` on `windows` (see module docstring).
 
     `base` is the frozen base, or a target source with `.outputs(input_ids, attention_mask)`
-    such as `cache.TargetCache`, whose stored targets then stand in for the base forward.
+    such as `target_cache.TargetCache`, whose stored targets then stand in for the base forward.
     """
     return _metrics(list(_batches(base, head, windows, draft_steps, windows_per_batch)), len(windows), draft_steps, text)
 

@@ -1,44 +1,6 @@
 """The fast frozen-base pass: packed windows, fla kernels, chunked greedy (issue 6).
 
-`occamy_mtp.target.base_outputs` is the plain reference: one transformers forward over a
-right-padded (B, T) batch. At real size the frozen base dominates the cost of training,
-so this module computes the same thing faster:
-
-* **Packing.** Windows of different lengths are concatenated into one row of at most
-  `max_tokens_per_batch` tokens, with no padding. Every token-wise part of the model
-  (embedding, norms, projections, the MoE block, lm_head) runs on the packed tokens.
-  The two token mixers keep windows apart: Gated DeltaNet restarts its conv and
-  recurrent state at each window start (`cu_seqlens` for fla's varlen kernels), and
-  full attention runs causal over each window (the windows are laid out as the rows of
-  a right-padded (W, L) grid just for the attention core).
-* **fla kernels** (`pip install flash-linear-attention fla-core`): Triton causal conv1d
-  and chunked gated delta rule that read the packed layout directly, and fused
-  (residual +) RMSNorm kernels. Without fla the pass still works with transformers'
-  own PyTorch functions, and warns.
-* **Chunked lm_head + argmax** (`target.chunked_greedy`): full-vocabulary logits are
-  never materialised for a whole batch.
-* **CUDA graphs** (optional) for batches whose windows all have one length: small
-  batches are held back by kernel-launch overhead, and a replayed graph has none.
-
-Everything reuses the base's own modules and weights (transformers' decoder layers,
-attention, MoE block, norms). The one thing composed here is the Gated DeltaNet token
-mixer's forward, because transformers' forward cannot restart the conv state at window
-starts inside a packed row; it calls the module's own projections, norm and parameters
-in the same order as transformers does (`_gated_deltanet`). The MoE block is likewise
-recomposed from its own modules (`grouped_moe_block`), because transformers' glue around
-the expert GEMMs cost more than the GEMMs at real size; its glue runs in two Triton
-kernels (`occamy_mtp.moe_kernels`). tests/test_fastbase.py checks the whole pass against
-the plain per-window forward; bench/bench_fullsize.py measures it at real size (figures
-in bench/RESULTS.md).
-
-How close to the plain forward, at real size (random weights, 40 layers): with
-transformers' own conv, norms and MoE block (`fla_kernels(fused_norms=False,
-grouped_moe=False, triton_conv=False)`) the pass is bit-identical to it. The faster
-kernels round differently (each part within 2e-3..7e-3 of transformers' module), and
-random-weight routing amplifies any rounding through the layers: moving half of the
-input embedding's entries by one ulp changes 94% of plain transformers' own greedy
-tokens, and the fast pass changes 93%. At 4 layers, where float32 is affordable, the
-fast pass is closer to the float32 forward than plain bf16 transformers is.
+docs/FASTBASE.md sets out the details.
 """
 
 from __future__ import annotations

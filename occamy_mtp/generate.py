@@ -1,75 +1,6 @@
 """Self-distilled data: the frozen base's own greedy answers to a chat dataset's prompts.
 
-Offline chained acceptance is exact only on text the base itself generated greedily
-(docs/CONTRACT.md section 4), and training on such text trains for the steps serving runs. This
-module rewrites a chat dataset's answers with the frozen base:
-
-    python -m occamy_mtp.generate --base DIR --data data/sample.jsonl --out runs/selfgen.jsonl
-
-The flow, top to bottom:
-
-1. Read the conversations with `occamy_mtp.data`'s own reader and normaliser, with the
-   same exclusions (counted per reason, as `prepare_windows` counts them), and select
-   the assistant turn(s) to regenerate (`turns`, "last" by default).
-2. Render each prompt exactly as a window's context is rendered: the template up to the
-   chosen turn, `add_generation_prompt=True`, `enable_thinking=False`
-   (`data.render_turn`), tokenized on its own. The base reads the whole prompt, so it is
-   tokenized whole (a window keeps only its tail, and `data` tokenizes only that); a
-   conversation with more text than `max_record_bytes` is excluded first, as
-   `prepare_windows` excludes it (RECORD_TOO_LARGE).
-3. Generate greedily with `greedy_generate` (batched; token-identical to decoding each
-   prompt alone with a full forward per step, see there), until an end-of-turn token or
-   `max_new_tokens`.
-4. Write one JSONL record per regenerated turn, in input order:
-       {"messages": [...prompt messages..., {"role": "assistant", "content": text}],
-        "meta": {"source": "file:line", "source_hash", "turn_index", "prompt_tokens",
-                 "generated_tokens", "generated_token_ids", "finished", "roundtrip"}}
-   The prompt messages are the NORMALISED originals (OpenAI style, string content:
-   ShareGPT input comes out as role/content). Messages after the regenerated turn are
-   dropped: they answered an assistant turn the base did not write. With turns="every"
-   each assistant turn gives its own record whose prompt holds the ORIGINAL earlier
-   answers. Read the output with `prepare_windows(..., turns="last")`: that window is
-   the generated turn.
-   `generated_token_ids` are the base's tokens, ending with the end-of-turn token when
-   `finished`; `text` is their decoding without it. `generated_tokens` counts them.
-
-Round trip. Training and evaluation re-tokenize the text through the chat template
-(`data.tokenize_turn`). That gives back exactly `generated_token_ids` (plus the
-template's `<|im_end|>` when unfinished, which a window of `answer_tokens <=
-max_new_tokens` never reaches) unless one of these holds, checked in this order and
-recorded per record in `meta.roundtrip` and counted in the sidecar:
-  - "different_end_token": generation stopped on an end token other than the template's
-    (e.g. `<|endoftext|>`); the template closes the turn with its own.
-  - "lossy_decode": the tokens are not valid UTF-8 as a whole (typically a multi-byte
-    character cut by `max_new_tokens`), so the text holds U+FFFD.
-  - "special_token_in_text": the base wrote a special token mid-answer; `prepare_windows`
-    excludes such a record (SPECIAL_TOKEN_IN_TEXT), as it does for original data.
-  - "template_rewrote_text": the template changes the text (Qwen's trims leading and
-    trailing whitespace, and splits content at `</think>`).
-  - "retokenized": the text's canonical BPE tokenization differs from the tokens the
-    base produced (a model may emit "he" + "llo" where the tokenizer merges "hello").
-  Otherwise "exact". For the non-exact ones, evaluation that needs the base's exact
-  tokens uses `meta.generated_token_ids`.
-
-Resume. The output is append-only: one line per record, written and flushed once its
-batch is done (fsync per batch). On restart the existing lines are read, the
-records already there (by `source_hash` and `turn_index`) are skipped, and good lines
-are never rewritten. A last line without its newline (a kill mid-write) is cut off and
-reported (`torn_lines_dropped`); any other unreadable line is an error. Batches are
-fixed chunks of the full prompt list, and a batch with any record missing is generated
-whole (only the missing records are written), so a resumed run computes every record
-in the same batch as an uninterrupted one and writes the same file byte for byte.
-
-A sidecar `<out>.meta.json` (written atomically) holds the settings, the base's and
-tokenizer's identity and the counts. Resuming onto an output made with a different
-base, tokenizer/template or content setting (`COMPARED_SETTINGS`) is refused. Batch
-size and device are recorded per run but not compared: they change only floating-point
-near-ties (see `greedy_generate`), not what the text is.
-
-Train/heldout: `prepare_windows` splits by the hash of the whole conversation, which
-includes the generated answer, so the split of a regenerated file is not the split of
-its source. Use the regenerated file for both sides, or keep the heldout prompts out of
-the regeneration, rather than mixing a regenerated train side with an original heldout.
+docs/REGENERATE.md sets out the details.
 """
 
 from __future__ import annotations
@@ -86,6 +17,7 @@ from typing import Any
 
 import torch
 
+from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp import checkpoint as ckpt_io
@@ -594,6 +526,7 @@ def _format_report(report: GenerateReport) -> str:
     )
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m occamy_mtp.generate",
@@ -641,28 +574,24 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: --tokenizer {tokenizer_dir}: cannot load ({err})", file=sys.stderr)
         return 2
-    try:
-        identity = checkpoint_fingerprint(args.base)
-        base = ckpt_io.load_base(args.base, dtype=ckpt_io.DTYPES[args.dtype], device=args.device)
-        report = regenerate_answers(
-            args.data,
-            tokenizer,
-            base,
-            args.out,
-            base_identity=identity,
-            turns=args.turns,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            resume=not args.no_resume,
-            eos_token_ids=default_eos_token_ids(tokenizer, args.base),
-            limit=args.limit,
-            skip_bad_records=args.skip_bad_records,
-            progress=not args.no_progress,
-            max_record_bytes=args.max_record_bytes,
-        )
-    except (D.DataError, GenerateError, ckpt_io.CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    identity = checkpoint_fingerprint(args.base)
+    base = ckpt_io.load_base(args.base, dtype=ckpt_io.DTYPES[args.dtype], device=args.device)
+    report = regenerate_answers(
+        args.data,
+        tokenizer,
+        base,
+        args.out,
+        base_identity=identity,
+        turns=args.turns,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        resume=not args.no_resume,
+        eos_token_ids=default_eos_token_ids(tokenizer, args.base),
+        limit=args.limit,
+        skip_bad_records=args.skip_bad_records,
+        progress=not args.no_progress,
+        max_record_bytes=args.max_record_bytes,
+    )
     print(_format_report(report))
     return 0
 

@@ -26,7 +26,7 @@ import torch
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
-from occamy_mtp.data import PreparedData, Window, prepare_windows
+from occamy_mtp.data import PreparedData, Window, load_tokenizer, prepare_windows
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.selfgen import SelfGenError, SelfGeneratedStore, store_identity
 from occamy_mtp.target import OnlineTargets, TargetSource
@@ -169,19 +169,6 @@ def output_lock(config: RunConfig) -> Iterator[None]:
 # ----------------------------------------------------------------------------------
 # Tokenizer, windows, store
 # ----------------------------------------------------------------------------------
-
-
-def tokenizer_path(config: RunConfig) -> str:
-    return config.model.tokenizer or config.model.base
-
-
-def load_tokenizer(config: RunConfig):
-    from transformers import AutoTokenizer
-
-    path = tokenizer_path(config)
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def prepare_data(config: RunConfig, tokenizer, log: Log = quiet) -> PreparedData:

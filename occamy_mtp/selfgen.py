@@ -1,37 +1,6 @@
 """Self-generated windows: each window's answer replaced by the frozen base's own greedy continuation.
 
-Serving runs the head on the base's own greedy text, and a head is better only if it is
-accepted more often there. For a window (context c = input_ids[:answer_start], the <=
-context_tokens tokens that end with the template's assistant header), its
-self-generated twin is c followed by the base's greedy continuation of c: at most
-`max_new_tokens` tokens (the window's answer budget), ending with the first stop token
-when one is generated. Every answer token is then the base's greedy token given the
-window, so on these windows
-
-* the offline chain is exact (docs/CONTRACT.md section 4): the data token equals the
-  target everywhere, up to floating-point near-ties between the batched generation and
-  the full forward (`Metrics.data_matches_target` says how often they differ);
-* `metrics.decoder_rounds` replays the reference speculative decoder from the offline
-  chain's per-anchor outcomes: the served figure, per step and as accept length;
-* training sees the text that serving drafts on, in the base's own register, instead of
-  the recorded answers, whose register may be far from the fine-tuned base's
-  (bench/RESULTS.md: a head trained on recorded answers of another style lost to the
-  donor on the base's own text while gaining on the recorded answers).
-
-The continuation is of the window's context, not of the whole conversation: the window
-is the unit that is trained and evaluated, and only this keeps the two exact.
-
-The store. Generation is the costly part (one base decode per window), so the
-continuations are kept in `<dir>/self-generated.jsonl`, one line per context:
-`{"context_sha256", "tokens": [...], "finished"}`, appended and fsynced per batch, with
-`<dir>/self-generated.meta.json` holding what they are a function of (the base's
-config and weights fingerprint, dtype, attention implementation, budget, stop tokens).
-A store written for another base or other settings is refused, naming what differs. A
-run that is killed resumes: lines already there are kept, a torn last line is dropped.
-Contexts are generated in fixed batches of the sorted set the run asks for, and a
-batch with any context missing is generated whole (only the missing lines are
-written), so a resumed run computes every continuation in the same batch as an
-uninterrupted one.
+docs/SELF_GENERATED.md sets out the details.
 """
 
 from __future__ import annotations

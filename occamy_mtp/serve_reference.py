@@ -1,39 +1,6 @@
 """A tiny OpenAI-compatible HTTP server over the reference decoders (stdlib `http.server`).
 
-It exists so that `occamy_mtp.validate` can be tested against real server processes on
-loopback, and so that a small checkpoint can be served with MTP off (`--mode greedy`)
-or on (`--mode speculative`) exactly as `occamy_mtp.decode` defines them. It is not a
-serving engine: one request at a time, batch size 1, greedy only (temperature 0).
-
-    python -m occamy_mtp.serve_reference --base DIR [--head FILE] --mode speculative \
-        --draft-steps 3 --port 0            # prints "serving http://127.0.0.1:PORT"
-
-Endpoints: GET /health, GET /v1/models, GET /metrics, POST /v1/completions (prompt: text
-or token ids), POST /v1/chat/completions (messages rendered by the tokenizer's chat
-template; `chat_template_kwargs` passed through, e.g. {"enable_thinking": false}). Token
-logprobs are returned when `logprobs` is asked for (no `top_logprobs` alternatives: the
-reference decoders keep only the chosen token's);
-with `return_tokens_as_token_ids` (vLLM's spelling) tokens are "token_id:N", and with
-`return_token_ids` the output ids come back as SGLang returns them
-(`choices[0].response_token_ids` on chat, `choices[0].token_ids` on completions).
-
-Speculative counts, in speculative mode, in the engines' own formats (docs/ENGINES.md):
-SGLang's per-request `spec_*` fields (0.5.23 names), in `choices[0].meta_info` of a
-chat response when the request sets `return_meta_info: true`, and in
-`sglext.spec_tokens_details` when it sets `return_spec_tokens_details: true`; and vLLM's
-Prometheus counters on GET /metrics (`vllm:spec_decode_num_drafts_total`, ...,
-`vllm:spec_decode_num_accepted_tokens_per_pos_total{position="k"}`), summed over every
-request served. The counts are the reference decoder's own: drafts are capped at the
-tokens left in the budget, so the proposed count is what was drafted, not verify passes
-x K as SGLang computes it. Greedy mode reports no speculative fields and no counters,
-like an engine with speculation off.
-
-Fault injection, for testing the validation tool (requests are the generation requests,
-counted from 1):
-  --flip-token R:P        request R: output token P (0-based) replaced by another id
-  --shift-logprob R:P:D   request R: D added to output token P's logprob
-  --malformed R           request R: answered with a truncated JSON body
-  --crash-after N         the process exits when request N+1 arrives, without answering
+docs/REFERENCE_SERVER.md sets out the details.
 """
 
 from __future__ import annotations
@@ -47,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+
+from occamy_mtp.cli import command
 
 GREEDY = "greedy"
 SPECULATIVE = "speculative"
@@ -362,6 +331,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name)
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m occamy_mtp.serve_reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")

@@ -135,11 +135,11 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             state.base_forward_seconds += step.base_seconds
             state.elapsed_seconds = time.perf_counter() - started
 
-            record = _step_record(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
-            state.history.append(record)
+            line = _log_line(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
+            state.history.append(line)
             if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
-                accelerator.log(record, step=state.step)
-                progress.set_postfix(loss=f"{record['loss']:.4f}", agree=f"{record['agreement_step1']:.3f}")
+                accelerator.log(line, step=state.step)
+                progress.set_postfix(loss=f"{line['loss']:.4f}", agree=f"{line['agreement_step1']:.3f}")
             progress.update(1)
             if select_every and (state.step % select_every == 0 or state.step == total_steps):
                 select()
@@ -401,23 +401,23 @@ def _selection_summary(config: RunConfig, state: TrainState, validation_windows:
     }
 
 
-def _step_record(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:
-    """One step's log line, summed over processes."""
+def _log_line(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:
+    """One step's log line (loss, lr, agreement per step), summed over processes."""
     local = torch.tensor(
         [float(loss.detach())] + [v for s in stats for v in (s.scored, s.agree)],
         dtype=torch.float64,
         device=accelerator.device,
     )
     summed = accelerator.reduce(local, reduction="sum").cpu().tolist()
-    record = {"step": state.step, "lr": lr, "loss": summed[0] / accelerator.num_processes}
+    line = {"step": state.step, "lr": lr, "loss": summed[0] / accelerator.num_processes}
     for k in range(len(stats)):
         scored, agree = summed[1 + 2 * k], summed[2 + 2 * k]
-        record[f"scored_step{k + 1}"] = int(scored)
-        record[f"agreement_step{k + 1}"] = agree / scored if scored else 0.0
+        line[f"scored_step{k + 1}"] = int(scored)
+        line[f"agreement_step{k + 1}"] = agree / scored if scored else 0.0
     if grad_norm is not None:
-        record["grad_norm"] = float(grad_norm)
-    record["elapsed_seconds"] = state.elapsed_seconds
-    return record
+        line["grad_norm"] = float(grad_norm)
+    line["elapsed_seconds"] = state.elapsed_seconds
+    return line
 
 
 def _progress(accelerator, total: int, initial: int):

@@ -1,114 +1,46 @@
 """Endpoint validation: does turning MTP on change what the server says, and does it draft?
 
-The original validation protocol, against two OpenAI-compatible servers (MTP off as the
-reference, MTP on as the candidate; or one server, restarted between the two runs):
-
-* a fixed prompt set: authored prompts (`AUTHORED_PROMPTS`) plus heldout prefixes (the
-  messages before each heldout window's assistant turn), `--prompts` in all (20);
-* greedy (`temperature: 0`), thinking disabled (`chat_template_kwargs:
-  {"enable_thinking": false}`, which SGLang and vLLM pass to the template), token
-  logprobs on (with the top `--top-logprobs` alternatives, used only to diagnose a
-  divergence), a bounded `max_tokens`;
-* the first `--cold-warm` prompts (4) are sent twice to each server: a cold request,
-  then the same request warm (the engine's prefix cache now holds it);
-* output tokens and token logprobs are compared exactly: tokens must be identical (ids
-  when the server returns them, else the token strings) and logprobs within
-  `--logprob-tolerance` (0: bit-equal as JSON numbers); the maximum logprob difference
-  is reported either way. Where tokens differ, the report gives the number of prompts,
-  the first differing output token of each, and the reference's margin between its top
-  two candidates there (a near tie points at rounding, see docs/ENGINES.md). The
-  original run counted 4/4 cold/warm and 20/20 fixed exact matches;
-* speculative acceptance is read the way each engine reports it (docs/ENGINES.md):
-  - SGLang, per request: the body asks for it (`return_meta_info: true`; newer builds
-    also `return_spec_tokens_details: true`), and it comes back in
-    `choices[0].meta_info` (`spec_verify_ct`, `spec_num_correct_drafts`,
-    `spec_num_proposed_drafts`, `spec_correct_drafts_histogram`; 0.5.12 also spells them
-    `spec_accepted_drafts`, `spec_proposed_drafts`, `spec_accept_histogram`) or in
-    `sglext.spec_tokens_details`;
-  - vLLM, per request only when the server was started with
-    `--per-request-spec-decode-metrics summary|detailed`: `metrics.speculative_decoding`;
-  - vLLM, always: the Prometheus counters on `/metrics` (`vllm:spec_decode_num_drafts`,
-    `..._num_draft_tokens`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`),
-    read before and after the run; the difference is this run's, provided nobody else
-    uses the server meanwhile.
-  Per-request figures are preferred; the report names the engine (from `/v1/models`'
-  `owned_by` and the engine's version endpoint) and the source it used. Per-position
-  (chained) acceptance comes from the histogram or from the per-position counters.
-  The candidate must draft: a candidate that reports no speculative counts at all, or
-  drafted nothing, fails (`--allow-no-drafts` compares two servers without MTP);
-* an engine that does not speculate on requests asking for logprobs (older vLLM) shows
-  zero drafts for the logprob run; with `--acceptance-pass auto` (the default) the
-  prompts are then sent once more without logprobs (when the candidate must draft),
-  acceptance is read from that pass, and its tokens (ids with `return_token_ids`, else
-  text) are compared with the reference too. `always` runs that pass anyway, `never`
-  never.
-
-Every request is sent one at a time, and `--timeout` bounds each whole request by the
-wall clock (connect, send, and the whole response, however slowly it trickles in).
-A transport failure, an HTTP error or a malformed response (not JSON, a missing or
-mistyped field, a non-finite number, nesting too deep, a body over `MAX_RESPONSE_BYTES`)
-is recorded against its prompt with the reason (and fails the run); after
-`--max-consecutive-errors` transport failures the server is taken for dead and its
-remaining requests are skipped. Writes `validation.json` (the report),
-`responses-reference.json` and `responses-candidate.json` (every request and parsed
-response; either can be passed back as `--reference FILE` to compare against a server
-restarted since; `responses-candidate-acceptance.json` for the acceptance pass), and
-prints a summary. Exit status: 0 pass, 1 fail, 2 bad arguments.
-
-    python -m occamy_mtp.validate --reference http://127.0.0.1:30000 \
-        --candidate http://127.0.0.1:30001 --data heldout.jsonl --tokenizer DIR --out runs/validate
+docs/VALIDATE.md sets out the details.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import re
-import socket
-import ssl
 import sys
 import time
-import urllib.parse
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import window_settings
+from occamy_mtp.engine_client import (
+    CHAT,
+    COMPLETIONS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TIMEOUT_SECONDS,
+    DEFAULT_TOP_LOGPROBS,
+    ENDPOINT_PATHS,
+    VLLM_METRICS,
+    RequestFailed,
+    RequestSettings,
+    counter_delta,
+    parse_response,
+    post_json,
+    read_spec_counters,
+    server_identity,
+    settled_spec_counters,
+)
 from occamy_mtp.errors import OccamyError
 
-CHAT = "chat"
-COMPLETIONS = "completions"
-ENDPOINT_PATHS = {CHAT: "/v1/chat/completions", COMPLETIONS: "/v1/completions"}
 DEFAULT_PROMPTS = 20
 DEFAULT_COLD_WARM = 4
-DEFAULT_MAX_TOKENS = 64
-DEFAULT_TOP_LOGPROBS = 2  # the runner-up at a divergence tells a near tie from a real difference
-DEFAULT_TIMEOUT_SECONDS = 300.0
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 3
 ACCEPTANCE_PASS_MODES = ("auto", "always", "never")
 REPORT_FILE = "validation.json"
 RESPONSES_FILE = "responses-{role}.json"
 RESPONSES_FORMAT = 2
-MAX_RESPONSE_BYTES = 64 << 20  # a completion of a few thousand tokens with logprobs is well under 1 MiB
-MAX_HISTOGRAM_LENGTH = 1024  # draft steps + 1; engines draft a handful
-MAX_COUNT = 2**53  # counts beyond this are not counts (and lose precision as JSON doubles)
-RECV_BYTES = 1 << 16
-TOKEN_ID = re.compile(r"^token_id:(\d+)$")
-# /metrics: vLLM's counters are updated by its output loop, possibly just after the last
-# response went out; read until two reads agree (at most this many, this far apart).
-METRICS_SETTLE_READS = 6
-METRICS_SETTLE_SECONDS = 0.5
-VLLM_COUNTERS = {
-    "drafts": "vllm:spec_decode_num_drafts",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
-    "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
-}
-VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-PROMETHEUS_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)(\s+\S+)?$")
-PROMETHEUS_POSITION = re.compile(r'position="(\d+)"')
-SGLANG_META = "sglang: choices[0].meta_info"
-SGLANG_SGLEXT = "sglang: sglext.spec_tokens_details"
-VLLM_PER_REQUEST = "vllm: metrics.speculative_decoding"
-VLLM_METRICS = "vllm: /metrics counters (after - before)"
 
 # Authored prompts: short, varied, answerable without context (thinking disabled).
 AUTHORED_PROMPTS = (
@@ -202,207 +134,6 @@ def prompt_set(total: int, heldout: list[ValidationPrompt]) -> list[ValidationPr
     return chosen[:total]
 
 
-# ----------------------------------------------------------------------------------
-# Talking to a server (stdlib sockets: one deadline for the whole request)
-# ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    endpoint: str = CHAT
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS
-    """Wall-clock limit of one whole request (connect, send, receive)."""
-    model: str | None = None
-    """The `model` field; None asks GET /v1/models and takes the first id."""
-    token_ids: bool = True
-    """Ask for output token ids (`return_token_ids`; vLLM's `return_tokens_as_token_ids`) to compare ids, not strings."""
-    logprobs: bool = True
-    """Ask for token logprobs (the acceptance pass of an engine that does not speculate with them turns this off)."""
-    top_logprobs: int = DEFAULT_TOP_LOGPROBS
-    """Alternatives per output token, kept to diagnose a divergence (never compared)."""
-    engine_fields: bool = True
-    """Ask for SGLang's per-request speculative counts (`return_meta_info`, `return_spec_tokens_details`)."""
-    extra_body: dict = field(default_factory=dict)
-
-
-class RequestFailed(Exception):
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind  # "transport", "http" or "malformed"
-
-
-class _Deadline:
-    """Seconds left of one request; raises a transport failure once they are spent."""
-
-    def __init__(self, seconds: float, what: str):
-        self.seconds, self.what = seconds, what
-        self.end = time.monotonic() + seconds
-
-    def left(self, received: int = 0) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise self.expired(received)
-        return left
-
-    def expired(self, received: int) -> RequestFailed:
-        return RequestFailed("transport", f"{self.what}: no complete response within the {self.seconds:g} s timeout "
-                                          f"(whole request, {received} bytes received)")
-
-
-def _http(method: str, url: str, body: bytes | None, timeout_seconds: float) -> tuple[int, bytes]:
-    """One HTTP/1.1 request (Connection: close); (status, body). The timeout bounds the whole
-    exchange: every socket operation waits at most for what is left of it."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RequestFailed("transport", f"not an http(s) URL: {url!r}")
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    deadline = _Deadline(timeout_seconds, f"{method} {target}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    head = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close", "Accept: application/json, text/plain"]
-    if body is not None:
-        head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
-    payload = ("\r\n".join(head) + "\r\n\r\n").encode("ascii") + (body or b"")
-    received = bytearray()
-    try:
-        sock = socket.create_connection((parts.hostname, port), timeout=deadline.left())
-        try:
-            if parts.scheme == "https":
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
-            sock.settimeout(deadline.left())
-            sock.sendall(payload)
-            expected = None  # header bytes + Content-Length, once the headers are in
-            while expected is None or len(received) < expected:
-                sock.settimeout(deadline.left(len(received)))
-                chunk = sock.recv(RECV_BYTES)
-                if not chunk:
-                    break
-                received += chunk
-                if len(received) > MAX_RESPONSE_BYTES:
-                    raise RequestFailed("malformed", f"{method} {target}: response larger than {MAX_RESPONSE_BYTES} bytes")
-                if expected is None and b"\r\n\r\n" in received:
-                    expected = _expected_length(bytes(received))
-        finally:
-            sock.close()
-    except (socket.timeout, TimeoutError):  # a socket wait ran into the deadline
-        raise deadline.expired(len(received)) from None
-    except (ConnectionError, ssl.SSLError, OSError) as err:
-        raise RequestFailed("transport", f"{method} {target}: {type(err).__name__}: {err}") from None
-    return _parse_http(bytes(received), f"{method} {target}")
-
-
-def _split_head(raw: bytes) -> tuple[list[str], bytes]:
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    return head.decode("iso-8859-1").split("\r\n"), rest
-
-
-def _headers(lines: list[str]) -> dict[str, str]:
-    out = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        out[name.strip().lower()] = value.strip()
-    return out
-
-
-def _expected_length(raw: bytes) -> int | None:
-    """Total bytes of the response when it declares a Content-Length (else read to EOF)."""
-    lines, _ = _split_head(raw)
-    length = _headers(lines).get("content-length")
-    if length is None or not length.isdigit():
-        return None
-    return raw.index(b"\r\n\r\n") + 4 + int(length)
-
-
-def _parse_http(raw: bytes, what: str) -> tuple[int, bytes]:
-    if b"\r\n\r\n" not in raw:
-        raise RequestFailed("transport", f"{what}: connection closed before a complete HTTP header ({len(raw)} bytes)")
-    lines, body = _split_head(raw)
-    status = lines[0].split(" ", 2)
-    if len(status) < 2 or not status[0].startswith("HTTP/") or not status[1].isdigit():
-        raise RequestFailed("malformed", f"{what}: not an HTTP status line: {lines[0][:80]!r}")
-    headers = _headers(lines)
-    if "chunked" in headers.get("transfer-encoding", "").lower():
-        body = _dechunk(body, what)
-    elif headers.get("content-length", "").isdigit() and len(body) < int(headers["content-length"]):
-        raise RequestFailed("transport", f"{what}: connection closed after {len(body)} of {headers['content-length']} body bytes")
-    return int(status[1]), body
-
-
-def _dechunk(body: bytes, what: str) -> bytes:
-    out, at = bytearray(), 0
-    while True:
-        end = body.find(b"\r\n", at)
-        size_text = body[at:end].split(b";")[0].strip() if end >= 0 else b""
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise RequestFailed("malformed", f"{what}: bad chunked encoding") from None
-        if size == 0:
-            return bytes(out)
-        if end + 2 + size > len(body):
-            raise RequestFailed("transport", f"{what}: connection closed inside a chunk")
-        out += body[end + 2 : end + 2 + size]
-        at = end + 2 + size + 2
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _json(raw: bytes, what: str):
-    """Parse a JSON body; NaN/Infinity literals, bad UTF-8 and nesting too deep to parse are malformed."""
-    try:
-        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except RecursionError:
-        raise RequestFailed("malformed", f"{what}: JSON nested too deeply to parse") from None
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError is a ValueError
-        raise RequestFailed("malformed", f"{what}: response is not JSON ({err}); first bytes {raw[:80]!r}") from None
-
-
-def _request_json(method: str, url: str, body: dict | None, timeout: float) -> dict:
-    status, raw = _http(method, url, None if body is None else json.dumps(body).encode("utf-8"), timeout)
-    what = f"{method} {urllib.parse.urlsplit(url).path}"
-    if not 200 <= status < 300:
-        raise RequestFailed("http", f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}")
-    parsed = _json(raw, what)
-    if not isinstance(parsed, dict):
-        raise RequestFailed("malformed", f"{what}: response is a JSON {type(parsed).__name__}, not an object")
-    return parsed
-
-
-def _post(url: str, body: dict, timeout: float) -> dict:
-    return _request_json("POST", url, body, timeout)
-
-
-def _get(url: str, timeout: float) -> dict:
-    return _request_json("GET", url, None, timeout)
-
-
-def server_identity(base_url: str, timeout: float) -> dict:
-    """{"model": first /v1/models id, "engine": owned_by ("vllm", "sglang", ...), "version": ...}.
-
-    vLLM's and SGLang's model cards name the engine in `owned_by`; the version comes
-    from vLLM's GET /version or SGLang's GET /server_info (absent: None)."""
-    listing = _get(base_url.rstrip("/") + "/v1/models", timeout)
-    data = listing.get("data")
-    card = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
-    if card is None or not isinstance(card.get("id"), str):
-        raise RequestFailed("malformed", "GET /v1/models: no data[0].id")
-    engine = card.get("owned_by") if isinstance(card.get("owned_by"), str) else None
-    version = None
-    path = {"vllm": "/version", "sglang": "/server_info"}.get(engine)
-    if path is not None:
-        try:
-            version = _get(base_url.rstrip("/") + path, timeout).get("version")
-        except RequestFailed:
-            pass  # the version is a label only
-    return {"model": card["id"], "engine": engine, "version": version if isinstance(version, str) else None}
-
-
-def server_model_name(base_url: str, timeout: float) -> str:
-    return server_identity(base_url, timeout)["model"]
-
-
 def request_body(prompt: ValidationPrompt, settings: RequestSettings, model: str, tokenizer=None) -> dict:
     body = {"model": model, "max_tokens": settings.max_tokens, "temperature": 0}
     if settings.endpoint == CHAT:
@@ -431,312 +162,6 @@ def request_body(prompt: ValidationPrompt, settings: RequestSettings, model: str
             body["return_tokens_as_token_ids"] = True  # vLLM: logprob tokens as "token_id:N"
     body.update(settings.extra_body)
     return body
-
-
-# ----------------------------------------------------------------------------------
-# Reading a response: tokens, logprobs, speculative counts (every field checked)
-# ----------------------------------------------------------------------------------
-
-
-def _malformed(message: str) -> RequestFailed:
-    return RequestFailed("malformed", message)
-
-
-def _brief(value) -> str:
-    """A value for an error message: scalars shown (cut short), containers by type only."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)[:40]
-    return f"a JSON {'array' if isinstance(value, list) else 'object'}"
-
-
-def _count(value, name: str) -> int:
-    """A non-negative integer count (an integral finite float such as 12.0 is accepted)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _malformed(f"{name} is {_brief(value)}, not a count")
-    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
-        raise _malformed(f"{name} is {_brief(value)}, not a finite whole number")
-    if not 0 <= value <= MAX_COUNT:
-        raise _malformed(f"{name} is {_brief(value)}, outside 0..2^53")
-    return int(value)
-
-
-def _counts(value, name: str) -> list[int]:
-    if not isinstance(value, list):
-        raise _malformed(f"{name} is {type(value).__name__}, not a list of counts")
-    if len(value) > MAX_HISTOGRAM_LENGTH:
-        raise _malformed(f"{name} has {len(value)} entries (at most {MAX_HISTOGRAM_LENGTH})")
-    return [_count(v, f"{name}[{i}]") for i, v in enumerate(value)]
-
-
-def _logprob(value, name: str) -> float:
-    if not isinstance(value, bool) and isinstance(value, (int, float)):
-        try:
-            number = float(value)  # an int beyond float range raises
-        except OverflowError:
-            number = math.inf
-        if math.isfinite(number):
-            return number
-    raise _malformed(f"{name} is {_brief(value)}, not a finite number")
-
-
-def _object(value, name: str) -> dict | None:
-    """An optional JSON object: absent/null -> None, an object -> itself, anything else is malformed."""
-    if value is None or isinstance(value, dict):
-        return value
-    raise _malformed(f"{name} is {type(value).__name__}, not an object")
-
-
-def _first_present(place: dict, names: tuple[str, ...]) -> tuple[str, object] | None:
-    for name in names:
-        if name in place:
-            return name, place[name]
-    return None
-
-
-def _top_alternatives(entries, name: str) -> list[list]:
-    """[[token, logprob], ...] best first, from a chat `top_logprobs` list or a completions dict."""
-    if entries is None:
-        return []
-    if isinstance(entries, dict):
-        pairs = list(entries.items())
-    elif isinstance(entries, list):
-        pairs = []
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
-                raise _malformed(f"{name}[{i}] is not an object with a token")
-            pairs.append((entry["token"], entry.get("logprob")))
-    else:
-        raise _malformed(f"{name} is {type(entries).__name__}, not a list")
-    out = [[str(token), _logprob(lp, f"{name}[{token!r}]")] for token, lp in pairs]
-    return sorted(out, key=lambda pair: -pair[1])[:DEFAULT_TOP_LOGPROBS]
-
-
-def parse_response(response: dict, endpoint: str, logprobs: bool = True) -> dict:
-    """Text, tokens, token ids (when given), logprobs, the top alternatives, finish reason and
-    speculative counts of one response; RequestFailed("malformed") names the first bad field."""
-    choices = response.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        raise _malformed("missing field in the response: choices[0] (an object) expected")
-    choice = choices[0]
-    if endpoint == CHAT:
-        message = _object(choice.get("message"), "choices[0].message")
-        text = message.get("content") if message else None
-    else:
-        text = choice.get("text")
-    if text is not None and not isinstance(text, str):
-        raise _malformed(f"the response text is {type(text).__name__}, not a string")
-    ids_field = _first_present(choice, ("token_ids", "response_token_ids"))  # vLLM / SGLang chat
-    explicit_ids = None
-    if ids_field is not None and ids_field[1] is not None:
-        explicit_ids = _counts_unbounded(ids_field[1], f"choices[0].{ids_field[0]}")
-
-    tokens, values, top = None, [], []
-    if logprobs:
-        block = _object(choice.get("logprobs"), "choices[0].logprobs")
-        if block is None:
-            raise _malformed("missing field in the response: choices[0].logprobs (logprobs were asked for)")
-        if endpoint == CHAT:
-            entries = block.get("content")
-            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-                raise _malformed("choices[0].logprobs.content is not a list of objects")
-            tokens = [e.get("token") for e in entries]
-            raw_values = [e.get("logprob") for e in entries]
-            raw_top = [e.get("top_logprobs") for e in entries]
-        else:
-            tokens, raw_values, raw_top = block.get("tokens"), block.get("token_logprobs"), block.get("top_logprobs")
-            if raw_top is None and isinstance(tokens, list):
-                raw_top = [None] * len(tokens)
-        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-            raise _malformed("logprobs tokens are not a list of strings")
-        if not isinstance(raw_values, list) or len(raw_values) != len(tokens):
-            raise _malformed("token logprobs are not one number per token")
-        values = [_logprob(v, f"token logprob {i}") for i, v in enumerate(raw_values)]
-        if not isinstance(raw_top, list) or len(raw_top) != len(tokens):
-            raise _malformed("top logprobs are not one entry per token")
-        top = [_top_alternatives(t, f"top logprobs of token {i}") for i, t in enumerate(raw_top)]
-        if explicit_ids is not None and len(explicit_ids) != len(tokens):
-            raise _malformed(f"{len(explicit_ids)} token ids for {len(tokens)} logprob tokens")
-    ids = explicit_ids
-    if ids is None and tokens:
-        matches = [TOKEN_ID.match(t) for t in tokens]
-        ids = [int(m.group(1)) for m in matches] if all(matches) else None
-    finish = choice.get("finish_reason")
-    return {
-        "text": text or "",
-        "tokens": tokens,
-        "token_ids": ids,
-        "logprobs": values,
-        "top_logprobs": top,
-        "finish_reason": finish if isinstance(finish, str) else None,
-        "speculative": speculative_counts(response),
-    }
-
-
-def _counts_unbounded(value, name: str) -> list[int]:
-    """Token ids: a list of non-negative integers of any length (the body size bounds it)."""
-    if not isinstance(value, list):
-        raise _malformed(f"{name} is {type(value).__name__}, not a list")
-    return [_count(v, f"{name}[{i}]") for i, v in enumerate(value)]
-
-
-def speculative_counts(response: dict) -> dict | None:
-    """One response's speculative counts, normalised, wherever its engine put them; None if absent.
-
-    Normalised: source, verify_passes, accepted_tokens, draft_tokens (None where the engine
-    does not say), completion_tokens, histogram (index j: verify passes that accepted
-    exactly j drafts; [] if not given), draft_steps (K, where it can be told)."""
-    choices = response.get("choices")
-    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    meta = _object(choice.get("meta_info"), "choices[0].meta_info")
-    if meta is not None and "spec_verify_ct" in meta:
-        return _sglang_counts(meta, SGLANG_META, "choices[0].meta_info")
-    sglext = _object(response.get("sglext"), "sglext")
-    details = sglext.get("spec_tokens_details") if sglext else None
-    if isinstance(details, list):  # one entry per choice when n > 1
-        details = details[0] if details else None
-    details = _object(details, "sglext.spec_tokens_details")
-    if details is not None:
-        return _sglang_counts(details, SGLANG_SGLEXT, "sglext.spec_tokens_details")
-    metrics = _object(response.get("metrics"), "metrics")
-    spec = _object(metrics.get("speculative_decoding") if metrics else None, "metrics.speculative_decoding")
-    if spec is not None:
-        return _vllm_request_counts(spec)
-    return None
-
-
-def _sglang_counts(place: dict, source: str, where: str) -> dict:
-    """SGLang's `spec_*` fields (0.5.23 names; 0.5.12's aliases accepted)."""
-    verify = _count(place["spec_verify_ct"], f"{where}.spec_verify_ct")
-    out = {"source": source, "verify_passes": verify, "accepted_tokens": None, "draft_tokens": None,
-           "completion_tokens": None, "histogram": [], "draft_steps": None}
-    for key, names in (("accepted_tokens", ("spec_num_correct_drafts", "spec_accepted_drafts")),
-                       ("draft_tokens", ("spec_num_proposed_drafts", "spec_proposed_drafts")),
-                       ("completion_tokens", ("completion_tokens",))):
-        found = _first_present(place, names)
-        if found is not None:
-            out[key] = _count(found[1], f"{where}.{found[0]}")
-    found = _first_present(place, ("spec_correct_drafts_histogram", "spec_accept_histogram"))
-    if found is not None:
-        out["histogram"] = _counts(found[1], f"{where}.{found[0]}")
-    # SGLang counts K drafts per verify pass (num_draft_tokens - 1): K = proposed / verify passes.
-    if verify and out["draft_tokens"] is not None and out["draft_tokens"] % verify == 0:
-        out["draft_steps"] = out["draft_tokens"] // verify
-    return _check_counts(out, where)
-
-
-def _vllm_request_counts(spec: dict) -> dict:
-    """vLLM's `metrics.speculative_decoding` (--per-request-spec-decode-metrics, vLLM 0.32)."""
-    where = "metrics.speculative_decoding"
-    missing = [k for k in ("num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens") if k not in spec]
-    if missing:
-        raise _malformed(f"{where} lacks {', '.join(missing)}")
-    out = {"source": VLLM_PER_REQUEST,
-           "verify_passes": _count(spec["num_spec_steps"], f"{where}.num_spec_steps"),
-           "accepted_tokens": _count(spec["num_accepted_draft_tokens"], f"{where}.num_accepted_draft_tokens"),
-           "draft_tokens": _count(spec["num_draft_tokens"], f"{where}.num_draft_tokens"),
-           "completion_tokens": None,
-           "histogram": _counts(spec.get("acceptance_histogram", []), f"{where}.acceptance_histogram"),
-           "draft_steps": _count(spec["num_spec_tokens"], f"{where}.num_spec_tokens") if "num_spec_tokens" in spec else None}
-    return _check_counts(out, where)
-
-
-def _check_counts(out: dict, where: str) -> dict:
-    accepted, drafted = out["accepted_tokens"], out["draft_tokens"]
-    if accepted is not None and drafted is not None and accepted > drafted:
-        raise _malformed(f"{where}: {accepted} accepted drafts of {drafted} drafted")
-    # Index j counts verify passes that accepted j drafts: it must add up to the passes and to
-    # the accepted drafts. A histogram that does not is kept but not used for per-position figures.
-    histogram = out["histogram"]
-    out["histogram_consistent"] = bool(histogram) and sum(histogram) == out["verify_passes"] and (
-        accepted is None or sum(j * n for j, n in enumerate(histogram)) == accepted)
-    return out
-
-
-# ----------------------------------------------------------------------------------
-# vLLM's Prometheus counters
-# ----------------------------------------------------------------------------------
-
-
-def parse_spec_counters(text: str) -> dict | None:
-    """vLLM's speculative-decoding counters in a Prometheus text exposition, summed over
-    engines and models; None when the server exposes none (speculation off, or not vLLM).
-
-    prometheus_client writes a counter `name` as `name_total` (and `name_created`, a
-    timestamp, which is skipped); both `name` and `name_total` are read."""
-    wanted = {name: key for key, name in VLLM_COUNTERS.items()}
-    totals: dict[str, float] = {}
-    per_position: dict[int, float] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = PROMETHEUS_SAMPLE.match(line)
-        if match is None:
-            continue  # another exposition's syntax we do not need
-        name, labels, value_text = match.group(1), match.group(2) or "", match.group(3)
-        base = name[: -len("_total")] if name.endswith("_total") else name
-        if base not in wanted and base != VLLM_PER_POSITION:
-            continue
-        try:
-            value = float(value_text)
-        except ValueError:
-            raise _malformed(f"/metrics line {number}: {name} has value {value_text[:40]!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise _malformed(f"/metrics line {number}: {name} is {value_text[:40]!r}, not a count")
-        if base == VLLM_PER_POSITION:
-            position = PROMETHEUS_POSITION.search(labels)
-            if position is None:
-                raise _malformed(f"/metrics line {number}: {name} without a position label")
-            per_position[int(position.group(1))] = per_position.get(int(position.group(1)), 0.0) + value
-        else:
-            totals[wanted[base]] = totals.get(wanted[base], 0.0) + value
-    if not totals and not per_position:
-        return None
-    missing = [VLLM_COUNTERS[k] for k in VLLM_COUNTERS if k not in totals]
-    if missing:
-        raise _malformed(f"/metrics has some speculative counters but not {', '.join(missing)}")
-    steps = max(per_position) + 1 if per_position else 0
-    return {**{k: int(v) for k, v in totals.items()}, "accepted_per_position": [int(per_position.get(i, 0.0)) for i in range(steps)]}
-
-
-def read_spec_counters(base_url: str, timeout: float) -> dict:
-    """{"counters": ...} (None: no speculative counters), or {"error": reason} when /metrics
-    cannot be read (absent, HTTP error, malformed): a label of the run, never its failure."""
-    try:
-        status, raw = _http("GET", base_url.rstrip("/") + "/metrics", None, timeout)
-        if status != 200:
-            return {"error": f"GET /metrics: HTTP {status}"}
-        return {"counters": parse_spec_counters(raw.decode("utf-8", "replace"))}
-    except RequestFailed as err:
-        return {"error": str(err)}
-
-
-def settled_spec_counters(base_url: str, timeout: float) -> dict:
-    """The counters once two reads in a row agree (vLLM may count the last step just after
-    answering), at most `METRICS_SETTLE_READS` reads."""
-    reading = read_spec_counters(base_url, timeout)
-    for _ in range(METRICS_SETTLE_READS - 1):
-        if "error" in reading:
-            return reading
-        time.sleep(METRICS_SETTLE_SECONDS)
-        again = read_spec_counters(base_url, timeout)
-        if again == reading:
-            return reading
-        reading = again
-    return reading
-
-
-def counter_delta(before: dict, after: dict) -> dict | None:
-    """The run's counts: after - before (None when either read failed or found no counters)."""
-    old, new = before.get("counters"), after.get("counters")
-    if old is None or new is None:
-        return None
-    per_position = [n - (old["accepted_per_position"][i] if i < len(old["accepted_per_position"]) else 0)
-                    for i, n in enumerate(new["accepted_per_position"])]
-    delta = {k: new[k] - old[k] for k in VLLM_COUNTERS}
-    if min(delta.values(), default=0) < 0 or min(per_position, default=0) < 0:
-        return {"error": "the counters went down during the run (the server restarted?)"}
-    return {**delta, "accepted_per_position": per_position}
 
 
 # ----------------------------------------------------------------------------------
@@ -774,7 +199,7 @@ def collect(base_url: str, prompts: list[ValidationPrompt], cold_warm: int, sett
                 continue
             started = time.perf_counter()
             try:
-                response = _post(url, request_body(prompt, settings, model, tokenizer), settings.timeout_seconds)
+                response = post_json(url, request_body(prompt, settings, model, tokenizer), settings.timeout_seconds)
                 entry["response"] = parse_response(response, settings.endpoint, settings.logprobs)
                 consecutive = 0
             except RequestFailed as err:
@@ -1213,92 +638,73 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
     return report
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
-    from occamy_mtp.config import ConfigError, add_split_arguments, split_from_arguments
-
-    parser = argparse.ArgumentParser(prog="python -m occamy_mtp.validate", description="Compare two OpenAI-compatible servers (MTP off vs on) token for token, and read the MTP-on server's acceptance.")
-    parser.add_argument("--reference", required=True, help="URL of the MTP-off server, or a responses-reference.json recorded earlier")
-    parser.add_argument("--candidate", help="URL of the MTP-on server (or a recorded responses file); omit to record the reference only")
-    parser.add_argument("--data", nargs="*", type=Path, default=None,
-                        help="chat data files: heldout prefixes join the authored prompts (default: --config's data.files)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (needed with --data and --endpoint completions; "
-                                                       "default: --config's model.tokenizer or model.base)")
-    parser.add_argument("--prompt-source", choices=("mixed", "windows"), default="mixed",
-                        help="mixed: authored prompts + heldout prefixes (chat); windows: the heldout windows' contexts as "
-                             "token ids, the prompts of `occamy_mtp.evaluate --reference-decoder` (needs --data, --endpoint completions)")
-    parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="size of the fixed prompt set")
-    parser.add_argument("--cold-warm", type=int, default=DEFAULT_COLD_WARM, help="prompts sent twice (cold, then warm)")
-    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    parser.add_argument("--endpoint", choices=(CHAT, COMPLETIONS), default=CHAT)
-    parser.add_argument("--model", help="the request's model field (default: the server's first /v1/models id)")
-    parser.add_argument("--no-token-ids", action="store_true", help="do not ask for token ids (compare token strings)")
-    parser.add_argument("--top-logprobs", type=int, default=DEFAULT_TOP_LOGPROBS, help="alternatives per token, to diagnose a divergence")
-    parser.add_argument("--no-engine-fields", action="store_true", help="do not ask for SGLang's per-request speculative counts")
-    parser.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
-    parser.add_argument("--logprob-tolerance", type=float, default=0.0, help="largest |logprob difference| still counted as exact")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="wall-clock seconds for each whole request")
-    parser.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS)
-    parser.add_argument("--allow-no-drafts", action="store_true", help="the candidate need not speculate (two servers without MTP)")
-    parser.add_argument("--acceptance-pass", choices=ACCEPTANCE_PASS_MODES, default="auto",
-                        help="send the prompts once more without logprobs: auto (when the logprob run drafted nothing), always, never")
-    parser.add_argument("--out", required=True, type=Path, help="directory for validation.json and the responses files")
-    parser.add_argument("--quiet", action="store_true")
-    add_split_arguments(parser)
-    args = parser.parse_args(argv)
-
-    try:
-        config, split = split_from_arguments(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if config is not None:  # the run's data and tokenizer, unless a flag names others
-        args.data = args.data if args.data is not None else [Path(f) for f in config.data.files]
-        args.tokenizer = args.tokenizer or Path(config.model.tokenizer or config.model.base)
-    args.data = args.data or []
-
+    cli = command_line("python -m occamy_mtp.validate",
+                       "Compare two OpenAI-compatible servers (MTP off vs on) token for token, and read the MTP-on server's acceptance. "
+                       "--config (the run's) gives data.files, whose heldout prefixes join the authored prompts, the tokenizer "
+                       "and the split.", config_required=False)
+    cli.add_argument("--reference", required=True, help="URL of the MTP-off server, or a responses-reference.json recorded earlier")
+    cli.add_argument("--candidate", help="URL of the MTP-on server (or a recorded responses file); omit to record the reference only")
+    cli.add_argument("--prompt-source", choices=("mixed", "windows"), default="mixed",
+                     help="mixed: authored prompts + heldout prefixes (chat); windows: the heldout windows' contexts as "
+                          "token ids, the prompts of `occamy_mtp.evaluate --reference-decoder` (needs data.files, --endpoint completions)")
+    cli.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="size of the fixed prompt set")
+    cli.add_argument("--cold-warm", type=int, default=DEFAULT_COLD_WARM, help="prompts sent twice (cold, then warm)")
+    cli.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    cli.add_argument("--endpoint", choices=(CHAT, COMPLETIONS), default=CHAT)
+    cli.add_argument("--model", help="the request's model field (default: the server's first /v1/models id)")
+    cli.add_argument("--no-token-ids", action="store_true", help="do not ask for token ids (compare token strings)")
+    cli.add_argument("--top-logprobs", type=int, default=DEFAULT_TOP_LOGPROBS, help="alternatives per token, to diagnose a divergence")
+    cli.add_argument("--no-engine-fields", action="store_true", help="do not ask for SGLang's per-request speculative counts")
+    cli.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
+    cli.add_argument("--logprob-tolerance", type=float, default=0.0, help="largest |logprob difference| still counted as exact")
+    cli.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="wall-clock seconds for each whole request")
+    cli.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS)
+    cli.add_argument("--allow-no-drafts", action="store_true", help="the candidate need not speculate (two servers without MTP)")
+    cli.add_argument("--acceptance-pass", choices=ACCEPTANCE_PASS_MODES, default="auto",
+                     help="send the prompts once more without logprobs: auto (when the logprob run drafted nothing), always, never")
+    cli.add_argument("--out", required=True, type=Path, help="directory for validation.json and the responses files")
+    cli.add_argument("--quiet", action="store_true")
+    args, config = parse(cli, argv)
     try:
         extra = json.loads(args.extra_body)
         if not isinstance(extra, dict):
             raise ValueError
     except (ValueError, RecursionError):
-        print(f"error: --extra-body must be a JSON object, got {args.extra_body!r}", file=sys.stderr)
-        return 2
+        raise ValidationError(f"--extra-body must be a JSON object, got {args.extra_body!r}") from None
     if min(args.prompts, args.max_tokens, args.max_consecutive_errors) < 1 or min(args.cold_warm, args.top_logprobs) < 0 \
             or not args.timeout > 0 or not math.isfinite(args.timeout) or not args.logprob_tolerance >= 0:
-        print("error: --prompts, --max-tokens, --max-consecutive-errors must be >= 1, --cold-warm and --top-logprobs >= 0, "
-              "--timeout a finite number > 0, --logprob-tolerance >= 0", file=sys.stderr)
-        return 2
+        raise ValidationError("--prompts, --max-tokens, --max-consecutive-errors must be >= 1, --cold-warm and --top-logprobs >= 0, "
+                              "--timeout a finite number > 0, --logprob-tolerance >= 0")
     for flag, value in (("--reference", args.reference), ("--candidate", args.candidate)):
         if value is not None and not _is_url(value) and not Path(value).is_file():
-            print(f"error: {flag} {value}: neither an http(s) URL nor a responses file", file=sys.stderr)
-            return 2
-    if args.prompt_source == "windows" and (not args.data or args.endpoint != COMPLETIONS):
-        print("error: --prompt-source windows needs --data, --tokenizer and --endpoint completions", file=sys.stderr)
-        return 2
-    tokenizer = None
-    if args.data or args.endpoint == COMPLETIONS:
-        if args.tokenizer is None or not args.tokenizer.is_dir():
-            print("error: --tokenizer DIR is needed with --data or --endpoint completions", file=sys.stderr)
-            return 2
-        from transformers import AutoTokenizer
+            raise ValidationError(f"{flag} {value}: neither an http(s) URL nor a responses file")
+    files = list(config.data.files)
+    if args.prompt_source == "windows" and (not files or args.endpoint != COMPLETIONS):
+        raise ValidationError("--prompt-source windows needs data.files (or --config) and --endpoint completions")
+    from occamy_mtp.data import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer), local_files_only=True)
-    from occamy_mtp.data import DataError
-
+    tokenizer = load_tokenizer(config) if files or args.endpoint == COMPLETIONS else None
+    split = window_settings(config.data)
     try:
         if args.prompt_source == "windows":
-            prompts = heldout_window_contexts(args.data, tokenizer, **split)[: args.prompts]
+            prompts = heldout_window_contexts(files, tokenizer, **split)[: args.prompts]
         else:
-            prompts = prompt_set(args.prompts, heldout_prefixes(args.data, tokenizer, **split) if args.data else [])
-        settings = RequestSettings(args.endpoint, args.max_tokens, args.timeout, args.model, not args.no_token_ids,
-                                   True, args.top_logprobs, not args.no_engine_fields, extra)
-        log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+            prompts = prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else [])
+    except ValueError as err:
+        raise ValidationError(str(err)) from None
+    settings = RequestSettings(args.endpoint, args.max_tokens, args.timeout, args.model, not args.no_token_ids,
+                               True, args.top_logprobs, not args.no_engine_fields, extra)
+    log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
         report = validate(args.reference, args.candidate, prompts, args.out, settings, min(args.cold_warm, len(prompts)),
                           args.logprob_tolerance, tokenizer, args.max_consecutive_errors, log,
                           require_drafts=not args.allow_no_drafts, acceptance_pass=args.acceptance_pass)
-    except (ValidationError, DataError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:
+        if isinstance(err, OccamyError):
+            raise
+        raise ValidationError(str(err)) from None
     if report is None:
         print(f"recorded {len(prompts)} prompts from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
         return 0

@@ -99,23 +99,23 @@ def test_window_settings_are_prepare_windows_arguments_with_the_same_defaults():
     assert set(WINDOW_SETTINGS) == set(window_settings(DataSettings()))
 
 
-def test_split_arguments_take_the_run_config_then_the_flags(tmp_path):
-    import argparse
-
-    from occamy_mtp.config import add_split_arguments, split_from_arguments
+def test_a_command_line_takes_the_run_config_then_the_overrides(tmp_path):
+    from occamy_mtp.cli import parse, parser
+    from occamy_mtp.config import window_settings
 
     config = tmp_path / "run.yaml"
     config.write_text("data:\n  train_conversations: 40\n  validation_conversations: 0\n  context_tokens: 64\n  max_record_bytes: 1000\n"
                       "train:\n  select_every_steps: 0\n")
-    parser = argparse.ArgumentParser()
-    add_split_arguments(parser)
-    run, split = split_from_arguments(parser.parse_args(["--config", str(config), "--context-tokens", "32"]))
-    assert run.data.train_conversations == 40
+    cli = parser("test", "a command", config_required=False)
+    cli.add_argument("--own", action="store_true")
+    args, run = parse(cli, ["data.context_tokens=32", "--config", str(config), "--own"])  # in any order
+    split = window_settings(run.data)
+    assert run.data.train_conversations == 40 and args.own
     assert split["train_conversations"] == 40 and split["validation_conversations"] == 0 and split["max_record_bytes"] == 1000
-    assert split["context_tokens"] == 32  # the flag wins
+    assert split["context_tokens"] == 32  # the override wins
     assert split["heldout_conversations"] == 32 and split["skip_bad_records"] is False  # the defaults
-    run, split = split_from_arguments(parser.parse_args(["--skip-bad-records"]))
-    assert run is None and split["skip_bad_records"] is True and split["validation_conversations"] == 32
+    _, run = parse(cli, ["data.skip_bad_records=true"])
+    assert run.data.skip_bad_records is True and run.data.validation_conversations == 32
     config.write_text("data:\n  max_record_bytes: 0\n")
     with pytest.raises(ConfigError, match="data.max_record_bytes"):
-        split_from_arguments(parser.parse_args(["--config", str(config)]))
+        parse(cli, ["--config", str(config)])

@@ -423,7 +423,7 @@ def test_provenance_is_json_and_complete(sample_data):
 
 
 def test_cli_json_report(sample_tokenizer_dir, capsys):
-    assert D.main([str(SAMPLE_DATA_PATH), "--tokenizer", str(sample_tokenizer_dir), "--json"]) == 0
+    assert D.main([f"data.files=[{SAMPLE_DATA_PATH}]", f"model.tokenizer={sample_tokenizer_dir}", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     # the training defaults' split: 256 train, 32 validation, 32 heldout
     assert report["conversations_read"] == 393 and report["conversations_kept"] == 320
@@ -436,17 +436,17 @@ def test_cli_reads_the_files_tokenizer_and_split_of_a_run_config(tmp_path, sampl
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{base: {sample_tokenizer_dir}}}\ndata: {{files: [{SAMPLE_DATA_PATH}], train_conversations: 100, "
                       "validation_conversations: 0, heldout_conversations: 10}\ntrain: {select_every_steps: 0}\n")
-    assert D.main(["--config", str(config), "--heldout-conversations", "20", "--json"]) == 0
+    assert D.main(["--config", str(config), "data.heldout_conversations=20", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (100, 0, 20)
-    assert D.main(["--json"]) == 2 and "--config" in capsys.readouterr().err
+    assert D.main(["--json"]) == 2 and "--config" in capsys.readouterr().err  # no data.files, no config
 
 
 def test_cli_errors_are_one_line(tmp_path, sample_tokenizer_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "occamy_mtp.data", str(tmp_path / "missing.jsonl"), "--tokenizer", str(sample_tokenizer_dir)],
+        [sys.executable, "-m", "occamy_mtp.data", f"data.files=[{tmp_path / 'missing.jsonl'}]", f"model.tokenizer={sample_tokenizer_dir}"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {tmp_path / 'missing.jsonl'}: no such file"
+    assert result.stderr.strip() == f"error: data.files: {tmp_path / 'missing.jsonl'}: no such file"
     assert "Traceback" not in result.stderr

@@ -258,3 +258,35 @@ def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_pa
 
     assert main(argv[:-2] + ["--max-windows", "0", "--out", str(tmp_path / "zero")]) == 2
     assert "--max-windows" in capsys.readouterr().err
+
+
+def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_path, monkeypatch):
+    """eval.served_steps, eval.draft_steps and data.self_generate_batch_size of --config reach
+    the evaluation (they had defaults of their own on evaluate's command line)."""
+    from occamy_mtp.selfgen import SelfGeneratedStore
+
+    batch_sizes = []
+    real_generate = SelfGeneratedStore.generate
+
+    def spy(self, base, windows, batch_size, log=print):
+        batch_sizes.append(batch_size)
+        return real_generate(self, base, windows, batch_size, log)
+
+    monkeypatch.setattr(SelfGeneratedStore, "generate", spy)
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(
+        f"model: {{base: {checkpoints['base']}, donor_head: {checkpoints['donor']}, tokenizer: {checkpoints['tokenizer']}, dtype: float32}}\n"
+        f"data: {{files: [{checkpoints['data']}], context_tokens: 16, answer_tokens: 6, train_conversations: 3, "
+        f"validation_conversations: 1, heldout_conversations: 2, self_generate_batch_size: 1}}\n"
+        f"eval: {{served_steps: [2], draft_steps: 2}}\n"
+        f"output: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    out = tmp_path / "eval"
+    assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
+    report = json.loads((out / "evaluation.json").read_text())
+    assert batch_sizes == [1] and report["self_generated"]["batch_size"] == 1
+    assert report["served_steps"] == [2] and set(report["heads"]["trained"]["served"]) == {"2"}
+    assert report["heads"]["trained"]["teacher_forced"]["draft_steps"] == 2
+    # The continuations are the run's own store: a second evaluation writes none.
+    assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
+    assert batch_sizes == [1] and json.loads((out / "evaluation.json").read_text())["self_generated"]["generated_now"] == 0

@@ -654,7 +654,7 @@ def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_t
     assert result.provenance()["max_record_bytes"] == limit
     assert D.RECORD_TOO_LARGE in D.EXCLUSION_REASONS
 
-    assert D.main([str(path), "--tokenizer", str(sample_tokenizer_dir), "--max-record-bytes", str(limit), "--json"]) == 0
+    assert D.main([f"data.files=[{path}]", f"model.tokenizer={sample_tokenizer_dir}", f"data.max_record_bytes={limit}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["excluded"][D.RECORD_TOO_LARGE] == 3
     with pytest.raises(ValueError, match="max_record_bytes must be >= 1, got 0"):
         D.prepare_windows([path], sample_tokenizer, max_record_bytes=0)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from occamy_mtp import engine_client as E
 from occamy_mtp import validate as V
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -97,7 +98,7 @@ def _meta(response) -> dict:
 def _run(tmp_path, candidate: FaultServer, prompts: int = 1, **kwargs) -> dict:
     """Reference: the good replay; candidate: the fault. Returns the report (never raises)."""
     good = FaultServer(lambda handler: _raw(200, json.dumps(GOOD["responses"][0]).encode()))
-    settings = V.RequestSettings(max_tokens=16, timeout_seconds=TIMEOUT_SECONDS)
+    settings = E.RequestSettings(max_tokens=16, timeout_seconds=TIMEOUT_SECONDS)
     with good:
         return V.validate(good.url, candidate.url, V.prompt_set(prompts, []), tmp_path, settings, cold_warm=0,
                           acceptance_pass="never", **kwargs)
@@ -188,7 +189,7 @@ def test_transport_faults_are_recorded(tmp_path):
 
 
 def test_a_body_over_the_limit_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(V, "MAX_RESPONSE_BYTES", 64_000)  # the good response is ~21 kB
+    monkeypatch.setattr(E, "MAX_RESPONSE_BYTES", 64_000)  # the good response is ~21 kB
     with FaultServer(lambda handler: _raw(200, b" " * 100_000)) as server:
         error = _only_error(_run(tmp_path, server))
     assert error["kind"] == "malformed" and "larger than 64000 bytes" in error["message"]
@@ -245,7 +246,7 @@ def test_malformed_metrics_do_not_fail_the_requests(tmp_path):
     with FaultServer(lambda handler: _raw(200, json.dumps(GOOD["responses"][0]).encode()), metrics) as server:
         report = _run(tmp_path, server)
     acceptance = report["acceptance"]["candidate"]
-    assert report["passed"] and acceptance["source"] == V.SGLANG_META
+    assert report["passed"] and acceptance["source"] == E.SGLANG_META
     assert "not a count" in acceptance["metrics"]["error"]
 
 
@@ -255,6 +256,6 @@ def test_a_dead_port_fails_fast(tmp_path):
     port = sock.getsockname()[1]
     sock.close()  # nobody listens there now
     started = time.monotonic()
-    run = V.collect(f"http://127.0.0.1:{port}", V.prompt_set(2, []), 0, V.RequestSettings(timeout_seconds=TIMEOUT_SECONDS))
+    run = V.collect(f"http://127.0.0.1:{port}", V.prompt_set(2, []), 0, E.RequestSettings(timeout_seconds=TIMEOUT_SECONDS))
     assert time.monotonic() - started < TIMEOUT_SECONDS
     assert run["model_error"]["kind"] == "transport" and [r["error"]["kind"] for r in run["requests"]] == ["skipped", "skipped"]

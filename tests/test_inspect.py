@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
-from occamy_mtp.inspect import main
+from occamy_mtp.checkpoint_report import main
 from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import files
+from occamy_mtp.cli import command
 from occamy_mtp.head import MTPHead, SharedWeights
 from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
@@ -250,6 +251,7 @@ def build_demo_models(
     return manifest
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the demo's donor and fine-tuned base from the sample chats.")
     parser.add_argument("--out", default="runs/demo/models", help="output directory (tokenizer/, donor/, base/)")

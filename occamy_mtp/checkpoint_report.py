@@ -1,0 +1,276 @@
+"""What a checkpoint holds, before a long run: `python -m occamy_mtp.checkpoint_report PATH [--json]`.
+
+PATH is a checkpoint directory or a bare config.json. The report gives the
+architecture and dimensions, whether `mtp.*` tensors are present and in which expert
+layout, the head's total and trainable parameter counts, and every problem found:
+missing, unexpected or mis-shaped tensors (base and head), a head whose hidden size is
+not the base's, mixed expert layouts, a quantized base, an unreadable index or shard.
+
+No weight is read: shapes come from the safetensors headers, and the head (and the
+base, to check its tensor shapes) is built on the meta device, so a real-size
+checkpoint is inspected in seconds and without memory.
+
+Exit status: 0 when no problem was found, 1 otherwise (the report is printed either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from occamy_mtp.cli import command
+from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.head import MTPHead, count_parameters, set_trainable
+
+# Per kind of tensor problem (missing, unexpected, mis-shaped), how many to list by
+# name: a head with all 512 experts missing would otherwise print 1,536 lines.
+MAX_LISTED_PER_KIND = 20
+# safetensors dtypes a bf16 head can be read from without dequantisation.
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+BF16_BYTES = 2
+
+
+def _listed(problems: list[str], kind: str) -> list[str]:
+    if len(problems) <= MAX_LISTED_PER_KIND:
+        return list(problems)
+    rest = len(problems) - MAX_LISTED_PER_KIND
+    return problems[:MAX_LISTED_PER_KIND] + [f"... and {rest} more {kind} tensors"]
+
+
+def _tensor_problems(report: ckpt_io.LoadReport) -> list[str]:
+    return (
+        _listed(report.missing, "missing")
+        + _listed(report.unexpected, "unexpected")
+        + _listed(report.mismatched, "mis-shaped")
+    )
+
+
+def dimensions(text_config) -> dict:
+    """The text config's sizes that decide the head's shape and the run's cost."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    rope = dict(getattr(text_config, "rope_parameters", None) or {})
+    layer_types = list(getattr(text_config, "layer_types", None) or [])
+    return {
+        "hidden_size": text_config.hidden_size,
+        "num_hidden_layers": text_config.num_hidden_layers,
+        "full_attention_layers": layer_types.count("full_attention"),
+        "linear_attention_layers": layer_types.count("linear_attention"),
+        "vocab_size": text_config.vocab_size,
+        "num_attention_heads": text_config.num_attention_heads,
+        "num_key_value_heads": text_config.num_key_value_heads,
+        "head_dim": head_dim,
+        "rotary_dims": int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        "rope_theta": rope.get("rope_theta"),
+        "num_experts": text_config.num_experts,
+        "num_experts_per_tok": text_config.num_experts_per_tok,
+        "moe_intermediate_size": text_config.moe_intermediate_size,
+        "shared_expert_intermediate_size": text_config.shared_expert_intermediate_size,
+        "rms_norm_eps": text_config.rms_norm_eps,
+        "tie_word_embeddings": bool(getattr(text_config, "tie_word_embeddings", False)),
+        "mtp_num_hidden_layers": int(getattr(text_config, "mtp_num_hidden_layers", 0) or 0),
+    }
+
+
+def _quantization(quantization_config: dict | None) -> dict | None:
+    if not quantization_config:
+        return None
+    return {
+        "quant_method": quantization_config.get("quant_method"),
+        "quant_algo": quantization_config.get("quant_algo"),
+    }
+
+
+def _check_head(ckpt: ckpt_io.SafetensorsCheckpoint, head: MTPHead, hidden_size: int) -> tuple[dict, list[str]]:
+    disk_keys = ckpt_io.head_disk_keys(ckpt)
+    mtp = {"present": bool(disk_keys), "expert_layout": None, "tensors": len(disk_keys),
+           "dtypes": dict(Counter(ckpt.dtype(k) for k in sorted(disk_keys)))}
+    if not disk_keys:
+        return mtp, []
+    problems = []
+    fc_key = ckpt_io.HEAD_PREFIX + "fc.weight"
+    if fc_key in disk_keys:
+        fc_shape = list(ckpt.shape(fc_key))
+        if fc_shape != [hidden_size, 2 * hidden_size]:
+            problems.append(
+                f"base/head dimension mismatch: {fc_key} in {ckpt.file_of(fc_key)} has shape {fc_shape} "
+                f"(a head of hidden size {fc_shape[0]}), but the base's hidden_size is {hidden_size} "
+                f"(expected {[hidden_size, 2 * hidden_size]})"
+            )
+    try:
+        _, report = ckpt_io.check_tensors(ckpt, ckpt_io.head_module_shapes(head), ckpt_io.HEAD_PREFIX, disk_keys)
+    except ckpt_io.CheckpointError as err:  # mixed expert layouts
+        return mtp, problems + [str(err)]
+    mtp["expert_layout"] = report.layout
+    problems += _tensor_problems(report)
+    quantized = sorted({d for d in mtp["dtypes"] if d not in FLOAT_DTYPES})
+    if quantized:
+        problems.append(
+            f"mtp.* tensors stored as {', '.join(quantized)}: the head must come from a bf16 donor, not a quantized one"
+        )
+    return mtp, problems
+
+
+def _check_base(ckpt: ckpt_io.SafetensorsCheckpoint, base) -> list[str]:
+    """Base text tensors against the shapes of the base built from the config (names as load_base maps them)."""
+    prefix = ckpt_io.base_text_prefix(ckpt)
+    shapes = {name: tuple(t.shape) for name, t in base.state_dict().items()}
+    if getattr(base.config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    disk_shapes = {
+        name if name == "lm_head.weight" else prefix + name[len(ckpt_io.TEXT_PREFIX):]: shape
+        for name, shape in shapes.items()
+    }
+    disk_keys = {
+        k for k in ckpt.keys()
+        if k == "lm_head.weight" or (k.startswith(prefix) and not k.startswith(ckpt_io.VISION_PREFIX) and not k.startswith(ckpt_io.HEAD_PREFIX))
+    }
+    try:
+        _, report = ckpt_io.check_tensors(ckpt, disk_shapes, "", disk_keys)
+    except ckpt_io.CheckpointError as err:
+        return [str(err)]
+    return _tensor_problems(report)
+
+
+def inspect_path(path: Path) -> dict:
+    """The report for a checkpoint directory or a bare config.json, as a plain dict."""
+    path = Path(path)
+    report: dict = {"path": str(path), "source": "config" if path.is_file() else "checkpoint"}
+    problems: list[str] = []
+    notes: list[str] = []
+    _inspect(path, report, problems, notes)
+    report["notes"] = notes
+    report["problems"] = problems  # last, so that they end the JSON as they end the text
+    return report
+
+
+def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) -> None:
+    try:
+        config = ckpt_io.read_config(path)
+    except ckpt_io.CheckpointError as err:
+        problems.append(str(err))
+        return
+    text_config = config.text_config
+    architectures = config.raw.get("architectures") or []
+    report.update({
+        "architecture": architectures[0] if architectures else None,
+        "model_type": config.raw.get("model_type"),
+        "text_model_type": text_config.model_type,
+        "multimodal": config.multimodal,
+        "dimensions": dimensions(text_config),
+        "quantization": _quantization(config.quantization_config),
+    })
+    if config.quantization_config:
+        q = report["quantization"]
+        problems.append(
+            f"quantized base (quant_method {q['quant_method']!r}, quant_algo {q['quant_algo']!r}): the head "
+            "must stay bf16, so assembly must add the head's modules to the quantization exclusions; "
+            "base tensor shapes are not checked"
+        )
+
+    with torch.device("meta"):
+        head = MTPHead(text_config)
+        base = ckpt_io.build_base_model(text_config)
+    set_trainable(head)
+    total, trainable = count_parameters(head)
+    report.update({
+        "head_parameters": total,
+        "trainable_parameters": trainable,
+        "head_bytes_bf16": total * BF16_BYTES,
+        "base_parameters": sum(p.numel() for p in base.parameters()),
+    })
+
+    report["checkpoint"] = None
+    report["mtp"] = {"present": None, "expert_layout": None, "tensors": 0, "dtypes": {}}
+    if report["source"] == "config":
+        notes.append("config only: no tensors were checked")
+        return
+    try:
+        ckpt = ckpt_io.SafetensorsCheckpoint(path)
+    except ckpt_io.CheckpointError as err:
+        problems.append(str(err))
+        return
+    keys = ckpt.keys()
+    report["checkpoint"] = {
+        "files": len(ckpt.files()),
+        "bytes": sum(f.stat().st_size for f in ckpt.files()),
+        "tensors": len(keys),
+        "text_prefix": ckpt_io.base_text_prefix(ckpt),
+        "vision_tensors": sum(k.startswith(ckpt_io.VISION_PREFIX) for k in keys),
+        "dtypes": dict(Counter(ckpt.dtype(k) for k in keys)),
+    }
+    report["mtp"], head_problems = _check_head(ckpt, head, text_config.hidden_size)
+    problems += head_problems
+    if not config.quantization_config:
+        problems += _check_base(ckpt, base)
+    declared = report["dimensions"]["mtp_num_hidden_layers"]
+    if not report["mtp"]["present"]:
+        notes.append("no mtp.* tensors: a donor head must be given (its mtp.* tensors) to train")
+        if declared:
+            notes.append(f"config declares mtp_num_hidden_layers={declared} but the checkpoint has no mtp.* tensors")
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
+
+
+def format_report(report: dict) -> str:
+    """The report for people: one line per topic, problems last."""
+    lines = [f"occamy-mtp inspect: {report['path']}"]
+
+    def row(label: str, text: str) -> None:
+        lines.append(f"  {label:<18}{text}")
+
+    if "dimensions" in report:
+        d = report["dimensions"]
+        row("architecture", f"{report['architecture']} (model_type {report['model_type']}, text "
+            f"{report['text_model_type']}, {'multimodal' if report['multimodal'] else 'text-only'})")
+        row("dimensions", f"hidden {d['hidden_size']:,}, {d['num_hidden_layers']} layers ({d['full_attention_layers']} "
+            f"full attention, {d['linear_attention_layers']} linear), vocab {d['vocab_size']:,}")
+        row("attention", f"{d['num_attention_heads']} query / {d['num_key_value_heads']} KV heads, head_dim "
+            f"{d['head_dim']}, {d['rotary_dims']} rotary dims, rope_theta {d['rope_theta']:g}")
+        row("experts", f"{d['num_experts']} routed, top-{d['num_experts_per_tok']}, intermediate "
+            f"{d['moe_intermediate_size']}; shared expert {d['shared_expert_intermediate_size']}")
+        q = report["quantization"]
+        row("quantization", "none" if q is None else f"{q['quant_method']} {q['quant_algo'] or ''}".rstrip())
+        row("base parameters", _count(report["base_parameters"]))
+        row("head parameters", f"{_count(report['head_parameters'])} "
+            f"({report['head_bytes_bf16'] / 2**20:,.1f} MiB in bf16), trainable {_count(report['trainable_parameters'])}")
+    ckpt = report.get("checkpoint")
+    if ckpt:
+        row("checkpoint", f"{ckpt['files']} files, {ckpt['bytes'] / 2**20:,.1f} MiB, {ckpt['tensors']:,} tensors "
+            f"({ckpt['text_prefix']}*; {ckpt['vision_tensors']} vision tensors, not loaded)")
+    mtp = report.get("mtp")
+    if mtp and mtp["present"] is not None:
+        row("mtp head", (f"present, {mtp['expert_layout'] or 'unknown'} expert layout, {mtp['tensors']:,} tensors "
+                         f"({', '.join(sorted(mtp['dtypes']))})") if mtp["present"] else "absent")
+    for note in report["notes"]:
+        row("note", note)
+    if report["problems"]:
+        lines.append(f"  problems ({len(report['problems'])}):")
+        lines += [f"    - {p}" for p in report["problems"]]
+    else:
+        row("problems", "none")
+    return "\n".join(lines)
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m occamy_mtp.checkpoint_report",
+        description="Report what a Qwen3.5-MoE / Qwen3-Next checkpoint (or config.json) holds, before a long run.",
+    )
+    parser.add_argument("path", type=Path, help="checkpoint directory or config.json")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    args = parser.parse_args(argv)
+    report = inspect_path(args.path)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
