@@ -21,7 +21,16 @@ from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig
-from occamy_mtp.run import load_tokenizer, log_stderr, open_store, prepare_data, quiet, run_windows, self_generated_needed
+from occamy_mtp.run import (
+    continuation_writer,
+    load_tokenizer,
+    log_stderr,
+    open_store,
+    prepare_data,
+    quiet,
+    run_windows,
+    self_generated_needed,
+)
 from occamy_mtp.target import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.target_cache import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -94,9 +103,9 @@ def build_for_config(
     store = open_store(config, tokenizer)
     directory = Path(directory)
     base = None
-    if store.missing(self_generated_needed(config, data)):
-        base = _load_base(config)
-    windows = run_windows(config, data, store, base, log).all()
+    if store.missing(self_generated_needed(config, data)) and not config.data.self_generate_endpoints:
+        base = _load_base(config)  # it writes the continuations (servers write them when named)
+    windows = run_windows(config, data, store, continuation_writer(config, tokenizer, base), log).all()
     identity = cache_identity(Path(config.model.base), windows, data.settings, config.model.dtype, config.model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)

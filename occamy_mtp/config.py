@@ -68,6 +68,19 @@ class DataSettings:
     """Contexts per batch when the base writes the continuations. At real size on one H200,
     64 writes 2.2x the tokens per second of 16 and peaks at 73 GiB, below the cache pass's
     74.8 (bench/RESULTS.md); lower it on a GPU with less memory."""
+    self_generate_endpoints: tuple[str, ...] = ()
+    """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
+    that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the
+    base in this process writes them. The work is spread over every server."""
+    self_generate_model: str = ""
+    """The model id the servers must serve (their /v1/models); empty: the one they serve, recorded."""
+    self_generate_concurrency: int = 64
+    """Requests in flight per server."""
+    self_generate_timeout_seconds: float = 600.0
+    """Wall-clock bound of one request to a server (a continuation of up to data.answer_tokens tokens)."""
+    self_generate_retries: int = 4
+    """Tries after a failed request (connection error, timeout, HTTP 5xx, malformed answer), waiting
+    1, 2, 4... s between them, before the run stops with the server's URL and the last error."""
     split_seed: int = 0
     """Seed of the content hash that assigns conversations to train or heldout."""
     skip_bad_records: bool = False
@@ -187,6 +200,10 @@ class RunConfig:
         # cache and the store hold exactly what the base computes), so a run may move them.
         d["data"].pop("target_cache", None)
         d["data"].pop("self_generated_dir", None)
+        # Nor where the servers are or how they are asked (the store knows who wrote its text).
+        for name in ("self_generate_endpoints", "self_generate_concurrency", "self_generate_timeout_seconds",
+                     "self_generate_retries"):
+            d["data"].pop(name, None)
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
@@ -349,6 +366,13 @@ def check(config: RunConfig) -> None:
         (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
         (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
         (config.data.self_generate_batch_size >= 1, "data.self_generate_batch_size", ">= 1"),
+        (all(u.startswith(("http://", "https://")) for u in config.data.self_generate_endpoints)
+         and len(set(config.data.self_generate_endpoints)) == len(config.data.self_generate_endpoints),
+         "data.self_generate_endpoints", "distinct http:// or https:// URLs"),
+        (config.data.self_generate_concurrency >= 1, "data.self_generate_concurrency", ">= 1"),
+        (math.isfinite(config.data.self_generate_timeout_seconds) and config.data.self_generate_timeout_seconds > 0,
+         "data.self_generate_timeout_seconds", "a finite number > 0"),
+        (config.data.self_generate_retries >= 0, "data.self_generate_retries", ">= 0"),
         (config.data.max_record_bytes >= 1, "data.max_record_bytes", ">= 1"),
         (config.train.epochs >= 1, "train.epochs", ">= 1"),
         (config.train.windows_per_step >= 1, "train.windows_per_step", ">= 1"),

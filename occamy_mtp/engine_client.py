@@ -72,9 +72,10 @@ class RequestSettings:
 
 
 class RequestFailed(Exception):
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, status: int | None = None):
         super().__init__(message)
         self.kind = kind  # "transport", "http" or "malformed"
+        self.status = status  # the HTTP status of an "http" failure
 
 
 class _Deadline:
@@ -208,7 +209,7 @@ def _request_json(method: str, url: str, body: dict | None, timeout: float) -> d
     status, raw = _http(method, url, None if body is None else json.dumps(body).encode("utf-8"), timeout)
     what = f"{method} {urllib.parse.urlsplit(url).path}"
     if not 200 <= status < 300:
-        raise RequestFailed("http", f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}")
+        raise RequestFailed("http", f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}", status)
     parsed = _json(raw, what)
     if not isinstance(parsed, dict):
         raise RequestFailed("malformed", f"{what}: response is a JSON {type(parsed).__name__}, not an object")

@@ -28,7 +28,7 @@ from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
 from occamy_mtp.data import PreparedData, Window, load_tokenizer, prepare_windows
 from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.selfgen import SelfGenError, SelfGeneratedStore, store_identity
+from occamy_mtp.selfgen import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.target import OnlineTargets, TargetSource
 from occamy_mtp.target_cache import TargetCache, cache_identity
 
@@ -211,15 +211,31 @@ def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
 
 
 def open_store(config: RunConfig, tokenizer) -> SelfGeneratedStore:
-    """The run's store of continuations (refused when written for another base or settings)."""
+    """The run's store of continuations (refused when written for another base, other settings
+    or by another writer)."""
     identity = store_identity(
         config.model.base,
         config.model.dtype,
         config.model.attn_implementation,
         max_new_tokens=config.data.answer_tokens,
         stop_token_ids=stop_token_ids(config, tokenizer),
+        writer=ENGINE if config.data.self_generate_endpoints else EMBEDDED,
     )
     return SelfGeneratedStore.open(self_generated_dir(config), identity)
+
+
+def continuation_writer(config: RunConfig, tokenizer, base=None) -> Writer | None:
+    """Who writes the continuations a store lacks: the servers of `data.self_generate_endpoints`
+    (checked when first asked), else the base in this process when it is loaded, else nobody."""
+    if config.data.self_generate_endpoints:
+        from occamy_mtp.engine_generate import EngineWriter, Request
+
+        request = Request(config.data.answer_tokens, frozenset(stop_token_ids(config, tokenizer)),
+                          ckpt_io.read_config(config.model.base).text_config.vocab_size,
+                          config.data.self_generate_timeout_seconds, config.data.self_generate_retries)
+        return EngineWriter(config.data.self_generate_endpoints, config.data.self_generate_model, tokenizer, request,
+                            config.data.self_generate_concurrency)
+    return EmbeddedWriter(base, config.data.self_generate_batch_size) if base is not None else None
 
 
 @dataclass(frozen=True)
@@ -255,13 +271,13 @@ def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SP
     return [*(data.validation if VALIDATION in splits else []), *(data.heldout if HELDOUT in splits else []), *train]
 
 
-def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore | None, base=None, log: Log = quiet,
-                splits=EVERY_SPLIT) -> RunWindows:
-    """The windows of `splits`; the base (when given) first writes the continuations the store lacks.
+def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore | None, writer: Writer | None = None,
+                log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
+    """The windows of `splits`; `writer` (`continuation_writer`) first writes the continuations the store lacks.
 
-    Without the base (a run reading the target cache) every continuation must be in the
-    store already: the cache pass writes them. Without a store, the recorded answers only
-    (train and the teacher-forced heldout windows).
+    Without a writer (the targets are cached and no servers are named) every continuation
+    must be in the store already: the cache pass writes them. Without a store, the
+    recorded answers only (train and the teacher-forced heldout windows).
     """
     if store is None:
         return RunWindows(train=list(data.train) if TRAIN in splits else [], validation=[], heldout=[],
@@ -269,13 +285,14 @@ def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore
     needed = self_generated_needed(config, data, splits)
     missing = store.missing(needed)
     if missing:
-        if base is None:
+        if writer is None:
             raise SelfGenError(
                 f"{store.directory}: {len(missing)} of the run's {len(needed)} windows have no self-generated continuation, "
                 "and the base is not loaded to write them (data.target_cache is set); run "
-                "`python -m occamy_mtp.cache --config CONFIG` first, which writes them with the target cache"
+                "`python -m occamy_mtp.cache --config CONFIG` first, which writes them with the target cache, or name "
+                "servers that write them (data.self_generate_endpoints)"
             )
-        store.generate(base, needed, config.data.self_generate_batch_size, log)
+        store.generate(writer, needed, log)
     train: list[Window] = []
     if TRAIN in splits:
         answers = config.data.answers
@@ -395,6 +412,6 @@ def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT,
     models = load_models(config, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
         store = open_store(config, tokenizer) if self_generated else None
-        windows = run_windows(config, data, store, models.base, log=log, splits=splits)
+        windows = run_windows(config, data, store, continuation_writer(config, tokenizer, models.base), log=log, splits=splits)
     targets = open_targets(config, windows.all(), data.settings, base=models.base)
     return Run(config, RunDir.of(config), tokenizer, data, models, windows, targets, stop_token_ids(config, tokenizer))

@@ -331,6 +331,13 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name)
 
 
+class _Server(HTTPServer):
+    """One request at a time; up to this many clients wait in the listen queue (a run keeps
+    `data.self_generate_concurrency` requests in flight, 64 by default)."""
+
+    request_queue_size = 256
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m occamy_mtp.serve_reference", description=__doc__.split("\n\n")[0])
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device)
-    server = HTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
+    server = _Server((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
     try:

@@ -186,7 +186,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
-    windows = run_windows(cached_config, data, open_store(cached_config, world["tokenizer"]), base=None).all()
+    windows = run_windows(cached_config, data, open_store(cached_config, world["tokenizer"])).all()
     assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 2  # self-generated, + recorded heldout
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
     C.build_cache(library, C.cache_identity(world["base_path"], windows, data.settings, "float32", "sdpa"), C.window_ids(windows),

@@ -268,9 +268,9 @@ def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_p
     batch_sizes = []
     real_generate = SelfGeneratedStore.generate
 
-    def spy(self, base, windows, batch_size, log=print):
-        batch_sizes.append(batch_size)
-        return real_generate(self, base, windows, batch_size, log)
+    def spy(self, writer, windows, log=print):
+        batch_sizes.append(writer.batch_size)
+        return real_generate(self, writer, windows, log)
 
     monkeypatch.setattr(SelfGeneratedStore, "generate", spy)
     config_path = tmp_path / "run.yaml"

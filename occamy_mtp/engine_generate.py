@@ -1,0 +1,266 @@
+"""The base's continuations written by serving engines: OpenAI-compatible servers, many requests in flight.
+
+Each context goes to `/v1/completions` as token ids (no template is rendered again),
+greedy, at most the window's answer budget, stopping at the base's stop tokens, with
+`return_token_ids` (vLLM and SGLang return `choices[0].token_ids`, docs/ENGINES.md).
+Where a server returns only text, the text is tokenized and the continuations whose
+tokens do not decode back to it are counted. `connect` checks every server first (it
+answers, names a model, the model is `data.self_generate_model` when set, and a short
+greedy probe comes back); `write` keeps `concurrency` requests in flight per server and
+retries a failed request with backoff; a server that stays down stops the run, naming
+its URL and the last error.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+from occamy_mtp.engine_client import COMPLETIONS, RequestFailed, parse_response, post_json, server_identity
+from occamy_mtp.errors import OccamyError
+from occamy_mtp.selfgen import ENGINE, Continuation
+
+PROBE_TOKENS = 2  # new tokens of the probe request: enough to see token ids come back
+BACKOFF_SECONDS = 1.0  # the first retry's wait; each next one doubles, up to MAX_BACKOFF_SECONDS
+MAX_BACKOFF_SECONDS = 30.0
+PROGRESS_SECONDS = 10.0  # how often progress is logged
+
+
+class EngineError(OccamyError, RuntimeError):
+    """A server that cannot write the continuations: names its URL and what went wrong."""
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server that writes continuations, as `connect` found it."""
+
+    url: str
+    model: str
+    engine: str | None
+    version: str | None
+    token_ids: bool
+    """The probe came back with token ids (else the server's text is tokenized)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One continuation as a server gave it, and how its tokens were read."""
+
+    tokens: tuple[int, ...]
+    finished: bool
+    source: str
+    """"token_ids" (as returned), "text" (tokenized, decodes back to the text) or "text_lossy" (does not)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every request asks: the budget, the stop tokens, how long to wait and how often to try."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    vocab_size: int
+    timeout_seconds: float
+    retries: int
+
+
+def request_body(model: str, prompt_ids: Sequence[int], request: Request, max_tokens: int | None = None) -> dict:
+    return {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens or request.max_new_tokens,
+        "temperature": 0,
+        "n": 1,
+        "stop_token_ids": sorted(request.stop_token_ids),
+        "skip_special_tokens": False,
+        "return_token_ids": True,
+    }
+
+
+def read_answer(response: dict, tokenizer, request: Request, max_tokens: int | None = None) -> Answer:
+    """The continuation in `response`; RequestFailed("malformed") when it cannot be one."""
+    parsed = parse_response(response, COMPLETIONS, logprobs=False)
+    budget = max_tokens or request.max_new_tokens
+    stop = request.stop_token_ids
+    ids, source = parsed["token_ids"], "token_ids"
+    if ids is None:
+        text = parsed["text"]
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        source = "text" if tokenizer.decode(ids) == text else "text_lossy"
+    ids = list(ids)
+    cut = next((i for i, t in enumerate(ids) if t in stop), None)
+    if cut is not None:
+        ids = ids[: cut + 1]  # the embedded generator stops at the first stop token, inclusive
+    elif parsed["finish_reason"] == "stop":
+        hidden = _stop_token(response["choices"][0], stop, tokenizer)
+        if hidden is None:
+            raise RequestFailed("malformed", "finish_reason is stop, but neither the token ids nor stop_reason / matched_stop "
+                                             "name a stop token of the base")
+        ids.append(hidden)
+    if len(ids) > budget:
+        raise RequestFailed("malformed", f"{len(ids)} new tokens, more than the {budget} asked for")
+    if any(t >= request.vocab_size for t in ids):
+        raise RequestFailed("malformed", f"token id {max(ids)} is outside the base's vocabulary ({request.vocab_size})")
+    finished = bool(ids) and ids[-1] in stop
+    if not finished and len(ids) < budget and parsed["finish_reason"] != "length":
+        raise RequestFailed("malformed", f"{len(ids)} of {budget} tokens, no stop token, and finish_reason "
+                                         f"{parsed['finish_reason']!r}: the continuation is cut short")
+    return Answer(tuple(ids), finished, source)
+
+
+def _stop_token(choice: dict, stop: Collection[int], tokenizer) -> int | None:
+    """The stop token a server left out of its answer: vLLM's `stop_reason` or SGLang's
+    `matched_stop` (a token id), or the eos when vLLM says None (it stopped at the eos)."""
+    for name in ("stop_reason", "matched_stop"):
+        value = choice.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value in stop:
+            return value
+    if "stop_reason" in choice and choice["stop_reason"] is None and tokenizer.eos_token_id in stop:
+        return int(tokenizer.eos_token_id)
+    return None
+
+
+def _completion(url: str, model: str, prompt_ids: Sequence[int], tokenizer, request: Request,
+                max_tokens: int | None = None, stopped: threading.Event | None = None) -> Answer:
+    """One context's continuation from one server, retried on a connection error, a timeout,
+    an HTTP 5xx or a malformed answer; RequestFailed after the last try."""
+    body = request_body(model, prompt_ids, request, max_tokens)
+    for attempt in range(request.retries + 1):
+        try:
+            return read_answer(post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds), tokenizer,
+                               request, max_tokens)
+        except RequestFailed as err:
+            if err.kind == "http" and err.status is not None and err.status < 500 or attempt == request.retries:
+                raise
+            if stopped is not None and stopped.wait(min(MAX_BACKOFF_SECONDS, BACKOFF_SECONDS * 2**attempt)):
+                raise
+            if stopped is None:
+                time.sleep(min(MAX_BACKOFF_SECONDS, BACKOFF_SECONDS * 2**attempt))
+    raise AssertionError("unreachable")
+
+
+def connect(urls: Sequence[str], expected_model: str, probe_prompt: Sequence[int], tokenizer, request: Request) -> list[Server]:
+    """Check every server before the run: it answers, names the expected model (all the same
+    one), and a short greedy probe comes back; EngineError names the server that does not."""
+    servers = []
+    for url in urls:
+        try:
+            identity = server_identity(url, request.timeout_seconds)
+        except RequestFailed as err:
+            raise EngineError(f"data.self_generate_endpoints: {url} does not answer as an OpenAI-compatible server "
+                              f"(GET /v1/models: {err})") from None
+        model = identity["model"]
+        if expected_model and model != expected_model:
+            raise EngineError(f"data.self_generate_endpoints: {url} serves {model!r}, not data.self_generate_model "
+                              f"{expected_model!r}; point the run at servers of the base")
+        if servers and model != servers[0].model:
+            raise EngineError(f"data.self_generate_endpoints: {url} serves {model!r} and {servers[0].url} serves "
+                              f"{servers[0].model!r}; every server must serve the same base")
+        try:
+            body = request_body(model, probe_prompt, request, PROBE_TOKENS)
+            response = post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds)
+            read_answer(response, tokenizer, request, PROBE_TOKENS)
+        except RequestFailed as err:
+            raise EngineError(f"data.self_generate_endpoints: {url}: a {PROBE_TOKENS}-token greedy probe failed ({err})") from None
+        token_ids = parse_response(response, COMPLETIONS, logprobs=False)["token_ids"] is not None
+        servers.append(Server(url, model, identity["engine"], identity["version"], token_ids))
+    return servers
+
+
+def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenizer, request: Request, concurrency: int,
+          log: Callable[[str], None]) -> Iterator[tuple[int, Answer]]:
+    """(index into `contexts`, its answer) as each comes back, `concurrency` requests in flight per server.
+
+    A request that fails after its retries stops every worker and raises EngineError with
+    the server's URL and the error; what was yielded before stays the caller's.
+    """
+    todo: queue.Queue[int] = queue.Queue()
+    for index in range(len(contexts)):
+        todo.put(index)
+    done: queue.Queue = queue.Queue()
+    stopped = threading.Event()
+
+    def worker(server: Server) -> None:
+        while not stopped.is_set():
+            try:
+                index = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((index, _completion(server.url, server.model, contexts[index], tokenizer, request, stopped=stopped)))
+            except RequestFailed as err:
+                done.put((index, EngineError(f"data.self_generate_endpoints: {server.url} failed on a request after "
+                                             f"{request.retries + 1} tries: {err}")))
+                stopped.set()
+                return
+
+    threads = [threading.Thread(target=worker, args=(server,), daemon=True)
+               for server in servers for _ in range(min(concurrency, len(contexts)))]
+    for thread in threads:
+        thread.start()
+    started = last_log = time.monotonic()
+    received = tokens = 0
+    try:
+        while received < len(contexts):
+            index, answer = done.get()
+            if isinstance(answer, EngineError):
+                raise answer
+            received += 1
+            tokens += len(answer.tokens)
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_SECONDS or received == len(contexts):
+                last_log = now
+                log(f"  {received}/{len(contexts)} continuations from {len(servers)} server(s), "
+                    f"{tokens / max(now - started, 1e-9):,.0f} tokens/s")
+            yield index, answer
+    finally:
+        stopped.set()
+        for thread in threads:
+            thread.join(timeout=request.timeout_seconds + MAX_BACKOFF_SECONDS)
+
+
+class EngineWriter:
+    """The servers of `connect` as the self-generated store's writer (`selfgen.Writer`)."""
+
+    source = ENGINE
+
+    def __init__(self, urls: Sequence[str], expected_model: str, tokenizer, request: Request, concurrency: int):
+        self.urls, self.expected_model = list(urls), expected_model
+        self.tokenizer, self.request, self.concurrency = tokenizer, request, concurrency
+        self._servers: list[Server] | None = None
+        self.sources: dict[str, int] = {}
+        """How the answers' tokens were read: "token_ids", "text", "text_lossy" -> count."""
+
+    @property
+    def servers(self) -> list[Server]:
+        """The servers, checked by `connect` the first time they are needed (before any request)."""
+        if self._servers is None:
+            probe = self.tokenizer("Hello", add_special_tokens=False)["input_ids"]
+            self._servers = connect(self.urls, self.expected_model, probe, self.tokenizer, self.request)
+        return self._servers
+
+    def details(self) -> dict:
+        return {"model": self.servers[0].model, "servers": [s.to_dict() for s in self.servers],
+                "concurrency": self.concurrency}
+
+    def describe(self) -> str:
+        engines = sorted({f"{s.engine or 'unknown engine'} {s.version or ''}".strip() for s in self.servers})
+        return f"{len(self.servers)} server(s) ({', '.join(engines)})"
+
+    def answers(self, contexts, missing, max_new_tokens, stop_token_ids, log):
+        if max_new_tokens != self.request.max_new_tokens or frozenset(stop_token_ids) != self.request.stop_token_ids:
+            raise ValueError("the store's budget and stop tokens are not the ones the servers were asked for")
+        indices = [i for i, m in enumerate(missing) if m]
+        for position, answer in write(self.servers, [contexts[i] for i in indices], self.tokenizer, self.request,
+                                      self.concurrency, log):
+            self.sources[answer.source] = self.sources.get(answer.source, 0) + 1
+            yield indices[position], Continuation(answer.tokens, answer.finished)
+        lossy = self.sources.get("text_lossy", 0)
+        if self.sources.get("text", 0) or lossy:
+            log(f"  {self.sources.get('text', 0) + lossy} answers came back as text and were tokenized; "
+                f"{lossy} do not decode back to their text")

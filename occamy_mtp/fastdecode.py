@@ -1,0 +1,280 @@
+"""Greedy decoding with the frozen base, one static step for the whole batch: what self-generation runs on a GPU.
+
+Every row of the batch starts at position 0 and advances one position a step: while a
+row is still reading its prompt the step feeds it the prompt's next token, afterwards the
+token it chose, so the prompt needs no padding and no separate prefill, and every
+row's attention sees the same positions (0..t). The state is allocated once for the
+batch: the full-attention layers' keys and values (`StaticKV`, handed to transformers'
+own attention module as its cache), the Gated DeltaNet layers' conv window and
+recurrent state. The step reads and writes only those buffers, so on CUDA it is captured
+in one CUDA graph and replayed: no Python and no kernel launches per step beyond the
+replay. The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
+`fastbase.packed_hidden`; the single-token Gated DeltaNet update is fla's fused recurrent
+kernel on CUDA and transformers' PyTorch rule elsewhere, the MoE block
+`fastbase.fused_moe_block` on CUDA. `tests/test_fastdecode.py` holds it against
+`greedy.greedy_generate` and the full forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from occamy_mtp.compat import cache_kwarg, torch_function
+
+CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
+
+
+class StaticKV:
+    """Keys and values of the full-attention layers for `positions` positions, allocated once.
+
+    transformers' attention module calls `update` with the new keys and values; they are
+    written at the step's position and the whole buffer comes back (masked by the step).
+    """
+
+    def __init__(self, layers: Sequence[int], batch: int, positions: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, positions, head_dim)
+        self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # where this step writes
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.keys[layer_idx].index_copy_(2, self.position, key_states)
+        self.values[layer_idx].index_copy_(2, self.position, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.position)
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    recurrent_rule: object  # (q, k, v, g, beta, initial_state) -> (out (B, 1, HV, dv), final state)
+    moe: object  # (block, x (B, 1, D)) -> (B, 1, D)
+
+
+def _kernels(device: torch.device) -> _Kernels:
+    """fla's fused recurrent rule and the grouped MoE block with Triton glue on CUDA; transformers' own elsewhere."""
+    if device.type == "cuda":
+        try:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+            from occamy_mtp.fastbase import fused_moe_block
+
+            def rule(q, k, v, g, beta, initial_state):
+                return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+            return _Kernels(rule, fused_moe_block)
+        except ImportError:
+            pass
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    torch_rule = torch_function(qwen.torch_recurrent_gated_delta_rule)
+
+    def rule(q, k, v, g, beta, initial_state):
+        groups = v.shape[2] // q.shape[2]
+        if groups > 1:  # value heads share query/key heads
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+        return torch_rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+
+    def moe(block, x):
+        out = block(x)
+        return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
+
+    return _Kernels(rule, moe)
+
+
+class BatchDecoder:
+    """The base's greedy continuation of a batch of prompts, one static step at a time (module docstring).
+
+    decoder = BatchDecoder(base, batch=64, positions=128 + 382)
+    continuations = decoder.generate(prompts, max_new_tokens=382, eos_token_ids={...})
+
+    `positions` bounds the longest prompt plus `max_new_tokens` - 1. A decoder is reused
+    for batches of up to `batch` prompts (its graph and state stay allocated).
+    """
+
+    def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None):
+        if base.config.model_type != "qwen3_5_moe_text":
+            raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
+        config = base.config
+        self.base, self.batch, self.positions = base, batch, positions
+        self.device = base.lm_head.weight.device
+        self.kernels = _kernels(self.device)
+        dtype = base.lm_head.weight.dtype
+        layers = base.model.layers[: config.num_hidden_layers]
+        kinds = config.layer_types[: config.num_hidden_layers]
+        attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+        self.kv = StaticKV(attention, batch, positions, config.num_key_value_heads, config.head_dim, dtype, self.device)
+        self.conv_state, self.recurrent_state = {}, {}
+        for i, layer in enumerate(layers):
+            if kinds[i] == "linear_attention":
+                mixer = layer.linear_attn
+                channels = mixer.conv1d.weight.shape[0]
+                self.conv_state[i] = torch.zeros(batch, channels, mixer.conv_kernel_size - 1, dtype=dtype, device=self.device)
+                self.recurrent_state[i] = torch.zeros(batch, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim,
+                                                      dtype=torch.float32, device=self.device)
+        # The step's inputs and outputs, read and written in place (so that a graph can replay them).
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # fed at this step
+        self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
+        self.prompt_lengths = torch.ones(batch, dtype=torch.long, device=self.device)
+        self.chosen = torch.zeros(batch, positions, dtype=torch.long, device=self.device)  # argmax at each position
+        self._arange = torch.arange(positions, device=self.device)
+        self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self._graph = None
+
+    # -- the step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Feed `tokens` at `kv.position` to every row; record the argmax; choose the next tokens; advance."""
+        base, position = self.base, self.kv.position
+        model = base.model
+        hidden = model.embed_tokens(self.tokens[:, None])  # (B, 1, D)
+        positions = position.expand(self.batch)[:, None]  # (B, 1), every row at the same position
+        position_embeddings = model.rotary_emb(hidden, positions[None].expand(3, -1, -1))  # text M-RoPE: three equal rows
+        visible = self._arange <= position  # (L,) keys at positions 0..t
+        mask = torch.zeros(self.positions, dtype=hidden.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None, None]  # (1, 1, 1, L)
+        for i, layer in enumerate(model.layers[: base.config.num_hidden_layers]):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            if i in self.conv_state:
+                hidden = self._gated_deltanet(layer.linear_attn, hidden, i)
+            else:
+                hidden, _ = layer.self_attn(hidden_states=hidden, position_embeddings=position_embeddings,
+                                            attention_mask=mask, **{self._cache_kwarg: self.kv})
+            hidden = residual + hidden
+            residual = hidden
+            hidden = residual + self.kernels.moe(layer.mlp, layer.post_attention_layernorm(hidden))
+        logits = base.lm_head(model.norm(hidden)[:, -1])  # (B, V)
+        chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
+        self.chosen.index_copy_(1, position, chosen[:, None])
+        following = position + 1
+        from_prompt = following < self.prompt_lengths  # (B,) still reading its prompt
+        self.tokens.copy_(torch.where(from_prompt, self.prompts.index_select(1, following)[:, 0], chosen))
+        position.add_(1)
+
+    def _gated_deltanet(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """`Qwen3_5MoeGatedDeltaNet.forward` for one token with this decoder's conv and recurrent state. x: (B, 1, D)."""
+        batch = x.shape[0]
+        mixed_qkv = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, 1)
+        z = mixer.in_proj_z(x).reshape(batch, 1, -1, mixer.head_v_dim)
+        b = mixer.in_proj_b(x)
+        a = mixer.in_proj_a(x)
+        state = self.conv_state[layer]
+        window = torch.cat([state, mixed_qkv.to(state.dtype)], dim=-1)  # (B, C, K): the last K inputs
+        state.copy_(window[:, :, 1:])
+        weight = mixer.conv1d.weight  # (C, 1, K)
+        mixed_qkv = F.conv1d(window, weight, mixer.conv1d.bias, groups=weight.shape[0])  # (B, C, 1)
+        mixed_qkv = F.silu(mixed_qkv).transpose(1, 2)  # (B, 1, C)
+        query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        query = query.reshape(batch, 1, -1, mixer.head_k_dim)
+        key = key.reshape(batch, 1, -1, mixer.head_k_dim)
+        value = value.reshape(batch, 1, -1, mixer.head_v_dim)
+        beta = b.sigmoid()
+        g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+        core, final = self.kernels.recurrent_rule(query, key, value, g, beta, self.recurrent_state[layer])
+        self.recurrent_state[layer].copy_(final)
+        core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        return mixer.out_proj(core.reshape(batch, 1, -1))
+
+    def _capture(self) -> None:
+        """Warm up (autotuning, lazy allocations) on a side stream, then capture one step as a CUDA graph.
+
+        Both change the state; the caller resets it after."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self.step()
+
+    def _run_step(self) -> None:
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.step()
+
+    # -- a batch ----------------------------------------------------------------------
+
+    def _reset(self, prompts: Sequence[Sequence[int]]) -> None:
+        rows = len(prompts)
+        self.prompts.zero_()
+        self.prompt_lengths.fill_(1)
+        for row, prompt in enumerate(prompts):
+            self.prompts[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
+            self.prompt_lengths[row] = len(prompt)
+        if rows < self.batch:  # spare rows decode a one-token prompt; their tokens are dropped
+            self.prompt_lengths[rows:] = 1
+        for state in [*self.kv.keys.values(), *self.kv.values.values(), *self.conv_state.values(),
+                      *self.recurrent_state.values(), self.chosen]:
+            state.zero_()
+        self.kv.position.zero_()
+        self.tokens.copy_(self.prompts[:, 0])
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int]) -> list[list[int]]:
+        """Greedy continuations of `prompts` (at most `batch`): up to `max_new_tokens` ids each, ending
+        with the first token of `eos_token_ids` when one is generated (as `greedy.greedy_generate`)."""
+        if not 1 <= len(prompts) <= self.batch:
+            raise ValueError(f"1 to {self.batch} prompts a batch, got {len(prompts)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+        if empty:
+            raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
+        steps = max(len(p) for p in prompts) + max_new_tokens - 1
+        if steps > self.positions:
+            raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens and {max_new_tokens} new ones need "
+                             f"{steps} positions; this decoder holds {self.positions}")
+        eos = frozenset(int(t) for t in eos_token_ids)
+        if self.cuda_graph and self._graph is None:
+            self._reset(prompts)
+            self._capture()
+        self._reset(prompts)
+        stops = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
+        first = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # position of the first new token
+        for done in range(1, steps + 1):
+            self._run_step()
+            if done % CHECK_EVERY_STEPS == 0 and done < steps and self._all_finished(first, stops, done, max_new_tokens):
+                break
+        chosen = self.chosen[: len(prompts)].cpu().tolist()
+        out = []
+        for row, prompt in enumerate(prompts):
+            continuation = chosen[row][len(prompt) - 1 : len(prompt) - 1 + max_new_tokens]
+            stop = next((i for i, token in enumerate(continuation) if token in eos), None)
+            out.append(continuation if stop is None else continuation[: stop + 1])
+        return out
+
+    def _all_finished(self, first: torch.Tensor, stops: torch.Tensor, done: int, max_new_tokens: int) -> bool:
+        """Whether every row has chosen a stop token or its whole budget within the first `done` positions."""
+        positions = self._arange[:done]
+        generated = (positions[None] >= first[:, None]) & (positions[None] < first[:, None] + max_new_tokens)  # (R, done)
+        is_stop = torch.isin(self.chosen[: len(first), :done], stops) & generated
+        budget_spent = first + max_new_tokens <= done
+        return bool((is_stop.any(dim=1) | budget_spent).all())
+
+
+def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
+                         batch_size: int, cuda_graph: bool | None = None) -> list[list[int]]:
+    """`greedy.greedy_generate` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not prompts:
+        return []
+    longest = max(len(p) for p in prompts)
+    decoder = BatchDecoder(base, batch=min(batch_size, len(prompts)), positions=max(1, longest + max_new_tokens - 1),
+                           cuda_graph=cuda_graph)
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), decoder.batch):
+        out += decoder.generate(prompts[start : start + decoder.batch], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+    return out

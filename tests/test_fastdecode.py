@@ -1,0 +1,97 @@
+"""The static batch decoder (`occamy_mtp.fastdecode`) against the generator it replaces on a GPU
+(`greedy.greedy_generate`) and against the base's full forward, on tiny float32 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate
+from occamy_mtp.greedy import greedy_generate
+from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+from occamy_mtp.testing.numerics import assert_close, rounding_bound
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# Rounding bound of the hidden states (occamy_mtp.testing.numerics), float32: the tiny base's 4
+# layers of about 12 reductions each, plus the Gated DeltaNet's running state over up to
+# MAX_TOKENS positions, the widest reduction over 2 x hidden terms.
+MAX_TOKENS = 40
+REDUCTIONS = 4 * 12 + MAX_TOKENS
+
+
+@pytest.fixture(scope="module")
+def base():
+    model, _ = random_models(tiny_text_config(), seed=3)
+    return model.float().eval().requires_grad_(False)
+
+
+def prompts_of(lengths, seed=0, vocab=1000):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def test_the_batch_decoder_writes_greedy_generate_s_tokens(base):
+    prompts = prompts_of((1, 9, 4, 17, 2))
+    expected = greedy_generate(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
+    got = fast_greedy_generate(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    assert got == expected and all(len(c) == 12 for c in got)
+
+
+def test_it_stops_at_the_stop_tokens_as_greedy_generate_does(base):
+    prompts = prompts_of((5, 3, 11), seed=1)
+    free = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
+    stop = {free[0][3], free[2][6]}  # tokens the base writes: rows stop there
+    expected = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3)
+    assert any(len(c) < 10 for c in expected)
+    assert fast_greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3) == expected
+
+
+def test_every_step_s_logits_are_the_full_forward_s(base):
+    """Position by position, the step's argmax over the logits is that of one full forward over the
+    text, and its final hidden state equals the forward's to float32 rounding."""
+    prompts = prompts_of((6, 2), seed=2)
+    decoder = BatchDecoder(base, batch=2, positions=20, cuda_graph=False)
+    texts = [p + c for p, c in zip(prompts, decoder.generate(prompts, max_new_tokens=10, eos_token_ids=set()))]
+    for row, text in enumerate(texts):
+        with torch.no_grad():
+            full = base(input_ids=torch.tensor([text])).logits[0]  # (T, V)
+        steps = len(text) - 1
+        assert decoder.chosen[row, :steps].tolist() == full[:steps].argmax(-1).tolist()
+
+    # the hidden state itself, at the last step of a single row
+    hidden = {}
+    decoder = BatchDecoder(base, batch=1, positions=len(texts[0]), cuda_graph=False)
+    handle = base.model.norm.register_forward_hook(lambda module, args, out: hidden.__setitem__("last", out))
+    try:
+        decoder.generate([texts[0]], max_new_tokens=1, eos_token_ids=set())
+        step_hidden = hidden["last"][0, -1]
+        with torch.no_grad():
+            base.model(input_ids=torch.tensor([texts[0]]))
+        full_hidden = hidden["last"][0, -1]
+    finally:
+        handle.remove()
+    bound = rounding_bound(full_hidden, torch.float32, reductions=REDUCTIONS, width=2 * base.config.hidden_size)
+    assert_close(step_hidden, full_hidden, bound, "hidden state of the last position")
+
+
+def test_bad_batches_are_refused(base):
+    decoder = BatchDecoder(base, batch=2, positions=8, cuda_graph=False)
+    with pytest.raises(ValueError, match="1 to 2 prompts"):
+        decoder.generate([[1], [2], [3]], max_new_tokens=2, eos_token_ids=set())
+    with pytest.raises(ValueError, match="need 10 positions; this decoder holds 8"):
+        decoder.generate([[1] * 5], max_new_tokens=6, eos_token_ids=set())
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([[1], []], max_new_tokens=2, eos_token_ids=set())
+
+
+@pytest.mark.gpu
+def test_the_captured_step_writes_the_eager_step_s_tokens_on_gpu():
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.to(device="cuda", dtype=torch.float32).eval().requires_grad_(False)
+    prompts = prompts_of((3, 12, 7, 1))
+    eager = fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=4, cuda_graph=False)
+    graphed = fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=4, cuda_graph=True)
+    reference = greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=4)
+    assert graphed == eager
+    assert sum(a == b for a, b in zip(graphed, reference)) >= 3  # float32 on a GPU: a near tie may part one row
