@@ -64,10 +64,11 @@ class DataSettings:
     self_generated_dir: str = ""
     """Where the base's continuations are stored (`occamy_mtp.selfgen`); empty means
     output.dir/self-generated. Runs with the same base and window settings may share it."""
-    self_generate_batch_size: int = 64
-    """Contexts per batch when the base writes the continuations. At real size on one H200,
-    64 writes 2.2x the tokens per second of 16 and peaks at 73 GiB, below the cache pass's
-    74.8 (bench/RESULTS.md); lower it on a GPU with less memory."""
+    self_generate_batch_size: int = 160
+    """Contexts per batch when the base in this process writes the continuations. At real size
+    on one H200 (`fastdecode`, bench/RESULTS.md) 160 is the largest batch measured under
+    78 GiB: the 320 windows of the default recipe in 43 s at a 76.0 GiB peak (192: 79.6 GiB).
+    The decoder's state grows with it (63 MiB a row); lower it on a GPU with less memory."""
     self_generate_endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
     that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the

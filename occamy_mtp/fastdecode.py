@@ -5,27 +5,74 @@ row is still reading its prompt the step feeds it the prompt's next token, after
 token it chose, so the prompt needs no padding and no separate prefill, and every
 row's attention sees the same positions (0..t). The state is allocated once for the
 batch: the full-attention layers' keys and values (`StaticKV`, handed to transformers'
-own attention module as its cache), the Gated DeltaNet layers' conv window and
+own attention module as its cache, with `gqa_decode_attention` as its attention), the Gated DeltaNet layers' conv window and
 recurrent state. The step reads and writes only those buffers, so on CUDA it is captured
 in one CUDA graph and replayed: no Python and no kernel launches per step beyond the
 replay. The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
-`fastbase.packed_hidden`; the single-token Gated DeltaNet update is fla's fused recurrent
-kernel on CUDA and transformers' PyTorch rule elsewhere, the MoE block
-`fastbase.fused_moe_block` on CUDA. `tests/test_fastdecode.py` holds it against
+`fastbase.packed_hidden`; the single-token Gated DeltaNet update is
+`decode_kernels.recurrent_step_` (the state updated in place; its PyTorch reference off
+CUDA), the MoE block `fastbase.fused_moe_block` on CUDA. `tests/test_fastdecode.py` holds it against
 `greedy.greedy_generate` and the full forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp.compat import cache_kwarg, torch_function
+from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.decode_kernels import recurrent_step_
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
+DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
+
+
+def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of a few query positions over a static key buffer, the key/value heads shared in groups.
+
+    transformers' sdpa path repeats the (B, KVH, L, D) keys and values up to the query heads
+    whenever a mask is given: at real size that copy was 5.5 ms of a 40 ms step at batch 64
+    (bench/RESULTS.md). Here each query head group reads its key/value head as it is.
+    query (B, H, T, D); key, value (B, KVH, L, D); attention_mask additive, broadcast to (B, H, T, L).
+    Returns ((B, T, H, D), None), as transformers' attention functions do.
+    """
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scale = dim**-0.5 if scaling is None else scaling
+    grouped = query.reshape(batch, kv_heads, groups * length, dim)  # query head i reads key/value head i // groups
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (B, KVH, G * T, L)
+    if attention_mask is not None:
+        mask = attention_mask.float().expand(batch, heads, length, -1).reshape(batch, kv_heads, groups * length, -1)
+        scores = scores + mask
+    out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # (B, KVH, G * T, D)
+    return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def _register_attention() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
+        _registered = True
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str):
+    """The base's attention modules use `name` for the duration (they read it at each call)."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 class StaticKV:
@@ -50,43 +97,18 @@ class StaticKV:
         return int(self.position)
 
 
-@dataclass(frozen=True)
-class _Kernels:
-    recurrent_rule: object  # (q, k, v, g, beta, initial_state) -> (out (B, 1, HV, dv), final state)
-    moe: object  # (block, x (B, 1, D)) -> (B, 1, D)
-
-
-def _kernels(device: torch.device) -> _Kernels:
-    """fla's fused recurrent rule and the grouped MoE block with Triton glue on CUDA; transformers' own elsewhere."""
+def _moe(device: torch.device):
+    """The MoE block: `fastbase.fused_moe_block` (grouped GEMMs, Triton glue) on CUDA; the module's own elsewhere."""
     if device.type == "cuda":
-        try:
-            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        from occamy_mtp.fastbase import fused_moe_block
 
-            from occamy_mtp.fastbase import fused_moe_block
-
-            def rule(q, k, v, g, beta, initial_state):
-                return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
-                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
-
-            return _Kernels(rule, fused_moe_block)
-        except ImportError:
-            pass
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
-
-    torch_rule = torch_function(qwen.torch_recurrent_gated_delta_rule)
-
-    def rule(q, k, v, g, beta, initial_state):
-        groups = v.shape[2] // q.shape[2]
-        if groups > 1:  # value heads share query/key heads
-            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-        return torch_rule(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True)
+        return fused_moe_block
 
     def moe(block, x):
         out = block(x)
         return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
 
-    return _Kernels(rule, moe)
+    return moe
 
 
 class BatchDecoder:
@@ -105,7 +127,7 @@ class BatchDecoder:
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device
-        self.kernels = _kernels(self.device)
+        self.moe = _moe(self.device)
         dtype = base.lm_head.weight.dtype
         layers = base.model.layers[: config.num_hidden_layers]
         kinds = config.layer_types[: config.num_hidden_layers]
@@ -125,6 +147,7 @@ class BatchDecoder:
         self.prompt_lengths = torch.ones(batch, dtype=torch.long, device=self.device)
         self.chosen = torch.zeros(batch, positions, dtype=torch.long, device=self.device)  # argmax at each position
         self._arange = torch.arange(positions, device=self.device)
+        _register_attention()
         self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self._graph = None
@@ -142,17 +165,18 @@ class BatchDecoder:
         visible = self._arange <= position  # (L,) keys at positions 0..t
         mask = torch.zeros(self.positions, dtype=hidden.dtype, device=self.device)
         mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None, None]  # (1, 1, 1, L)
-        for i, layer in enumerate(model.layers[: base.config.num_hidden_layers]):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            if i in self.conv_state:
-                hidden = self._gated_deltanet(layer.linear_attn, hidden, i)
-            else:
-                hidden, _ = layer.self_attn(hidden_states=hidden, position_embeddings=position_embeddings,
-                                            attention_mask=mask, **{self._cache_kwarg: self.kv})
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + self.kernels.moe(layer.mlp, layer.post_attention_layernorm(hidden))
+        with _attention_implementation(base.config, DECODE_ATTENTION):
+            for i, layer in enumerate(model.layers[: base.config.num_hidden_layers]):
+                residual = hidden
+                hidden = layer.input_layernorm(hidden)
+                if i in self.conv_state:
+                    hidden = self._gated_deltanet(layer.linear_attn, hidden, i)
+                else:
+                    hidden, _ = layer.self_attn(hidden_states=hidden, position_embeddings=position_embeddings,
+                                                attention_mask=mask, **{self._cache_kwarg: self.kv})
+                hidden = residual + hidden
+                residual = hidden
+                hidden = residual + self.moe(layer.mlp, layer.post_attention_layernorm(hidden))
         logits = base.lm_head(model.norm(hidden)[:, -1])  # (B, V)
         chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
         self.chosen.index_copy_(1, position, chosen[:, None])
@@ -175,13 +199,12 @@ class BatchDecoder:
         mixed_qkv = F.conv1d(window, weight, mixer.conv1d.bias, groups=weight.shape[0])  # (B, C, 1)
         mixed_qkv = F.silu(mixed_qkv).transpose(1, 2)  # (B, 1, C)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        query = query.reshape(batch, 1, -1, mixer.head_k_dim)
-        key = key.reshape(batch, 1, -1, mixer.head_k_dim)
-        value = value.reshape(batch, 1, -1, mixer.head_v_dim)
-        beta = b.sigmoid()
-        g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-        core, final = self.kernels.recurrent_rule(query, key, value, g, beta, self.recurrent_state[layer])
-        self.recurrent_state[layer].copy_(final)
+        query = query.reshape(batch, -1, mixer.head_k_dim)  # (B, H, K)
+        key = key.reshape(batch, -1, mixer.head_k_dim)
+        value = value.reshape(batch, -1, mixer.head_v_dim)  # (B, HV, V)
+        beta = b.sigmoid()[:, 0]  # (B, HV)
+        g = (-mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias))[:, 0]
+        core = recurrent_step_(query, key, value, g, beta, self.recurrent_state[layer])  # the state in place
         core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
         return mixer.out_proj(core.reshape(batch, 1, -1))
 
@@ -262,6 +285,12 @@ class BatchDecoder:
         is_stop = torch.isin(self.chosen[: len(first), :done], stops) & generated
         budget_spent = first + max_new_tokens <= done
         return bool((is_stop.any(dim=1) | budget_spent).all())
+
+
+def static_decoding(base) -> bool:
+    """Whether self-generation decodes `base` with `BatchDecoder`: a Qwen3.5-MoE base on CUDA
+    (elsewhere `greedy.greedy_generate`, whose cost there is not the launches)."""
+    return base.lm_head.weight.device.type == "cuda" and base.config.model_type == "qwen3_5_moe_text"
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],

@@ -17,6 +17,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
+from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.greedy import greedy_generate
 from occamy_mtp.data import Window
 
@@ -54,9 +55,11 @@ class Continuation:
 def self_generate(
     base, contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Collection[int], batch_size: int
 ) -> list[Continuation]:
-    """The base's greedy continuations of `contexts` (`greedy.greedy_generate`, batched)."""
+    """The base's greedy continuations of `contexts`, batched: `fastdecode` where it runs
+    (`static_decoding`), else `greedy.greedy_generate`."""
     stop = frozenset(int(t) for t in stop_token_ids)
-    generated = greedy_generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size)
+    generate = fast_greedy_generate if static_decoding(base) else greedy_generate
+    generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size)
     return [Continuation(tuple(ids), bool(ids) and ids[-1] in stop) for ids in generated]
 
 
@@ -96,8 +99,7 @@ class EmbeddedWriter:
 
     def __init__(self, base, batch_size: int):
         self.base, self.batch_size = base, batch_size
-        device = base.lm_head.weight.device
-        self.static = device.type == "cuda" and base.config.model_type == "qwen3_5_moe_text"
+        self.static = static_decoding(base)
 
     def details(self) -> dict:
         decoder = "occamy_mtp.fastdecode.BatchDecoder" if self.static else "occamy_mtp.greedy.greedy_generate"
@@ -123,8 +125,6 @@ class EmbeddedWriter:
         if not self.static:
             return lambda prompts, stop: greedy_generate(self.base, prompts, max_new_tokens=max_new_tokens,
                                                          eos_token_ids=frozenset(stop), batch_size=self.batch_size)
-        from occamy_mtp.fastdecode import BatchDecoder
-
         longest = max(len(contexts[i]) for batch in todo for i in batch)
         decoder = BatchDecoder(self.base, batch=max(len(b) for b in todo), positions=longest + max_new_tokens - 1)
         return lambda prompts, stop: decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop)

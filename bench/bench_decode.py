@@ -1,0 +1,211 @@
+"""The base's decode step at real size: the static batch decoder against `greedy_generate`, beside the read bound.
+
+    PYTHONPATH=/tmp/site:. python3 bench/bench_decode.py --out $OUT/decode.json     # H200, fla carried as a wheel
+    PYTHONPATH=. .venv/bin/python bench/bench_decode.py --tiny --device cpu --batches 4 --legacy-batch 4
+
+A random-weight Qwen3.5-35B-A3B-shaped base is built on the device (speed and memory do
+not depend on the values; routing does, so the weights are randomised as in
+bench_fullsize.py). Per batch size:
+
+* `fastdecode.BatchDecoder`: time of one step (a `generate` of `--timed-new-tokens` over
+  `--prompt-tokens`-token prompts, every step a CUDA-graph replay, divided by its steps),
+  tokens per second, peak memory of the whole generate;
+* the bound: the bytes one step must move, read at the copy bandwidth measured in the
+  same run: every dense weight of the 40 layers, the routed experts the batch's tokens
+  actually pick (counted from one step's router), lm_head, and the decoder's state (the
+  Gated DeltaNet recurrent state read and written in fp32, the attention keys and values
+  read);
+* `--legacy-batch`: `greedy.greedy_generate`, the generator this replaces, timed as the
+  slope between 8 and 40 new tokens;
+* `--windows N --default-batch B`: the whole self-generation of N windows (the default
+  recipe's 320), every continuation the full budget (random weights never stop: the worst case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fullsize import randomise  # noqa: E402
+
+from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
+from occamy_mtp.greedy import greedy_generate  # noqa: E402
+from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
+
+GIB = 2**30
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(tiny: bool, device):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    config = tiny_text_config() if tiny else Qwen3_5MoeTextConfig()
+    with torch.device(device):
+        base = Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        randomise(base, config.initializer_range)
+    return base.eval().requires_grad_(False)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy of 4 GiB (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(GIB, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    sync(device)
+    seconds = (time.perf_counter() - started) / 5
+    del src, dst
+    return 2 * 4 * GIB / seconds
+
+
+def touched_experts(base, decoder: BatchDecoder) -> list[int]:
+    """Distinct routed experts each layer's router picks for the batch, over one eager step."""
+    picked = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: picked.append(out[-1].unique().numel()))
+             for layer in base.model.layers[: base.config.num_hidden_layers]]
+    try:
+        decoder.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return picked
+
+
+def step_bytes(base, decoder: BatchDecoder, experts_per_layer: list[int]) -> dict:
+    """What one step must read (and write): weights touched, lm_head, the decoder's state."""
+    dense = routed = 0
+    for layer, touched in zip(base.model.layers[: base.config.num_hidden_layers], experts_per_layer):
+        experts = layer.mlp.experts
+        per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+        routed += touched * per_expert
+        dense += sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if not n.startswith("mlp.experts."))
+    head = base.lm_head.weight.numel() * base.lm_head.weight.element_size()
+    recurrent = 2 * sum(t.numel() * t.element_size() for t in decoder.recurrent_state.values())  # read + write
+    conv = 2 * sum(t.numel() * t.element_size() for t in decoder.conv_state.values())
+    kv = sum(t.numel() * t.element_size() for t in [*decoder.kv.keys.values(), *decoder.kv.values.values()])
+    return {"dense_weights": dense, "routed_experts_touched": routed, "lm_head": head, "weights": dense + routed + head,
+            "recurrent_state": recurrent, "conv_state": conv, "kv_read": kv,
+            "total": dense + routed + head + recurrent + conv + kv}
+
+
+def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_new_tokens: int, bandwidth: float, device) -> dict:
+    generator = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, base.config.vocab_size, (batch, prompt_tokens), generator=generator).tolist()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    decoder = BatchDecoder(base, batch=batch, positions=prompt_tokens + new_tokens - 1)
+    started = time.perf_counter()
+    decoder.generate(prompts, max_new_tokens=4, eos_token_ids=set())  # captures the graph, autotunes
+    sync(device)
+    first_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    decoder.generate(prompts, max_new_tokens=timed_new_tokens, eos_token_ids=set())
+    sync(device)
+    steps = prompt_tokens + timed_new_tokens - 1
+    seconds_per_step = (time.perf_counter() - started) / steps
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    experts = touched_experts(base, decoder)
+    moved = step_bytes(base, decoder, experts)
+    return {
+        "batch": batch, "positions": decoder.positions, "steps_timed": steps,
+        "seconds_per_step": seconds_per_step, "tokens_per_second": batch / seconds_per_step,
+        "first_generate_seconds_with_capture": first_seconds, "peak_gib": peak,
+        "experts_touched_per_layer_mean": sum(experts) / len(experts),
+        "bytes_per_step": moved,
+        "bound_seconds_weights_only": moved["weights"] / bandwidth,
+        "bound_seconds_with_state": moved["total"] / bandwidth,
+        "ratio_to_bound_with_state": seconds_per_step / (moved["total"] / bandwidth),
+    }
+
+
+def time_legacy(base, batch: int, prompt_tokens: int, device) -> dict:
+    """greedy_generate's per-step time: the slope between 8 and 40 new tokens, after a warm-up of the same batch."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, base.config.vocab_size, (batch, prompt_tokens), generator=generator).tolist()
+    greedy_generate(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=batch)
+    seconds = {}
+    for new in (8, 40):
+        sync(device)
+        started = time.perf_counter()
+        greedy_generate(base, prompts, max_new_tokens=new, eos_token_ids=set(), batch_size=batch)
+        sync(device)
+        seconds[new] = time.perf_counter() - started
+    per_step = (seconds[40] - seconds[8]) / 32
+    return {"batch": batch, "seconds_per_step": per_step, "tokens_per_second": batch / per_step}
+
+
+def time_windows(base, windows: int, batch: int, prompt_tokens: int, new_tokens: int, device) -> dict:
+    generator = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, base.config.vocab_size, (windows, prompt_tokens), generator=generator).tolist()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    started = time.perf_counter()
+    out = fast_greedy_generate(base, prompts, max_new_tokens=new_tokens, eos_token_ids=set(), batch_size=batch)
+    sync(device)
+    seconds = time.perf_counter() - started
+    return {"windows": windows, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
+            "tokens": sum(len(c) for c in out), "tokens_per_second": sum(len(c) for c in out) / seconds,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny model (a smoke run of the same code)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="64,160,192", help="batch sizes of the decoder")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=382, help="the decoder's budget (positions = prompt + this - 1)")
+    parser.add_argument("--timed-new-tokens", type=int, default=64)
+    parser.add_argument("--legacy-batch", type=int, default=64, help="0: skip greedy_generate")
+    parser.add_argument("--windows", type=int, default=0, help="time the self-generation of this many windows")
+    parser.add_argument("--default-batch", type=int, default=160)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    base = build(args.tiny, device)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "model": "tiny" if args.tiny else "Qwen3.5-35B-A3B", "build_seconds": time.perf_counter() - started,
+              "weights_gib": sum(p.numel() * p.element_size() for p in base.parameters()) / GIB,
+              "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "decoder": [], "legacy": None, "windows": None}
+    bandwidth = result["copy_bandwidth_bytes_per_second"]
+    if bandwidth != bandwidth:  # no GPU: nothing to bound against
+        bandwidth = 1.0
+    for batch in (int(b) for b in args.batches.split(",")):
+        try:
+            result["decoder"].append(time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens,
+                                                  bandwidth, device))
+        except torch.OutOfMemoryError as err:
+            result["decoder"].append({"batch": batch, "error": f"out of memory: {err}"[:300]})
+        print(json.dumps(result["decoder"][-1]), flush=True)
+    if args.legacy_batch:
+        result["legacy"] = time_legacy(base, args.legacy_batch, args.prompt_tokens, device)
+        print(json.dumps(result["legacy"]), flush=True)
+    if args.windows:
+        result["windows"] = time_windows(base, args.windows, args.default_batch, args.prompt_tokens, args.new_tokens, device)
+        print(json.dumps(result["windows"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
