@@ -18,7 +18,10 @@ bench_fullsize.py). Per batch size:
 * `--legacy-batch`: `greedy.greedy_generate`, the generator this replaces, timed as the
   slope between 8 and 40 new tokens;
 * `--windows N --default-batch B`: the whole self-generation of N windows (the default
-  recipe's 320), every continuation the full budget (random weights never stop: the worst case).
+  recipe's 320), every continuation the full budget (random weights never stop: the worst case);
+* `--reference-runners`: the reference decoder's base at batch 1 (`fastdecode.StaticRunner`
+  against `decode.BaseRunner`): a one-token forward, and a 4-token verify between a snapshot
+  and a restore.
 """
 
 from __future__ import annotations
@@ -150,6 +153,33 @@ def time_legacy(base, batch: int, prompt_tokens: int, device) -> dict:
     return {"batch": batch, "seconds_per_step": per_step, "tokens_per_second": batch / per_step}
 
 
+def time_reference_runners(base, prompt_tokens: int, device) -> dict:
+    """The reference decoder's base at batch 1: one-token forwards, and a verify pass of 4 tokens
+    (a 3-step draft) between a snapshot and a restore, as `decode.speculative_decode` runs them."""
+    from occamy_mtp.decode import BaseRunner
+    from occamy_mtp.fastdecode import StaticRunner
+
+    prompt = torch.randint(0, base.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = {}
+    for name, runner in (("static", StaticRunner(base, prompt_tokens + 64)), ("transformers", BaseRunner(base))):
+        runner.forward(prompt)
+        runner.forward([1])  # warm-up (the static runner captures its graph here)
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(20):
+            runner.forward([1])
+        sync(device)
+        single = (time.perf_counter() - started) / 20
+        started = time.perf_counter()
+        for _ in range(5):
+            saved = runner.snapshot()
+            runner.forward([1, 2, 3, 4])
+            runner.restore(saved)
+        sync(device)
+        out[name] = {"seconds_per_one_token_forward": single, "seconds_per_verify_of_4_with_restore": (time.perf_counter() - started) / 5}
+    return out
+
+
 def time_windows(base, windows: int, batch: int, prompt_tokens: int, new_tokens: int, device) -> dict:
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, base.config.vocab_size, (windows, prompt_tokens), generator=generator).tolist()
@@ -177,6 +207,7 @@ def main() -> int:
     parser.add_argument("--legacy-batch", type=int, default=64, help="0: skip greedy_generate")
     parser.add_argument("--windows", type=int, default=0, help="time the self-generation of this many windows")
     parser.add_argument("--default-batch", type=int, default=160)
+    parser.add_argument("--reference-runners", action="store_true", help="time the reference decoder's base at batch 1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -185,7 +216,8 @@ def main() -> int:
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "model": "tiny" if args.tiny else "Qwen3.5-35B-A3B", "build_seconds": time.perf_counter() - started,
               "weights_gib": sum(p.numel() * p.element_size() for p in base.parameters()) / GIB,
-              "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "decoder": [], "legacy": None, "windows": None}
+              "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "decoder": [], "legacy": None, "windows": None,
+              "reference_runners": None}
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
@@ -202,6 +234,9 @@ def main() -> int:
     if args.windows:
         result["windows"] = time_windows(base, args.windows, args.default_batch, args.prompt_tokens, args.new_tokens, device)
         print(json.dumps(result["windows"]), flush=True)
+    if args.reference_runners:
+        result["reference_runners"] = time_reference_runners(base, args.prompt_tokens, device)
+        print(json.dumps(result["reference_runners"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.fastdecode import StaticRunner, static_decoding
 from occamy_mtp.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
@@ -143,6 +144,12 @@ class BaseRunner:
         self.seen = snapshot["seen"]
 
 
+def base_runner_for(base, positions: int):
+    """`fastdecode.StaticRunner` (one captured step a token) where `fastdecode.static_decoding`
+    holds, else `BaseRunner`; `positions` bounds the text the runner holds."""
+    return StaticRunner(base, positions) if static_decoding(base) else BaseRunner(base)
+
+
 # ----------------------------------------------------------------------------------
 # The head, incrementally
 # ----------------------------------------------------------------------------------
@@ -242,7 +249,7 @@ def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
 def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()) -> DecodeResult:
     """Plain greedy decoding with the base: prefill, then one token per forward."""
     _check_prompt(prompt_ids, max_new_tokens)
-    runner = BaseRunner(base)
+    runner = base_runner_for(base, len(prompt_ids) + max_new_tokens)
     _, logits = runner.forward(prompt_ids)
     output, logprobs = [], []
     while True:
@@ -287,7 +294,7 @@ def speculative_decode(
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     prompt = list(prompt_ids)
-    base_runner, head_runner = BaseRunner(base), HeadRunner(head)
+    base_runner, head_runner = base_runner_for(base, len(prompt) + max_new_tokens + draft_steps), HeadRunner(head)
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
     hidden, logits = base_runner.forward(prompt)

@@ -146,6 +146,8 @@ class BatchDecoder:
         self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
         self.prompt_lengths = torch.ones(batch, dtype=torch.long, device=self.device)
         self.chosen = torch.zeros(batch, positions, dtype=torch.long, device=self.device)  # argmax at each position
+        self.hidden = torch.zeros(batch, config.hidden_size, dtype=dtype, device=self.device)  # last step's, post-norm
+        self.logits = torch.zeros(batch, config.vocab_size, dtype=dtype, device=self.device)  # last step's
         self._arange = torch.arange(positions, device=self.device)
         _register_attention()
         self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
@@ -177,7 +179,9 @@ class BatchDecoder:
                 hidden = residual + hidden
                 residual = hidden
                 hidden = residual + self.moe(layer.mlp, layer.post_attention_layernorm(hidden))
-        logits = base.lm_head(model.norm(hidden)[:, -1])  # (B, V)
+        self.hidden.copy_(model.norm(hidden)[:, -1])
+        logits = base.lm_head(self.hidden)  # (B, V)
+        self.logits.copy_(logits)
         chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
         self.chosen.index_copy_(1, position, chosen[:, None])
         following = position + 1
@@ -285,6 +289,53 @@ class BatchDecoder:
         is_stop = torch.isin(self.chosen[: len(first), :done], stops) & generated
         budget_spent = first + max_new_tokens <= done
         return bool((is_stop.any(dim=1) | budget_spent).all())
+
+
+class StaticRunner:
+    """The reference decoder's base runner (`decode.BaseRunner`'s interface) on a one-row `BatchDecoder`.
+
+    `forward(tokens)` runs the tokens one captured step each and returns their post-norm
+    hidden states and fp32 logits; `snapshot()`/`restore()` put the conv and recurrent
+    state and the position back (keys and values past the position are masked, and written
+    over when the text goes on). `positions` bounds the text, drafts included.
+    """
+
+    def __init__(self, base, positions: int):
+        self.decoder = BatchDecoder(base, batch=1, positions=positions)
+        self.decoder.prompt_lengths.fill_(0)  # every fed token is the caller's: never one from a prompt
+        self.seen = 0
+
+    def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        decoder = self.decoder
+        if self.seen + len(tokens) > decoder.positions:
+            raise ValueError(f"{self.seen + len(tokens)} positions asked of a runner that holds {decoder.positions}")
+        if decoder.cuda_graph and decoder._graph is None:
+            saved = self.snapshot()
+            decoder._capture()
+            self.restore(saved)
+        hidden, logits = [], []
+        for token in tokens:
+            decoder.tokens.fill_(int(token))
+            decoder._run_step()
+            hidden.append(decoder.hidden[0].clone())
+            logits.append(decoder.logits[0].to(torch.float32, copy=True))
+        self.seen += len(tokens)
+        return torch.stack(hidden), torch.stack(logits)  # (m, D), (m, V)
+
+    def snapshot(self) -> dict:
+        decoder = self.decoder
+        return {"seen": self.seen, "position": decoder.kv.position.clone(),
+                "conv": {i: t.clone() for i, t in decoder.conv_state.items()},
+                "recurrent": {i: t.clone() for i, t in decoder.recurrent_state.items()}}
+
+    def restore(self, snapshot: dict) -> None:
+        decoder = self.decoder
+        decoder.kv.position.copy_(snapshot["position"])
+        for i, tensor in snapshot["conv"].items():
+            decoder.conv_state[i].copy_(tensor)
+        for i, tensor in snapshot["recurrent"].items():
+            decoder.recurrent_state[i].copy_(tensor)
+        self.seen = snapshot["seen"]
 
 
 def static_decoding(base) -> bool:

@@ -118,3 +118,25 @@ def test_the_captured_step_writes_the_eager_step_s_tokens_on_gpu():
     # bf16: another summation order than greedy_generate's (recurrent against chunked prefill,
     # grouped against looped experts) may part a row at a near tie, not most of them
     assert sum(a == b for a, b in zip(graphed, reference)) >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("draft_steps", [1, 3])
+def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_cache(monkeypatch, draft_steps):
+    """decode.speculative_decode and greedy_decode with `StaticRunner` (one step a token, the
+    state snapshotted and restored around each verify) against `BaseRunner`: the same text,
+    the same rounds, logprobs equal to float32 rounding."""
+    from occamy_mtp import decode
+    from test_decode import agreeable_models, random_prompt
+
+    base, head = agreeable_models(seed=1)
+    prompt = random_prompt(9, seed=3)
+    reference = decode.speculative_decode(base, head, prompt, 14, draft_steps)
+    greedy_reference = decode.greedy_decode(base, prompt, 14)
+    monkeypatch.setattr(decode, "static_decoding", lambda model: True)
+    static = decode.speculative_decode(base, head, prompt, 14, draft_steps)
+    assert static.output_ids == reference.output_ids and static.rounds == reference.rounds
+    assert any(r.accepted < len(r.drafted) for r in static.rounds)  # rollbacks were exercised
+    logprobs, want = torch.tensor(static.logprobs), torch.tensor(reference.logprobs)
+    assert_close(logprobs, want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=1024), "logprobs")
+    greedy = decode.greedy_decode(base, prompt, 14)
+    assert greedy.output_ids == greedy_reference.output_ids and greedy.base_passes == greedy_reference.base_passes
