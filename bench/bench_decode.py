@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fullsize import randomise  # noqa: E402
 
-from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
-from occamy_mtp.greedy import greedy_generate  # noqa: E402
+from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
+from occamy_mtp.selfgen.greedy import greedy_generate  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 
 GIB = 2**30
@@ -156,8 +156,8 @@ def time_legacy(base, batch: int, prompt_tokens: int, device) -> dict:
 def time_reference_runners(base, prompt_tokens: int, device) -> dict:
     """The reference decoder's base at batch 1: one-token forwards, and a verify pass of 4 tokens
     (a 3-step draft) between a snapshot and a restore, as `decode.speculative_decode` runs them."""
-    from occamy_mtp.decode import BaseRunner
-    from occamy_mtp.fastdecode import StaticRunner
+    from occamy_mtp.evaluation.decode import BaseRunner
+    from occamy_mtp.selfgen.fastdecode import StaticRunner
 
     prompt = torch.randint(0, base.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(3)).tolist()
     out = {}

@@ -25,7 +25,7 @@ the library's own pieces:
    `embed_tokens` and `lm_head`);
 3. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
    2 epochs of one window a step, reading targets from the cache (`target_cache.TargetCache`),
-   the step of `occamy_mtp.train.train` without accelerate, with its checkpoint selection:
+   the step of `occamy_mtp.train.loop.train` without accelerate, with its checkpoint selection:
    the decoder replay on the 32 validation windows before the first step and every 64;
 4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
    steps) from the cache, and the head's tensors written to a safetensors file.
@@ -47,18 +47,18 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import target_cache
-from occamy_mtp.target import plain_compute, plain_compute_name
+from occamy_mtp.targets import cache as target_cache
+from occamy_mtp.targets.base import plain_compute, plain_compute_name
 from occamy_mtp import files
-from occamy_mtp.checkpoint import base_model_class, text_config_from_dict
-from occamy_mtp.data import Window
-from occamy_mtp.evaluate import evaluate_head, reference_decoder_check, served_acceptance
-from occamy_mtp.fastbase import FastBasePass
-from occamy_mtp.head import MTPHead, SharedWeights, set_trainable
+from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
+from occamy_mtp.data.windows import Window
+from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
+from occamy_mtp.targets.fastbase import FastBasePass
+from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import TrainSettings, step_loss_weights
-from occamy_mtp.selfgen import self_generate
+from occamy_mtp.selfgen.store import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
-from occamy_mtp.train import lr_at, step_windows, train_step
+from occamy_mtp.train.loop import lr_at, step_windows, train_step
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
@@ -223,7 +223,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    # 3. the 512 steps: occamy_mtp.train's own step, with the default settings, without accelerate
+    # 3. the 512 steps: occamy_mtp.train.loop's own step, with the default settings, without accelerate
     total_steps = EPOCHS * args.steps_per_epoch
     settings = TrainSettings()
     params = [p for p in head.parameters() if p.requires_grad]

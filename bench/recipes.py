@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import load_config  # noqa: E402
-from occamy_mtp.export import export  # noqa: E402
+from occamy_mtp.export.exporter import export  # noqa: E402
 from occamy_mtp.run import RunDir  # noqa: E402
-from occamy_mtp.train import train  # noqa: E402
+from occamy_mtp.train.loop import train  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
 RECIPES = {

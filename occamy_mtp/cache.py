@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig
@@ -31,8 +31,8 @@ from occamy_mtp.run import (
     run_windows,
     self_generated_needed,
 )
-from occamy_mtp.target import ComputeOutputs, plain_compute, plain_compute_name
-from occamy_mtp.target_cache import (
+from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
+from occamy_mtp.targets.cache import (
     DEFAULT_MAX_SHARD_BYTES,
     MANIFEST_NAME,
     build_cache,
@@ -54,7 +54,7 @@ def auto_fastbase_tokens(base) -> int:
     at real size; its own kernels move the outputs by no more than a one-ulp change of
     the input does; bench/RESULTS.md). Elsewhere the plain pass is the faster one.
     """
-    from occamy_mtp import fastbase
+    from occamy_mtp.targets import fastbase
 
     if base.lm_head.weight.device.type != "cuda" or base.config.model_type != "qwen3_5_moe_text":
         return 0
@@ -74,7 +74,7 @@ def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None =
     if fastbase_tokens is None:
         fastbase_tokens = auto_fastbase_tokens(base) if windows_per_batch == 1 else 0
     if fastbase_tokens > 0:
-        from occamy_mtp.fastbase import FastBasePass
+        from occamy_mtp.targets.fastbase import FastBasePass
 
         return FastBasePass(base, max_tokens_per_batch=fastbase_tokens), f"fastbase.FastBasePass, {fastbase_tokens} tokens per forward"
     return plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--windows-per-batch", type=int, default=1, help="windows per plain base forward (1: the canonical per-window targets)")
     cli.add_argument(
         "--fastbase-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
-        help="tokens per forward of the packed fast pass (occamy_mtp.fastbase); 0: the plain pass, one window a forward "
+        help="tokens per forward of the packed fast pass (occamy_mtp.targets.fastbase); 0: the plain pass, one window a forward "
         f"(the canonical targets); auto (default): {DEFAULT_FASTBASE_TOKENS} for a Qwen3.5-MoE base on CUDA with fla, else 0",
     )
     cli.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")

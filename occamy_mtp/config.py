@@ -62,7 +62,7 @@ class DataSettings:
     the base itself: the text serving drafts on), data (the recorded answers, teacher forced:
     the original recipe) or mixed (both, each window twice)."""
     self_generated_dir: str = ""
-    """Where the base's continuations are stored (`occamy_mtp.selfgen`); empty means
+    """Where the base's continuations are stored (`occamy_mtp.selfgen.store`); empty means
     output.dir/self-generated. Runs with the same base and window settings may share it."""
     self_generate_batch_size: int = 160
     """Contexts per batch when the base in this process writes the continuations. At real size
@@ -98,7 +98,7 @@ class DataSettings:
 TURN_CHOICES = ("last", "first", "every")
 
 # The data settings that decide which windows a run builds and how they are split; the
-# keyword arguments of `occamy_mtp.data.prepare_windows`, under the same names.
+# keyword arguments of `occamy_mtp.data.windows.prepare_windows`, under the same names.
 WINDOW_SETTINGS = (
     "context_tokens", "answer_tokens", "turns", "train_conversations", "validation_conversations",
     "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",

@@ -20,10 +20,10 @@ import torch
 from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.files import sha256_file, write_json
-from occamy_mtp import data as D
-from occamy_mtp.greedy import default_eos_token_ids, greedy_generate, template_end_of_turn_id
+from occamy_mtp.data import windows as D
+from occamy_mtp.selfgen.greedy import default_eos_token_ids, greedy_generate, template_end_of_turn_id
 
 # ---------------------------------------------------------------------------- settings
 

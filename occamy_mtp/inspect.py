@@ -1,6 +1,6 @@
-"""`python -m occamy_mtp.inspect PATH`: the documented name of `python -m occamy_mtp.checkpoint_report`."""
+"""`python -m occamy_mtp.inspect`: the documented name of `python -m occamy_mtp.export.checkpoint_report`."""
 
-from occamy_mtp.checkpoint_report import main
+from occamy_mtp.export.checkpoint_report import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

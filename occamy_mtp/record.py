@@ -20,7 +20,7 @@ import torch
 from occamy_mtp.files import hash_cache_key, sha256_file
 
 from occamy_mtp import __version__
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 
 RECORD_FORMAT = 2
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")

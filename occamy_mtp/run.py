@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
-from occamy_mtp.data import PreparedData, Window, load_tokenizer, prepare_windows
-from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.selfgen import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
-from occamy_mtp.target import OnlineTargets, TargetSource
-from occamy_mtp.target_cache import TargetCache, cache_identity
+from occamy_mtp.data.windows import PreparedData, Window, load_tokenizer, prepare_windows
+from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
+from occamy_mtp.targets.base import OnlineTargets, TargetSource
+from occamy_mtp.targets.cache import TargetCache, cache_identity
 
 Log = Callable[[str], None]
 
@@ -205,7 +205,7 @@ def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> No
 
 def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
     """Where the base's continuations end: eos, the template's end of turn, generation_config's eos."""
-    from occamy_mtp.greedy import default_eos_token_ids
+    from occamy_mtp.selfgen.greedy import default_eos_token_ids
 
     return default_eos_token_ids(tokenizer, config.model.base)
 
@@ -228,7 +228,7 @@ def continuation_writer(config: RunConfig, tokenizer, base=None) -> Writer | Non
     """Who writes the continuations a store lacks: the servers of `data.self_generate_endpoints`
     (checked when first asked), else the base in this process when it is loaded, else nobody."""
     if config.data.self_generate_endpoints:
-        from occamy_mtp.engine_generate import EngineWriter, Request
+        from occamy_mtp.selfgen.engines import EngineWriter, Request
 
         request = Request(config.data.answer_tokens, frozenset(stop_token_ids(config, tokenizer)),
                           ckpt_io.read_config(config.model.base).text_config.vocab_size,

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.head import MTPHead
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model.head import MTPHead
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config, write_checkpoint
 
 QWEN3_5 = "qwen3_5_moe_text"

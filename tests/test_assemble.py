@@ -2,7 +2,7 @@
 
 Every base is a tiny real-layout checkpoint written into the test's own tmp_path. "What
 an engine loads" is `assemble.engine_view`: vLLM and SGLang keep the safetensors files
-the index names and read every tensor of each (see occamy_mtp/assemble.py).
+the index names and read every tensor of each (see occamy_mtp/export/assemble.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import assemble as asm
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.export import assemble as asm
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config, write_checkpoint
 
@@ -118,7 +118,7 @@ def write_head(directory: Path, path: Path, layout: str | None = None, text_conf
     tensors = {k: v for k, v in base_tensors(directory).items() if k.startswith(ckpt_io.HEAD_PREFIX)}
     tensors["mtp.fc.weight"] = (tensors["mtp.fc.weight"].float() * 0.5 + 0.01).to(torch.bfloat16)
     if layout is not None:  # re-lay the experts through the module layout
-        from occamy_mtp.head import MTPHead
+        from occamy_mtp.model.head import MTPHead
 
         with torch.device("meta"):
             head = MTPHead(text_config)

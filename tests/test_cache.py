@@ -20,15 +20,15 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from occamy_mtp import cache as CP
-from occamy_mtp import target as T
-from occamy_mtp import target_cache as C
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.targets import base as T
+from occamy_mtp.targets import cache as C
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
-from occamy_mtp import loss as loss_module
-from occamy_mtp import train as train_module
+from occamy_mtp.model import loss as loss_module
+from occamy_mtp.train import loop as train_module
 from occamy_mtp.config import load_config
-from occamy_mtp.data import Window, prepare_windows
-from occamy_mtp.target import base_outputs
+from occamy_mtp.data.windows import Window, prepare_windows
+from occamy_mtp.targets.base import base_outputs
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.files import sha256_file
@@ -175,7 +175,7 @@ def run_config(world, output: Path) -> Path:
 def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
-    from occamy_mtp import export as export_module
+    from occamy_mtp.export import exporter as export_module
     from occamy_mtp.run import open_store, prepare_data, run_windows
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
@@ -223,7 +223,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
 
 def test_the_fast_pass_plugs_in(world, tmp_path):
     """fastbase.FastBasePass is a `compute` as it is: the cache stores exactly what it gives."""
-    fastbase = pytest.importorskip("occamy_mtp.fastbase")
+    fastbase = pytest.importorskip("occamy_mtp.targets.fastbase")
     windows = window_ids(world["data"])[:3]
     fast = fastbase.FastBasePass(world["base"], max_tokens_per_batch=256)
     identity = C.CacheIdentity(world["identity"].base, {"windows": "first three"}, world["identity"].settings)
@@ -251,7 +251,7 @@ def test_auto_pass_choice(world, monkeypatch):
         )
 
     fast_base, next_base = on_cuda("qwen3_5_moe_text"), on_cuda("qwen3_next")
-    from occamy_mtp import fastbase
+    from occamy_mtp.targets import fastbase
 
     monkeypatch.setattr(fastbase, "fla_kernels", lambda: fastbase.torch_kernels())
     assert CP.auto_fastbase_tokens(fast_base) == CP.DEFAULT_FASTBASE_TOKENS

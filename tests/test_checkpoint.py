@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
-from occamy_mtp.checkpoint import FUSED, PER_EXPERT, CheckpointError, SafetensorsCheckpoint
-from occamy_mtp.head import SharedWeights
+from occamy_mtp.model.checkpoint import FUSED, PER_EXPERT, CheckpointError, SafetensorsCheckpoint
+from occamy_mtp.model.head import SharedWeights
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

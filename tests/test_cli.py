@@ -10,12 +10,12 @@ import pytest
 
 # command module -> the flags it cannot run without (besides the config)
 COMMANDS = {
-    "occamy_mtp.train": [],
-    "occamy_mtp.export": [],
+    "occamy_mtp.train.loop": [],
+    "occamy_mtp.export.exporter": [],
     "occamy_mtp.cache": [],
-    "occamy_mtp.evaluate": ["--out", "unused"],
-    "occamy_mtp.data": [],
-    "occamy_mtp.validate": ["--reference", "http://127.0.0.1:9", "--out", "unused"],
+    "occamy_mtp.evaluation.evaluate": ["--out", "unused"],
+    "occamy_mtp.data.windows": [],
+    "occamy_mtp.serve.validate": ["--reference", "http://127.0.0.1:9", "--out", "unused"],
 }
 
 

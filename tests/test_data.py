@@ -1,4 +1,4 @@
-"""Windows, exclusions, bad input, the split and the CLI of occamy_mtp.data.
+"""Windows, exclusions, bad input, the split and the CLI of occamy_mtp.data.windows.
 
 Exact ids are pinned with a 300-token tokenizer trained on the literal CORPUS below, so
 that they do not move when data/sample.jsonl is rebuilt; the shipped sample set is
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from occamy_mtp import data as D
-from occamy_mtp.data import BEYOND_SPLIT_SIZE, DataError, prepare_windows
+from occamy_mtp.data import windows as D
+from occamy_mtp.data.windows import BEYOND_SPLIT_SIZE, DataError, prepare_windows
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
 
 CORPUS = (

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.data import Window
-from occamy_mtp.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
-from occamy_mtp.evaluate import SELF_GENERATED, chain_outcomes, evaluate_head
-from occamy_mtp.metrics import counts_from_outcomes
+from occamy_mtp.data.windows import Window
+from occamy_mtp.evaluation.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
+from occamy_mtp.evaluation.evaluate import SELF_GENERATED, chain_outcomes, evaluate_head
+from occamy_mtp.evaluation.metrics import counts_from_outcomes
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 

@@ -1,4 +1,4 @@
-"""The in-place recurrent step of the decode (`occamy_mtp.decode_kernels`) against transformers'
+"""The in-place recurrent step of the decode (`occamy_mtp.selfgen.decode_kernels`) against transformers'
 recurrent gated delta rule, and the Triton kernel (under Triton's interpreter on a CPU)
 against its PyTorch reference: outputs and the updated state."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import decode_kernels
+from occamy_mtp.selfgen import decode_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.record import validate_record
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
@@ -100,9 +100,9 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from transformers import AutoTokenizer
 
     from occamy_mtp.config import load_config
-    from occamy_mtp.data import prepare_windows
-    from occamy_mtp.evaluate import evaluate_head, served_acceptance
-    from occamy_mtp.head import SharedWeights
+    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
+    from occamy_mtp.model.head import SharedWeights
     from occamy_mtp.run import open_store
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())

@@ -1,6 +1,6 @@
 """The base's continuations written by OpenAI-compatible servers (issue 20, part A).
 
-Against the project's own reference server (`occamy_mtp.serve_reference`, greedy, float32)
+Against the project's own reference server (`occamy_mtp.serve.reference_server`, greedy, float32)
 started in a subprocess: the store the servers write is byte for byte the store the
 embedded generator writes, the work is spread over several servers, and a server killed
 halfway leaves a store that a resumed run completes into the same bytes. Against small
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp import engine_generate as G
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.selfgen import engines as G
 from occamy_mtp.config import load_config
 from occamy_mtp.run import continuation_writer, load_tokenizer, open_store, prepare_data, run_windows, self_generated_needed
-from occamy_mtp.selfgen import META_FILE, STORE_FILE, SelfGenError
+from occamy_mtp.selfgen.store import META_FILE, STORE_FILE, SelfGenError
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from test_validate import _wait_for_url

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp.data import Window
-from occamy_mtp.selfgen import context_of, self_generate, with_continuation
-from occamy_mtp.evaluate import (
+from occamy_mtp.data.windows import Window
+from occamy_mtp.selfgen.store import context_of, self_generate, with_continuation
+from occamy_mtp.evaluation.evaluate import (
     SELF_GENERATED,
     TEACHER_FORCED,
     chain_outcomes,
@@ -20,8 +20,8 @@ from occamy_mtp.evaluate import (
     format_table,
     main,
 )
-from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
-from occamy_mtp.plot import plot_acceptance
+from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
+from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
@@ -196,7 +196,7 @@ def test_cli_refuses_missing_inputs(tmp_path, capsys):
 
 def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, capsys):
     from occamy_mtp.config import load_config, window_settings
-    from occamy_mtp.data import prepare_windows
+    from occamy_mtp.data.windows import prepare_windows
     from occamy_mtp.run import load_tokenizer
 
     config_path = tmp_path / "run.yaml"
@@ -223,10 +223,10 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
 
 def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_path, capsys):
     """--max-windows N: the first N heldout windows, the ones validate sends with --prompts N."""
-    from occamy_mtp import checkpoint as ckpt_io
-    from occamy_mtp.data import prepare_windows
-    from occamy_mtp.head import SharedWeights
-    from occamy_mtp.validate import heldout_window_contexts
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.model.head import SharedWeights
+    from occamy_mtp.serve.validate import heldout_window_contexts
     from transformers import AutoTokenizer
 
     split = dict(context_tokens=16, answer_tokens=12, train_conversations=4, validation_conversations=0,
@@ -263,7 +263,7 @@ def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_pa
 def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_path, monkeypatch):
     """eval.served_steps, eval.draft_steps and data.self_generate_batch_size of --config reach
     the evaluation (they had defaults of their own on evaluate's command line)."""
-    from occamy_mtp.selfgen import SelfGeneratedStore
+    from occamy_mtp.selfgen.store import SelfGeneratedStore
 
     batch_sizes = []
     real_generate = SelfGeneratedStore.generate

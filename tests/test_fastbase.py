@@ -1,6 +1,6 @@
 """The fast frozen-base pass against the plain transformers forward, window by window.
 
-Oracle: `occamy_mtp.target.base_outputs` on each window alone (batch of one, no
+Oracle: `occamy_mtp.targets.base.base_outputs` on each window alone (batch of one, no
 packing). The pass must give the same greedy targets and the same hidden states
 (to float32 rounding in float32, to bf16 tolerance in bf16), whatever the window
 lengths and however the windows are split into batches.
@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from occamy_mtp import fastbase
+from occamy_mtp.targets import fastbase
 from occamy_mtp.compat import torch_function
-from occamy_mtp.fastbase import (
+from occamy_mtp.targets.fastbase import (
     FastBasePass,
     Kernels,
     PackLayout,
@@ -25,7 +25,7 @@ from occamy_mtp.fastbase import (
     packed_base_outputs,
     plan_batches,
 )
-from occamy_mtp.target import base_outputs
+from occamy_mtp.targets.base import base_outputs
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 

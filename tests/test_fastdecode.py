@@ -1,4 +1,4 @@
-"""The static batch decoder (`occamy_mtp.fastdecode`) against the generator it replaces on a GPU
+"""The static batch decoder (`occamy_mtp.selfgen.fastdecode`) against the generator it replaces on a GPU
 (`greedy.greedy_generate`) and against the base's full forward, on tiny float32 models."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate
-from occamy_mtp.greedy import greedy_generate
+from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate
+from occamy_mtp.selfgen.greedy import greedy_generate
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
@@ -79,7 +79,7 @@ def test_grouped_attention_is_transformers_attention(base):
     """gqa_decode_attention against transformers' eager attention (key/value heads repeated)."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    from occamy_mtp.fastdecode import gqa_decode_attention
+    from occamy_mtp.selfgen.fastdecode import gqa_decode_attention
 
     generator = torch.Generator().manual_seed(4)
     query, key, value = (torch.randn(2, heads, length, 8, generator=generator) for heads, length in ((4, 1), (2, 6), (2, 6)))
@@ -125,7 +125,7 @@ def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_c
     """decode.speculative_decode and greedy_decode with `StaticRunner` (one step a token, the
     state snapshotted and restored around each verify) against `BaseRunner`: the same text,
     the same rounds, logprobs equal to float32 rounding."""
-    from occamy_mtp import decode
+    from occamy_mtp.evaluation import decode
     from test_decode import agreeable_models, random_prompt
 
     base, head = agreeable_models(seed=1)

@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import assemble as asm
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.export import assemble as asm
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import dump_yaml
-from occamy_mtp import data as D
+from occamy_mtp.data import windows as D
 from occamy_mtp import generate as G
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from test_assemble import assert_serves_head, base_tensors, head_variant, tree_state, write_head
 
 # ==================================================================================
-# assemble_head.py (occamy_mtp/assemble.py)
+# assemble_head.py (occamy_mtp/export/assemble.py)
 # ==================================================================================
 
 
@@ -368,7 +368,7 @@ def run_config(models, output, *overrides):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Fail the test if anything loads the base or the donor head."""
-    from occamy_mtp import checkpoint as ckpt_io
+    from occamy_mtp.model import checkpoint as ckpt_io
 
     for name in ("load_base", "load_head", "load_shared_weights"):
         monkeypatch.setattr(ckpt_io, name, lambda *a, **k: pytest.fail("a model was loaded before the cheap checks"))
@@ -381,7 +381,7 @@ def sha256_tree(directory: Path) -> dict[str, str]:
 @pytest.mark.parametrize("where", ["base", "inside-base", "symlink-into-base", "inside-donor"])
 def test_outputs_inside_the_base_or_donor_are_refused(run_models, tmp_path, no_model_loading, where):
     from occamy_mtp.config import ConfigError
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     before = sha256_tree(run_models["base"])
     output = {"base": run_models["base"], "inside-base": run_models["base"] / "run",
@@ -415,7 +415,7 @@ def train_side_only(models, path: Path) -> Path:
 ])
 def test_bad_settings_are_found_before_any_model_loads(run_models, tmp_path, no_model_loading, case, overrides, message):
     from occamy_mtp.config import ConfigError
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     if case == "no-heldout":  # every conversation hashes to the train side
         overrides = [*overrides, f"data.files=[{train_side_only(run_models, tmp_path / 'train-side.jsonl')}]"]
@@ -426,7 +426,7 @@ def test_bad_settings_are_found_before_any_model_loads(run_models, tmp_path, no_
 
 def test_an_output_dir_that_is_a_file_is_refused(run_models, tmp_path, no_model_loading):
     from occamy_mtp.config import ConfigError
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(ConfigError, match="output.dir: .* is a file"):
@@ -449,7 +449,7 @@ def test_bad_optimizer_settings_are_config_errors(run_models, tmp_path, override
 
 
 def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(run_models, tmp_path, monkeypatch):
-    from occamy_mtp import train as train_module
+    from occamy_mtp.train import loop as train_module
 
     real = train_module.chain_loss
     calls = []
@@ -468,7 +468,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(run
 
 
 def test_a_non_finite_update_is_caught_before_a_checkpoint_keeps_it(run_models, tmp_path, monkeypatch):
-    from occamy_mtp import train as train_module
+    from occamy_mtp.train import loop as train_module
 
     # The optimizer's third step overflows one weight (what a huge finite lr does in float32).
     real_step, steps = torch.optim.AdamW.step, []
@@ -497,9 +497,9 @@ def test_export_refuses_non_finite_tensors(run_models, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from occamy_mtp.export import ExportError, export
+    from occamy_mtp.export.exporter import ExportError, export
     from occamy_mtp.run import RunDir
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
     train(config)
@@ -515,9 +515,9 @@ def test_export_refuses_non_finite_tensors(run_models, tmp_path):
 
 
 def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, tmp_path):
-    from occamy_mtp.export import export
+    from occamy_mtp.export.exporter import export
     from occamy_mtp.run import RunDir
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
     output = RunDir.of(config)
@@ -536,7 +536,7 @@ def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, 
 def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
     from occamy_mtp.config import ConfigError
     from occamy_mtp.run import output_lock
-    from occamy_mtp.train import train
+    from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
     with output_lock(config):
@@ -546,7 +546,7 @@ def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
 
 
 def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, capsys):
-    from occamy_mtp.train import main
+    from occamy_mtp.train.loop import main
 
     output = tmp_path / "run"
     config = tmp_path / "run.yaml"
@@ -560,8 +560,8 @@ def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, c
 
 
 def test_slow_phases_report_progress(run_models, tmp_path, capsys):
-    from occamy_mtp.export import export
-    from occamy_mtp.train import train
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
     train(config)
@@ -573,7 +573,7 @@ def test_slow_phases_report_progress(run_models, tmp_path, capsys):
 
 
 # ==================================================================================
-# Chat data (occamy_mtp/data.py, and generate.py's prompt reading)
+# Chat data (occamy_mtp/data/windows.py, and generate.py's prompt reading)
 # ==================================================================================
 
 

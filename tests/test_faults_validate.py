@@ -1,4 +1,4 @@
-"""Bad servers against `occamy_mtp.validate` (issue 14, item 8): every malformed or slow
+"""Bad servers against `occamy_mtp.serve.validate` (issue 14, item 8): every malformed or slow
 answer is a recorded failure with its reason, never a crash or a hang.
 
 Each case runs a loopback server (a thread on 127.0.0.1, free port) that answers the
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from occamy_mtp import engine_client as E
-from occamy_mtp import validate as V
+from occamy_mtp.selfgen import engine_client as E
+from occamy_mtp.serve import validate as V
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GOOD = json.loads((FIXTURES / "sglang-0.5.23-chat-mtp3.json").read_text())

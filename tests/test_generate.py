@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import generate as G
-from occamy_mtp.data import DataError, Message, prepare_windows
+from occamy_mtp.data.windows import DataError, Message, prepare_windows
 from occamy_mtp.testing.checkpoints import (
     build_tiny_checkpoint,
     random_models,

@@ -15,8 +15,8 @@ from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, QWEN3_NEXT_80B_A3B
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 

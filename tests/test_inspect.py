@@ -15,9 +15,9 @@ from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, QWEN3_NEXT_80B_A3B
 import torch
 from safetensors import safe_open
 
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
-from occamy_mtp.checkpoint_report import main
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
+from occamy_mtp.export.checkpoint_report import main
 from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp.loss import IGNORE, chain_batch, chain_loss
+from occamy_mtp.model.loss import IGNORE, chain_batch, chain_loss
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 

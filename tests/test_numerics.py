@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.head import set_trainable
+from occamy_mtp.model.head import set_trainable
 from occamy_mtp.testing.numerics import assert_close, rounding_bound, worst_difference
 from test_head import (
     BACKWARD_REDUCTIONS,

@@ -19,12 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from occamy_mtp.config import load_config
-from occamy_mtp.export import ExportError, export
-from occamy_mtp.export import main as export_main
+from occamy_mtp.export.exporter import ExportError, export
+from occamy_mtp.export.exporter import main as export_main
 from occamy_mtp.testing.demo_models import DemoSettings, build_demo_models
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.run import RunDir
-from occamy_mtp.train import train
+from occamy_mtp.train.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 

@@ -1,6 +1,6 @@
 """The endpoint validation tool against real HTTP servers on loopback.
 
-Three `occamy_mtp.serve_reference` processes serve a tiny fp32 checkpoint on 127.0.0.1
+Three `occamy_mtp.serve.reference_server` processes serve a tiny fp32 checkpoint on 127.0.0.1
 (free ports): MTP off (plain greedy), MTP on (the reference speculative decoder, 3 draft
 steps; SGLang's per-request fields and vLLM's /metrics counters), and a faulty one that
 changes one output token, shifts one logprob, sends one malformed response and then dies
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from occamy_mtp import engine_client as E
-from occamy_mtp import validate as V
+from occamy_mtp.selfgen import engine_client as E
+from occamy_mtp.serve import validate as V
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
@@ -196,8 +196,8 @@ def test_mtp_off_candidate_fails_for_drafting_nothing(recorded, servers, tmp_pat
 
 def test_window_contexts_go_as_token_ids_to_completions(tiny, servers, tmp_path):
     """--prompt-source windows: the heldout windows' contexts, as token ids, exactly the prompts
-    `occamy_mtp.evaluate --reference-decoder` decodes; acceptance read from /v1/completions."""
-    from occamy_mtp import data as D
+    `occamy_mtp.evaluation.evaluate --reference-decoder` decodes; acceptance read from /v1/completions."""
+    from occamy_mtp.data import windows as D
 
     split = dict(train_conversations=4, heldout_conversations=3)
     prompts = V.heldout_window_contexts([tiny["data"]], tiny["tokenizer"], **split)

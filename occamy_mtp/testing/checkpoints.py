@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
-from occamy_mtp.head import MTPHead, SharedWeights
+from occamy_mtp.model.head import MTPHead, SharedWeights
 
 # Literal sizes of the tiny models (real: hidden 2048, 40 layers, 256 experts top-8).
 TINY_QWEN3_5 = dict(

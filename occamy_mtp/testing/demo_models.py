@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.cli import command
-from occamy_mtp.head import MTPHead, SharedWeights
+from occamy_mtp.model.head import MTPHead, SharedWeights
 from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
 

@@ -25,18 +25,18 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
-from occamy_mtp.data import Window
+from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.evaluate import served_acceptance
-from occamy_mtp.head import MTPHead
-from occamy_mtp.loss import StepStats, chain_batch, chain_loss, collate
+from occamy_mtp.evaluation.evaluate import served_acceptance
+from occamy_mtp.model.head import MTPHead
+from occamy_mtp.model.loss import StepStats, chain_batch, chain_loss, collate
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
-from occamy_mtp.target import TargetSource
+from occamy_mtp.targets.base import TargetSource
 
 # Head submodules whose fp32 master weights the forward can use directly: the norms
 # compute in fp32 anyway, and `MTPHead.project` rounds fc's weight to the activation

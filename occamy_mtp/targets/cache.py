@@ -20,11 +20,11 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp.errors import OccamyError
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.files import sha256_file, token_ids_sha256
-from occamy_mtp.data import Window
-from occamy_mtp.target import BaseOutputs, ComputeOutputs, plain_compute_name
+from occamy_mtp.data.windows import Window
+from occamy_mtp.targets.base import BaseOutputs, ComputeOutputs, plain_compute_name
 
 CACHE_FORMAT = 1
 MANIFEST_NAME = "manifest.json"

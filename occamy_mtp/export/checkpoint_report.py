@@ -1,4 +1,4 @@
-"""What a checkpoint holds, before a long run: `python -m occamy_mtp.checkpoint_report PATH [--json]`.
+"""What a checkpoint holds, before a long run: `python -m occamy_mtp.export.checkpoint_report PATH [--json]`.
 
 PATH is a checkpoint directory or a bare config.json. The report gives the
 architecture and dimensions, whether `mtp.*` tensors are present and in which expert
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from occamy_mtp.cli import command
-from occamy_mtp import checkpoint as ckpt_io
-from occamy_mtp.head import MTPHead, count_parameters, set_trainable
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model.head import MTPHead, count_parameters, set_trainable
 
 # Per kind of tensor problem (missing, unexpected, mis-shaped), how many to list by
 # name: a head with all 512 experts missing would otherwise print 1,536 lines.
@@ -261,7 +261,7 @@ def format_report(report: dict) -> str:
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp.checkpoint_report",
+        prog="python -m occamy_mtp.export.checkpoint_report",
         description="Report what a Qwen3.5-MoE / Qwen3-Next checkpoint (or config.json) holds, before a long run.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory or config.json")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.decode_kernels import recurrent_step_
+from occamy_mtp.selfgen.decode_kernels import recurrent_step_
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
@@ -100,7 +100,7 @@ class StaticKV:
 def _moe(device: torch.device):
     """The MoE block: `fastbase.fused_moe_block` (grouped GEMMs, Triton glue) on CUDA; the module's own elsewhere."""
     if device.type == "cuda":
-        from occamy_mtp.fastbase import fused_moe_block
+        from occamy_mtp.targets.fastbase import fused_moe_block
 
         return fused_moe_block
 

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Protocol
 
 from occamy_mtp.errors import OccamyError
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
-from occamy_mtp.fastdecode import BatchDecoder, fast_greedy_generate, static_decoding
-from occamy_mtp.greedy import greedy_generate
-from occamy_mtp.data import Window
+from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate, static_decoding
+from occamy_mtp.selfgen.greedy import greedy_generate
+from occamy_mtp.data.windows import Window
 
 STORE_FILE = "self-generated.jsonl"
 META_FILE = "self-generated.meta.json"
@@ -102,7 +102,7 @@ class EmbeddedWriter:
         self.static = static_decoding(base)
 
     def details(self) -> dict:
-        decoder = "occamy_mtp.fastdecode.BatchDecoder" if self.static else "occamy_mtp.greedy.greedy_generate"
+        decoder = "occamy_mtp.selfgen.fastdecode.BatchDecoder" if self.static else "occamy_mtp.selfgen.greedy.greedy_generate"
         return {"decoder": decoder, "batch_size": self.batch_size}
 
     def describe(self) -> str:
@@ -292,7 +292,7 @@ def _read_store(path: Path) -> tuple[dict[str, Continuation], int]:
             ok = False
         if not ok:
             raise SelfGenError(
-                f"{path}:{number}: not a line written by occamy_mtp.selfgen "
+                f"{path}:{number}: not a line written by occamy_mtp.selfgen.store "
                 '(expected {"context_sha256": str, "tokens": [int, ...], "finished": bool}); '
                 "only a torn last line is repaired: remove the store to generate again"
             )

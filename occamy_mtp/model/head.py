@@ -19,7 +19,7 @@ earlier steps, with a mask that lets anchor i see exactly its own prefix and cha
 The module is pure: no file I/O. It borrows the base's embedding and lm_head by
 reference (they are not submodules, so they are neither trained, counted nor saved
 with the head), and its parameter names are the checkpoint's `mtp.*` names without
-the prefix (see `occamy_mtp.checkpoint` for the expert-layout conversion).
+the prefix (see `occamy_mtp.model.checkpoint` for the expert-layout conversion).
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ _FAMILIES = {
         qwen3_next.Qwen3NextRotaryEmbedding,
     ),
 }
+
+
+# Positions per lm_head + argmax chunk wherever logits over the vocabulary are taken (the
+# loss, the base's greedy targets): (4096 x 248,320) bf16 logits are ~2 GiB.
+DEFAULT_LOGITS_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)

@@ -579,7 +579,7 @@ def load_head(
 
     `source` is a checkpoint directory or one safetensors file. Returns (head, layout).
     """
-    from occamy_mtp.head import MTPHead
+    from occamy_mtp.model.head import MTPHead
 
     ckpt = SafetensorsCheckpoint(source)
     with torch.device("meta"):
@@ -599,7 +599,7 @@ def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     With the target cache the head trains and is evaluated without the base's 34.7B
     parameters: these two tensors are 2 x 248,320 x 2048 (~2 GB in bf16) at real size.
     """
-    from occamy_mtp.head import SharedWeights
+    from occamy_mtp.model.head import SharedWeights
 
     base_dir = Path(base_dir)
     text_config = read_config(base_dir).text_config

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from occamy_mtp.metrics import acceptance_summary, counts_from_outcomes
+from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.fastdecode import StaticRunner, static_decoding
-from occamy_mtp.head import ChainKV
+from occamy_mtp.selfgen.fastdecode import StaticRunner, static_decoding
+from occamy_mtp.model.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
 # position a+k+1. Tests use it to force rejections at chosen draft positions; None drafts

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS
+from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 IGNORE = -100  # label of an unscored (step, anchor) pair
 

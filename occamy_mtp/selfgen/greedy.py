@@ -1,6 +1,6 @@
 """Batched greedy decoding with the frozen base: how the base writes its own text.
 
-`greedy_generate` is what the self-generated store (`occamy_mtp.selfgen`) and the
+`greedy_generate` is what the self-generated store (`occamy_mtp.selfgen.store`) and the
 answer-regeneration tool (`occamy_mtp.generate`) decode with; `default_eos_token_ids`
 is where a continuation ends.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import data as D
+from occamy_mtp.data import windows as D
 from occamy_mtp.compat import cache_kwarg
 
 # Any id works for padding: padded positions are masked out of every layer (see _greedy_batch).

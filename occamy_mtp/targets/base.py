@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-# Positions per lm_head + argmax chunk: (4096 x 248,320) bf16 logits are ~2 GiB.
-DEFAULT_LOGITS_CHUNK_TOKENS = 4096
+from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
+
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp import moe_kernels
+from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
-from occamy_mtp.target import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
+from occamy_mtp.targets.base import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
 
 FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
 
@@ -182,7 +182,7 @@ def fla_kernels(
 
     fused_norms: fla's fused (residual +) RMSNorm kernels; False: the modules' own norms.
     grouped_moe: `grouped_moe_block`; False: the MoE block's own forward.
-    fused_moe_glue: with grouped_moe, the Triton kernels of `occamy_mtp.moe_kernels` around
+    fused_moe_glue: with grouped_moe, the Triton kernels of `occamy_mtp.targets.moe_kernels` around
         the expert GEMMs.
     repeat_kv_heads: hand the delta rule query/key heads repeated up to the value heads
         (what transformers <= 5.1x does) instead of relying on fla's grouped value heads.
@@ -268,7 +268,7 @@ def grouped_experts(
     routing weights, accumulating in fp32.
 
     fused_glue: SiLU * up, and the un-sort + weighted sum, each in one Triton kernel
-        (`occamy_mtp.moe_kernels`); else in PyTorch (a gather and a batched matmul).
+        (`occamy_mtp.targets.moe_kernels`); else in PyTorch (a gather and a batched matmul).
     shared, shared_gate: the shared expert's (N, D) output and (N, 1) gate logits, added
         as `sigmoid(shared_gate) * shared` (inside the fused combine when fused_glue).
     """
@@ -314,7 +314,7 @@ def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch
 
 
 def fused_moe_block(block, x: torch.Tensor) -> torch.Tensor:
-    """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.moe_kernels`)."""
+    """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.targets.moe_kernels`)."""
     return grouped_moe_block(block, x, fused_glue=True)
 
 
@@ -435,7 +435,7 @@ class FastBasePass:
         if base.config.model_type != "qwen3_5_moe_text":
             raise ValueError(
                 f"FastBasePass supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}; "
-                "use occamy_mtp.target.base_outputs for other bases"
+                "use occamy_mtp.targets.base.base_outputs for other bases"
             )
         self.base = base
         self.max_tokens_per_batch = max_tokens_per_batch

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from occamy_mtp.engine_client import COMPLETIONS, RequestFailed, parse_response, post_json, server_identity
+from occamy_mtp.selfgen.engine_client import COMPLETIONS, RequestFailed, parse_response, post_json, server_identity
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.selfgen import ENGINE, Continuation
+from occamy_mtp.selfgen.store import ENGINE, Continuation
 
 PROBE_TOKENS = 2  # new tokens of the probe request: enough to see token ids come back
 BACKOFF_SECONDS = 1.0  # the first retry's wait; each next one doubles, up to MAX_BACKOFF_SECONDS

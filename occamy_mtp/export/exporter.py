@@ -20,15 +20,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, differing_settings
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.evaluate import format_served, heldout_report, reference_decoder_check
-from occamy_mtp.plot import plot_acceptance
+from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
+from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
 
 METRICS_FORMAT = 2

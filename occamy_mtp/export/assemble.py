@@ -22,14 +22,14 @@ from safetensors import safe_open
 
 from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
-from occamy_mtp.head import MTPHead
+from occamy_mtp.model.head import MTPHead
 
 CONFIG_NAME = "config.json"
 HF_QUANT_CONFIG_NAME = "hf_quant_config.json"
 RECORD_NAME = "assembly.json"
-WRITTEN_BY = "occamy_mtp.assemble"  # assembly.json's marker: a directory this module wrote
+WRITTEN_BY = "occamy_mtp.export.assemble"  # assembly.json's marker: a directory this module wrote
 SAFETENSORS_SUFFIX = ".safetensors"
 # Weight files of other formats: never copied (the engines load the indexed *.safetensors).
 WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")

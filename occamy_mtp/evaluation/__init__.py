@@ -1,0 +1,1 @@
+"""Served acceptance (decoder replay), agreement, NLL; the reference speculative decoder; the plot."""

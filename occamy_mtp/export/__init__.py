@@ -1,0 +1,1 @@
+"""The exported head, metrics and TRAINING.json; the servable directory; what a checkpoint holds."""

@@ -1,0 +1,381 @@
+"""A tiny OpenAI-compatible HTTP server over the reference decoders (stdlib `http.server`).
+
+docs/REFERENCE_SERVER.md sets out the details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+from occamy_mtp.cli import command
+
+GREEDY = "greedy"
+SPECULATIVE = "speculative"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+MAX_TOKENS_LIMIT = 1024  # a request asking for more is refused (this is a CPU reference)
+MAX_BODY_BYTES = 1 << 20
+CRASH_EXIT_CODE = 3
+TOKEN_ID_PREFIX = "token_id:"
+
+
+@dataclass(frozen=True)
+class Faults:
+    flip_token: dict[int, int] = field(default_factory=dict)  # request -> output position
+    shift_logprob: dict[int, tuple[int, float]] = field(default_factory=dict)  # request -> (position, delta)
+    malformed: frozenset[int] = frozenset()
+    crash_after: int | None = None
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    rounds: list[tuple[int, int]] | None
+    """Speculative mode: (drafted, accepted) of each verify pass; None in greedy mode."""
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters, summed over the requests served (GET /metrics)."""
+
+    draft_steps: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, rounds: list[tuple[int, int]]) -> None:
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * self.draft_steps
+        for drafted, accepted in rounds:
+            self.drafts += 1
+            self.draft_tokens += drafted
+            self.accepted_tokens += accepted
+            for position in range(accepted):
+                self.accepted_per_position[position] += 1
+
+    def exposition(self, model_name: str) -> str:
+        """Prometheus text as vLLM 0.32 writes these counters (prometheus_client's `_total` names)."""
+        labels = f'engine="0",model_name="{model_name}"'
+        lines = []
+        for name, doc, value in (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", self.drafts),
+                                 ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", self.draft_tokens),
+                                 ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", self.accepted_tokens)):
+            lines += [f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter", f"{name}_total{{{labels}}} {float(value)}"]
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos"
+        lines += [f"# HELP {name}_total Accepted tokens per draft position.", f"# TYPE {name}_total counter"]
+        per_position = self.accepted_per_position or [0] * self.draft_steps
+        lines += [f'{name}_total{{{labels},position="{k}"}} {float(v)}' for k, v in enumerate(per_position)]
+        return "\n".join(lines) + "\n"
+
+
+def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
+    """SGLang 0.5.23's per-request `spec_*` fields (set only once a verify pass ran, as SGLang does)."""
+    rounds = generation.rounds or []
+    if not rounds:
+        return {}
+    drafted = sum(d for d, _ in rounds)
+    accepted = sum(a for _, a in rounds)
+    histogram = [0] * (draft_steps + 1)
+    for _, a in rounds:
+        histogram[a] += 1
+    return {
+        "spec_accept_rate": accepted / drafted if drafted else 0.0,
+        "spec_accept_length": len(generation.output_ids) / len(rounds),  # completion tokens / verify passes
+        "spec_num_correct_drafts": accepted,
+        "spec_num_proposed_drafts": drafted,
+        "spec_verify_ct": len(rounds),
+        "spec_correct_drafts_histogram": histogram,
+    }
+
+
+class ReferenceModel:
+    """Base (+ head), tokenizer and decoding mode; `generate` runs one request."""
+
+    def __init__(self, base, head, tokenizer, mode: str, draft_steps: int, stop_token_ids: set[int], name: str):
+        self.base, self.head, self.tokenizer = base, head, tokenizer
+        self.mode, self.draft_steps = mode, draft_steps
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.name = name
+        self.vocab_size = base.lm_head.weight.shape[0]
+
+    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        from occamy_mtp.evaluation.decode import greedy_decode, speculative_decode
+
+        if self.mode == SPECULATIVE:
+            result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids)
+        else:
+            result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids)
+        rounds = [(len(r.drafted), r.accepted) for r in result.rounds]
+        return Generation(list(prompt_ids), list(result.output_ids), list(result.logprobs), result.finish_reason,
+                          rounds if self.mode == SPECULATIVE else None)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+class RequestError(ValueError):
+    """A request this server refuses (HTTP 400)."""
+
+
+def _max_tokens(body: dict) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_TOKENS_LIMIT:
+        raise RequestError(f"max_tokens must be an integer in 1..{MAX_TOKENS_LIMIT}, got {value!r}")
+    return value
+
+
+def _check_greedy(body: dict) -> None:
+    temperature = body.get("temperature", 1.0)
+    if temperature != 0:
+        raise RequestError(f"this reference server decodes greedily only: send temperature 0 (got {temperature!r})")
+    if body.get("n", 1) != 1 or body.get("stream", False):
+        raise RequestError("n > 1 and stream are not supported")
+
+
+def _prompt_ids(model: ReferenceModel, body: dict, chat: bool) -> list[int]:
+    tokenizer = model.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object")
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        except Exception as err:  # jinja raises its own types for a bad conversation
+            raise RequestError(f"chat template refused the messages: {err}") from None
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if max(prompt) >= model.vocab_size or min(prompt) < 0:
+            raise RequestError("prompt token id out of range")
+        return list(prompt)
+    if isinstance(prompt, str) and prompt:
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    raise RequestError("prompt must be a non-empty string or a list of token ids")
+
+
+def _apply_faults(faults: Faults, request_number: int, generation: Generation, vocab_size: int) -> None:
+    position = faults.flip_token.get(request_number)
+    if position is not None and position < len(generation.output_ids):
+        generation.output_ids[position] = (generation.output_ids[position] + 1) % vocab_size
+    if request_number in faults.shift_logprob:
+        position, delta = faults.shift_logprob[request_number]
+        if position < len(generation.logprobs):
+            generation.logprobs[position] += delta
+
+
+def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool, request_id: str) -> dict:
+    """The OpenAI response object for one generation, with SGLang's extensions where asked for."""
+    ids = generation.output_ids
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    tokens = [f"{TOKEN_ID_PREFIX}{t}" if as_ids else model.token_text(t) for t in ids]
+    text = model.tokenizer.decode([t for t in ids if t not in model.stop_token_ids])
+    wants_logprobs = bool(body.get("logprobs")) or body.get("logprobs") == 0
+    spec = sglang_spec_fields(generation, model.draft_steps)
+    usage = {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
+             "total_tokens": len(generation.prompt_ids) + len(ids)}
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": generation.finish_reason}
+        if wants_logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")), "top_logprobs": []}
+                for token, logprob in zip(tokens, generation.logprobs)
+            ]}
+        if body.get("return_token_ids"):
+            choice["response_token_ids"] = list(ids)
+        if body.get("return_meta_info"):  # SGLang: the request's meta_info, chat only
+            choice["meta_info"] = {"id": request_id, "finish_reason": {"type": generation.finish_reason},
+                                   "prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
+                                   "cached_tokens": 0, **spec}
+        kind = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": generation.finish_reason, "logprobs": None}
+        if wants_logprobs:
+            offsets, offset = [], 0
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": generation.logprobs,
+                                  "top_logprobs": [{} for _ in tokens], "text_offset": offsets}
+        if body.get("return_token_ids"):
+            choice["token_ids"] = list(ids)
+        kind = "text_completion"
+    response = {"id": request_id, "object": kind, "created": int(time.time()), "model": model.name,
+                "choices": [choice], "usage": usage}
+    if body.get("return_spec_tokens_details") and spec:  # SGLang: sglext.spec_tokens_details (n = 1: an object)
+        response["sglext"] = {"spec_tokens_details": {k: v for k, v in spec.items()}}
+    return response
+
+
+def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
+    state = {"requests": 0}
+    counters = SpecCounters(model.draft_steps) if model.mode == SPECULATIVE else None
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format, *args):  # noqa: A002 (the stdlib's name)
+            if not quiet:
+                super().log_message(format, *args)
+
+        def _send(self, status: int, payload: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def _json(self, status: int, obj: dict) -> None:
+            self._send(status, json.dumps(obj).encode("utf-8"))
+
+        def _error(self, status: int, message: str) -> None:
+            self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            if self.path == "/health":
+                self._send(200, b"ok", "text/plain")
+            elif self.path == "/metrics":
+                text = counters.exposition(model.name) if counters is not None else ""
+                self._send(200, text.encode("utf-8"), "text/plain; version=0.0.4; charset=utf-8")
+            elif self.path == "/v1/models":
+                self._json(200, {"object": "list", "data": [{"id": model.name, "object": "model", "owned_by": "occamy-mtp"}]})
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self):  # noqa: N802
+            chat = self.path == "/v1/chat/completions"
+            if not chat and self.path != "/v1/completions":
+                self._error(404, f"no route {self.path}")
+                return
+            state["requests"] += 1
+            number = state["requests"]
+            if faults.crash_after is not None and number > faults.crash_after:
+                sys.stderr.write(f"serve_reference: crashing on request {number} as asked (--crash-after)\n")
+                sys.stderr.flush()
+                os._exit(CRASH_EXIT_CODE)  # no response: the client sees the connection drop
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= MAX_BODY_BYTES:
+                self._error(400, "a JSON body with Content-Length is required")
+                return
+            try:
+                body = json.loads(self.rfile.read(length))
+                if not isinstance(body, dict):
+                    raise RequestError("the body must be a JSON object")
+                _check_greedy(body)
+                max_tokens = _max_tokens(body)
+                prompt_ids = _prompt_ids(model, body, chat)
+            except (json.JSONDecodeError, RequestError) as err:
+                self._error(400, str(err))
+                return
+            generation = model.generate(prompt_ids, max_tokens)
+            if counters is not None:
+                counters.add(generation.rounds)
+            _apply_faults(faults, number, generation, model.vocab_size)
+            request_id = uuid.uuid4().hex
+            payload = json.dumps(completion_response(model, body, generation, chat, request_id)).encode("utf-8")
+            if number in faults.malformed:
+                payload = payload[: len(payload) // 2]  # truncated JSON, still HTTP 200
+            self._send(200, payload)
+
+    return Handler
+
+
+def _parse_faults(args) -> Faults:
+    def ints(text: str, count: int, flag: str) -> list[str]:
+        parts = text.split(":")
+        if len(parts) != count:
+            raise SystemExit(f"error: {flag} {text!r}: expected {count} ':'-separated values")
+        return parts
+
+    flips = {}
+    for text in args.flip_token:
+        request, position = ints(text, 2, "--flip-token")
+        flips[int(request)] = int(position)
+    shifts = {}
+    for text in args.shift_logprob:
+        request, position, delta = ints(text, 3, "--shift-logprob")
+        shifts[int(request)] = (int(position), float(delta))
+    return Faults(flips, shifts, frozenset(args.malformed), args.crash_after)
+
+
+def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str, device: str):
+    import torch
+    from transformers import AutoTokenizer
+
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.selfgen.greedy import default_eos_token_ids
+    from occamy_mtp.model.head import SharedWeights
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or base_dir), local_files_only=True)
+    base = ckpt_io.load_base(base_dir, dtype=dtype, device=device)
+    head = None
+    if mode == SPECULATIVE:
+        text_config = ckpt_io.read_config(base_dir).text_config
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+        head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=dtype, device=device)[0].eval()
+    stop = default_eos_token_ids(tokenizer, base_dir)
+    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name)
+
+
+class _Server(HTTPServer):
+    """One request at a time; up to this many clients wait in the listen queue (a run keeps
+    `data.self_generate_concurrency` requests in flight, 64 by default)."""
+
+    request_queue_size = 256
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m occamy_mtp.serve_reference", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
+    parser.add_argument("--head", type=Path, help="MTP head (file or directory; default: the base's own mtp.* tensors)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --base)")
+    parser.add_argument("--mode", choices=(GREEDY, SPECULATIVE), default=GREEDY, help="MTP off (greedy) or on (speculative)")
+    parser.add_argument("--draft-steps", type=int, default=1, help="head steps drafted per verify pass (speculative mode)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on startup)")
+    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument("--flip-token", action="append", default=[], metavar="R:P")
+    parser.add_argument("--shift-logprob", action="append", default=[], metavar="R:P:D")
+    parser.add_argument("--malformed", action="append", type=int, default=[], metavar="R")
+    parser.add_argument("--crash-after", type=int, metavar="N")
+    args = parser.parse_args(argv)
+    faults = _parse_faults(args)
+    if args.draft_steps < 1:
+        parser.error("--draft-steps must be >= 1")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device)
+    server = _Server((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
+    host, port = server.server_address[:2]
+    print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

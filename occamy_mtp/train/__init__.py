@@ -1,0 +1,1 @@
+"""Training the head: one loop, top to bottom, with checkpoint selection."""
