@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -27,6 +27,7 @@ from occamy_mtp.selfgen import engines as G
 from occamy_mtp.config import load_config
 from occamy_mtp.run import continuation_writer, load_tokenizer, open_store, prepare_data, run_windows, self_generated_needed
 from occamy_mtp.selfgen.store import META_FILE, STORE_FILE, SelfGenError
+from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from test_validate import _wait_for_url
@@ -145,7 +146,7 @@ def test_a_server_killed_halfway_resumes_into_the_same_store(world, embedded, tm
 # ----------------------------------------------------------------------------------
 
 
-class FakeEngine:
+class FakeEngine(LoopbackServer):
     """An OpenAI-compatible server whose continuation of a prompt is the prompt's last token
     + 1, + 2, ... (then the stop token 7 once it reaches 5 tokens); `fault(number, handler)`
     may answer a request (1-based POST count) itself and return True."""
@@ -191,23 +192,11 @@ class FakeEngine:
 
         self.posts = 0
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        super().__init__(Handler)
 
     def continuation(self, prompt, max_tokens):
         ids = [(prompt[-1] + k) % 20 + 8 for k in range(1, max_tokens + 1)]
         return ids[:4] + [self.STOP] if max_tokens >= 5 else ids
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
 
 
 class Tokenizer:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
+from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.selfgen import engine_client as E
 from occamy_mtp.serve import validate as V
 
@@ -37,7 +37,7 @@ def _raw(status: int, body: bytes, kind: str = "application/json", extra: str = 
     return head.encode() + body
 
 
-class FaultServer:
+class FaultServer(LoopbackServer):
     """GET /v1/models answers normally (unless `models` is given); every POST and GET /metrics
     is answered by `answer(handler)`, which writes raw bytes to the socket."""
 
@@ -65,19 +65,7 @@ class FaultServer:
                     pass  # the client gave up, as it should
 
         self.posts = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
 
 
 OVERFLOW = "@1e999"  # written as the bare JSON number 1e999, which parses as infinity

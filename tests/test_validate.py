@@ -17,15 +17,15 @@ import os
 import selectors
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from occamy_mtp.selfgen import engine_client as E
 from occamy_mtp.serve import validate as V
+from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 
@@ -292,7 +292,7 @@ def test_unreachable_server_and_bad_arguments(tmp_path, capsys):
 # ----------------------------------------------------------------------------------
 
 
-class ReplayServer:
+class ReplayServer(LoopbackServer):
     """A loopback HTTP server answering with a fixture's recorded bodies: POSTs get the
     fixture's responses in turn; GET /metrics gets `metrics[i]` once i POSTs were served
     (the last one afterwards); other GETs a fixed table of JSON bodies."""
@@ -326,18 +326,7 @@ class ReplayServer:
                 replay.posted.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 self._send(200, json.dumps(replay.responses[(len(replay.posted) - 1) % len(replay.responses)]).encode())
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
+        super().__init__(Handler)
 
 
 def _fixture(name: str) -> dict:

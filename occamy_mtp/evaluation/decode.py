@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.selfgen.fastdecode import StaticRunner, static_decoding
+from occamy_mtp.selfgen.greedy import check_prompts
 from occamy_mtp.model.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for
@@ -238,17 +239,10 @@ class HeadRunner:
 # ----------------------------------------------------------------------------------
 
 
-def _check_prompt(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty: the base needs at least one token to continue")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-
-
 @torch.no_grad()
 def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()) -> DecodeResult:
     """Plain greedy decoding with the base: prefill, then one token per forward."""
-    _check_prompt(prompt_ids, max_new_tokens)
+    check_prompts([prompt_ids], max_new_tokens)
     runner = base_runner_for(base, len(prompt_ids) + max_new_tokens)
     _, logits = runner.forward(prompt_ids)
     output, logprobs = [], []
@@ -290,7 +284,7 @@ def speculative_decode(
     docstring for the round, the cache rollback and how acceptance is counted.
     `draft_override` replaces drafted tokens (tests force rejections with it).
     """
-    _check_prompt(prompt_ids, max_new_tokens)
+    check_prompts([prompt_ids], max_new_tokens)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     prompt = list(prompt_ids)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.selfgen.decode_kernels import recurrent_step_
+from occamy_mtp.selfgen.greedy import check_prompts
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
@@ -254,11 +255,7 @@ class BatchDecoder:
         with the first token of `eos_token_ids` when one is generated (as `greedy.greedy_generate`)."""
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"1 to {self.batch} prompts a batch, got {len(prompts)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-        if empty:
-            raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
+        check_prompts(prompts, max_new_tokens)
         steps = max(len(p) for p in prompts) + max_new_tokens - 1
         if steps > self.positions:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens and {max_new_tokens} new ones need "

@@ -20,6 +20,15 @@ from occamy_mtp.compat import cache_kwarg
 PAD_INPUT_ID = 0
 
 
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """What every greedy decoder of the library refuses: no new token asked for, an empty prompt."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
+    if empty:
+        raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
+
+
 @torch.no_grad()
 def greedy_generate(
     base,
@@ -56,13 +65,9 @@ def greedy_generate(
     (zero inputs leave their conv and recurrent states at zero, as if the row started at
     its first real token), and position ids count from each row's first real token.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_prompts(prompts, max_new_tokens)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    empty = [index for index, prompt in enumerate(prompts) if len(prompt) == 0]
-    if empty:
-        raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
     eos = frozenset(int(token) for token in eos_token_ids)
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
