@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from occamy_mtp.export import assemble as asm
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -491,6 +492,41 @@ def test_a_non_finite_update_is_caught_before_a_checkpoint_keeps_it(run_models, 
     for path in kept:
         payload = torch.load(path, weights_only=True)
         assert all(bool(torch.isfinite(t).all()) for t in payload["trainable"].values()), path.name
+
+
+def test_the_whole_layer_trained_exports_in_a_per_expert_donor_s_layout(run_models, tmp_path):
+    """train.trainable with layers.0 (the routed experts too) and a per-expert donor: the export
+    writes every trained tensor in the donor's layout (it died on the fused expert key), and
+    the head read back from the file is the trained head."""
+    from safetensors import safe_open
+
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.model.head import SharedWeights
+    from occamy_mtp.run import RunDir
+    from occamy_mtp.train.loop import train
+
+    donor = build_tiny_checkpoint(tmp_path / "donor", layout="per_expert", multimodal=False, seed=1)
+    config = run_config(run_models, tmp_path / "run", f"model.donor_head={donor.path}",
+                        "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]")
+    train(config)
+    record = export(config, allow_worse=True, log=lambda m: None)
+    run_dir = RunDir.of(config)
+    assert record["derived"]["export_layout"] == "per_expert"
+    replaced = set(record["export"]["replaced"])
+    assert "mtp.layers.0.mlp.experts.0.down_proj.weight" in replaced and "mtp.layers.0.mlp.experts.down_proj" not in replaced
+    with safe_open(str(run_dir.head), "pt") as handle:
+        assert set(handle.keys()) >= replaced and not any(".experts.gate_up_proj" in k for k in handle.keys())
+        donor_ckpt = ckpt_io.SafetensorsCheckpoint(donor.path)
+        assert not torch.equal(handle.get_tensor("mtp.layers.0.mlp.experts.0.down_proj.weight"),
+                               donor_ckpt.get("mtp.layers.0.mlp.experts.0.down_proj.weight"))  # trained, and written
+    base = ckpt_io.load_base(run_models["base"], dtype=torch.float32)
+    shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    reread, layout = ckpt_io.load_head(run_dir.head, base.config, shared, dtype=torch.float32)
+    trained = load_file(run_dir.trained_tensors)
+    assert layout == "per_expert" and set(trained) >= {"layers.0.mlp.experts.down_proj", "fc.weight"}
+    state = reread.state_dict()
+    for name, master in trained.items():  # the file holds the masters rounded to bf16
+        assert torch.equal(state[name], master.to(torch.bfloat16).float()), name
 
 
 def test_export_refuses_non_finite_tensors(run_models, tmp_path):

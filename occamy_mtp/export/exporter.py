@@ -184,9 +184,11 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
         )
 
     layout = run.models.donor_layout if config.output.expert_layout == "donor" else config.output.expert_layout
-    disk = ckpt_io.head_checkpoint_tensors({k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}, layout)
+    state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
+    disk = ckpt_io.head_checkpoint_tensors(state, layout)
     donor_disk = _donor_disk(config, layout, run.models.donor_layout, donor_state)
-    trained_disk = {ckpt_io.HEAD_PREFIX + k: disk[ckpt_io.HEAD_PREFIX + k] for k in masters}
+    # A fused expert tensor trained in the module is one tensor per expert on a per-expert disk.
+    trained_disk = {key: disk[key] for key in ckpt_io.head_checkpoint_tensors({k: state[k] for k in masters}, layout)}
     head_config = head_config_json(ckpt_io.read_config(config.model.base).text_config, layout, list(trained_disk), disk)
     hash_cache = rec.load_hash_cache(run_dir.hash_cache)
     identities = {name: rec.checkpoint_identity(Path(path), hash_cache, log)
