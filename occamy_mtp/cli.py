@@ -3,7 +3,8 @@
 Every command that works on a run takes the run's config and overrides (which go through
 the config loader, so an unknown key fails with its dotted path), and only the few flags
 that are truly its own. `@command` turns the library's errors into one `error:` line on
-stderr and exit status 2.
+stderr and exit status 2, and keeps transformers' kernel fallback warnings to one note
+(`console.quiet_kernel_fallbacks`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from occamy_mtp.config import RunConfig, load_config
+from occamy_mtp.console import quiet_kernel_fallbacks
 from occamy_mtp.errors import OccamyError
 
 
@@ -39,6 +41,7 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
 
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None) -> int:
+        quiet_kernel_fallbacks()
         try:
             return main(argv)
         except OccamyError as err:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from occamy_mtp.cli import command
+from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -439,7 +440,7 @@ def regenerate_answers(
     end_of_turn_id = template_end_of_turn_id(tokenizer)
     metas = list(existing.metas)
     regenerated = 0
-    bar = _progress_bar(len(missing), progress)
+    bar = Progress(len(missing), "generate", "answer", enabled=progress)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a", encoding="utf-8") as stream:
         for start in range(0, len(selected), batch_size):
@@ -497,16 +498,6 @@ def _data_section(read: Prompts, limit: int | None) -> dict[str, Any]:
         "prompts": len(read.prompts),
         "limit": limit,
     }
-
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, desc="generate", unit="answer", file=sys.stderr)
-
-
-# ---------------------------------------------------------------------------- CLI
-
 
 
 def _format_report(report: GenerateReport) -> str:

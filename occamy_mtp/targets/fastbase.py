@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
+from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.targets.base import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
 
-FLA_INSTALL_HINT = "pip install flash-linear-attention fla-core"
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
 # sdpa passes is_causal; flash kernels are causal by default). Under "eager" a None mask

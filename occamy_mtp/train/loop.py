@@ -29,6 +29,7 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
+from occamy_mtp.console import Progress
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
@@ -114,7 +115,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
                 best = trainable_tensors(head)
 
         select_every = config.train.select_every_steps
-        progress = _progress(accelerator, total_steps, state.step)
+        progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process)
         model.train()
         started = time.perf_counter() - state.elapsed_seconds
         if select_every and not state.selection:
@@ -418,12 +419,6 @@ def _log_line(accelerator, state: TrainState, lr: float, loss, stats, grad_norm)
         line["grad_norm"] = float(grad_norm)
     line["elapsed_seconds"] = state.elapsed_seconds
     return line
-
-
-def _progress(accelerator, total: int, initial: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=not accelerator.is_local_main_process, desc="train", unit="step")
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
