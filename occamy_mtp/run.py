@@ -1,11 +1,12 @@
 """A run opened from its config: the one set-up path of train, export, the cache pass and evaluate.
 
-`open_run` reads, in this order and nowhere else: the cheap checks (paths, outputs
-outside the base, `train.trainable`), the tokenizer, the chat files into windows and
-their split, the self-generated store, the models when asked (the frozen base, or only
-the two tensors the head borrows when the targets are cached, and the donor head with
-fp32 masters of what trains), the run's windows (the base writes the continuations the
-store lacks) and the target source (the base online, or the offline cache).
+`open_run` reads, in this order and nowhere else: the tokenizer, the chat files into
+windows and their split, the models (the frozen base, or only the two tensors the head
+borrows when the targets are cached, and the donor head with fp32 masters of what
+trains), the self-generated store and the run's windows (the base, or the servers of
+`data.self_generate_endpoints`, write the continuations the store lacks), and the target
+source (the base online, or the offline cache). `check_run`, the checks that need no data
+and no weights, comes before it in the commands that write into `output.dir`.
 
 `RunDir` names every file a run keeps under `output.dir`.
 """
