@@ -219,9 +219,7 @@ def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenize
                     f"{tokens / max(now - started, 1e-9):,.0f} tokens/s")
             yield index, answer
     finally:
-        stopped.set()
-        for thread in threads:
-            thread.join(timeout=request.timeout_seconds + MAX_BACKOFF_SECONDS)
+        stopped.set()  # workers take no new request; one still waiting on a server ends with it (daemon threads)
 
 
 class EngineWriter:
