@@ -14,7 +14,8 @@
 # heldout windows the acceptance is measured on), ENGINE_STARTUP_SECONDS (900),
 # ENGINE_EVAL_DTYPE (float32: the library's reference; the engine runs bfloat16),
 # ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
-# donor's head only, no training), ENGINE_REUSE (0; 1: keep the demo models, the training and
+# donor's head only, no training; selfgen: the engine writes the demo's self-generated windows,
+# see step 2b), ENGINE_REUSE (0; 1: keep the demo models, the training and
 # the answers recorded by an earlier run, and compare those again instead of serving those
 # heads), ENGINE_LOGPROB_TOLERANCE (0.1).
 # The CPU build serves Gated DeltaNet models in bfloat16 only ("CPU GDN attention requires
@@ -38,7 +39,7 @@ WINDOWS=${ENGINE_WINDOWS:-1000}  # all the heldout windows
 STARTUP_SECONDS=${ENGINE_STARTUP_SECONDS:-900}
 EVAL_DTYPE=${ENGINE_EVAL_DTYPE:-float32}
 WRITE_RESULTS=${ENGINE_WRITE_RESULTS:-1}
-STAGE=${ENGINE_STAGE:-all}  # donor: stop after the donor head's servers (no training)
+STAGE=${ENGINE_STAGE:-all}  # donor: stop after the donor head's servers (no training); selfgen: step 2b only
 REUSE=${ENGINE_REUSE:-0}    # 1: compare the answers already recorded under $WORK again (skip those servers)
 # MTP on vs off in bf16: a multi-token verify pass rounds differently from one-token steps
 # (up to ~0.05 in logprob on the demo); the largest difference is reported either way.
@@ -168,8 +169,9 @@ STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 bash scripts/setup.sh
 setup_engine
 CHAT_SET=("data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" --prompts 20 --cold-warm 4 --max-tokens 64)
-# The window prompts are the run's own heldout windows: its resolved config names the split.
-WINDOW_SET=(--config "$RUN/config.resolved.yaml" "data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" --prompt-source windows
+# The window prompts are the run's own heldout windows: the run's recipe names the split (the
+# runs below override only paths).
+WINDOW_SET=(--config configs/demo.yaml "data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" --prompt-source windows
             --endpoint completions --prompts "$WINDOWS" --cold-warm 0 --max-tokens "$MAX_TOKENS")
 
 # assemble HEAD FILE: the servable directory of the base with that head; kept when it already
@@ -247,6 +249,74 @@ else
     curl -s "$URL/metrics" > "$WORK/logs/metrics-off.txt"
     stop_server
 fi
+if [ "$STAGE" = selfgen ]; then
+    # 2b. Who writes the training text: the engine (MTP off, the run's data.self_generate_endpoints)
+    #     or the library's embedded generator; the same recipe on each store; both heads measured
+    #     where the engine serves them (1 and 3 draft steps) and by the library (the export).
+    for writer in embedded engine; do
+        run_dir=$WORK/run-$writer
+        overrides=(model.base="$MODELS/base" model.donor_head="$MODELS/donor" output.dir="$run_dir")
+        if [ "$writer" = engine ]; then
+            overrides+=("data.self_generate_endpoints=[$URL]" data.self_generate_model=occamy)
+            [ -f "$run_dir/train-summary.json" ] || serve writer "$WORK/assembled-donor"
+        fi
+        if [ ! -f "$run_dir/train-summary.json" ]; then
+            "$PY" train.py --config configs/demo.yaml "${overrides[@]}" 2> "$WORK/logs/train-$writer.log"
+        fi
+        stop_server  # the store is complete: export reads it without the servers
+        if [ ! -f "$run_dir/TRAINING.json" ]; then
+            "$PY" export.py --config configs/demo.yaml "${overrides[@]}" --allow-worse > "$WORK/logs/export-$writer.txt" \
+                2> "$WORK/logs/export-$writer.log"
+        fi
+        assemble "selfgen-$writer" "$run_dir/mtp-trained.safetensors"
+    done
+    for writer in embedded engine; do
+        on_engine "selfgen-$writer"
+    done
+    "$PY" - "$WORK" <<'EOF'
+import json, sys
+from pathlib import Path
+
+work = Path(sys.argv[1])
+
+
+def store(writer):
+    lines = (work / f"run-{writer}" / "self-generated" / "self-generated.jsonl").read_text().splitlines()
+    return {r["context_sha256"]: r["tokens"] for r in map(json.loads, lines)}
+
+
+def engine_figures(name):
+    acceptance = json.loads((work / "validate" / f"{name}-windows" / "validation.json").read_text())["acceptance"]["candidate"]
+    return acceptance
+
+
+embedded, engine = store("embedded"), store("engine")
+common = sorted(set(embedded) & set(engine))
+same = sum(embedded[k] == engine[k] for k in common)
+agreeing = []
+for k in common:
+    a, b = embedded[k], engine[k]
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    agreeing.append(n / max(len(a), 1))
+rows = {}
+for writer in ("embedded", "engine"):
+    summary = json.loads((work / f"run-{writer}" / "train-summary.json").read_text())
+    record = json.loads((work / f"run-{writer}" / "TRAINING.json").read_text())
+    served = record["metrics"]["heldout"]
+    rows[writer] = {
+        "generation_seconds": summary["self_generated"]["generation_seconds"],
+        "writer_details": summary["self_generated"].get("writer_details"),
+        "library_served_accept_length": {k: {h: served[h]["served"][k]["mean_accept_length"] for h in ("donor", "trained")}
+                                         for k in ("1", "3")},
+        "engine_acceptance": {k: engine_figures(f"selfgen-{writer}-k{k}") for k in ("1", "3")},
+    }
+result = {"contexts": len(common), "identical_continuations": same,
+          "mean_fraction_before_the_first_difference": sum(agreeing) / max(len(agreeing), 1), "runs": rows}
+(work / "selfgen-comparison.json").write_text(json.dumps(result, indent=1) + "\n")
+print(json.dumps(result, indent=1))
+EOF
+    exit 0
+fi
 on_engine donor
 if [ "$STAGE" = donor ]; then
     log "stopping after the donor's servers (ENGINE_STAGE=donor)"
@@ -289,7 +359,7 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp import checkpoint as ckpt_io
+from occamy_mtp.model import checkpoint as ckpt_io
 
 work = Path(sys.argv[1])
 base = ckpt_io.load_base(sys.argv[2], dtype=torch.float32, device="cpu").eval()
