@@ -330,7 +330,7 @@ def test_bad_files(tmp_path, small_tokenizer):
     with pytest.raises(DataError, match=r"bad\.parquet: cannot read as parquet"):
         prepare_windows([tmp_path / "bad.parquet"], small_tokenizer)
     (tmp_path / "latin1.jsonl").write_bytes('{"messages": "caf\xe9"}'.encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1\.jsonl: not UTF-8"):
+    with pytest.raises(DataError, match=r"latin1\.jsonl:1: not UTF-8"):
         prepare_windows([tmp_path / "latin1.jsonl"], small_tokenizer)
 
 

@@ -669,6 +669,22 @@ def assert_window_equals_the_whole(tokenizer, prompt: str, span: str, context_to
 # ---------------------------------------------------------------- record size limit (item 7)
 
 
+def test_a_byte_order_mark_is_read_past_and_bad_utf8_is_named_by_line(tmp_path, sample_tokenizer):
+    """Issue 22, item 8: a UTF-8 file with a BOM (as some editors save JSONL) gives the windows of
+    the same file without it; a byte that is not UTF-8 is reported with its line."""
+    plain = write_jsonl(tmp_path / "plain.jsonl", [chat("Hi", "Hello there."), chat("Bye", "See you.")])
+    with_bom = tmp_path / "bom.jsonl"
+    with_bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    settings = dict(heldout_conversations=0)
+    want = D.prepare_windows([plain], sample_tokenizer, **settings)
+    got = D.prepare_windows([with_bom], sample_tokenizer, **settings)
+    assert [w.input_ids for w in got.train] == [w.input_ids for w in want.train] and len(got.train) == 2
+    broken = tmp_path / "broken.jsonl"
+    broken.write_bytes(plain.read_bytes() + b'{"messages": "caf\xe9"}\n')
+    with pytest.raises(D.DataError, match=r"broken\.jsonl:3: not UTF-8 text \(invalid continuation byte at byte \d+ of the file\)"):
+        D.prepare_windows([broken], sample_tokenizer, **settings)
+
+
 def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_tokenizer, capsys, sample_tokenizer_dir):
     limit = 2000
     records = [

@@ -5,6 +5,7 @@ docs/DATA.md sets out the details.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import tempfile
@@ -292,10 +293,13 @@ class _Malformed:
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     """A JSON array of records, or one record per line (JSONL; blank lines skipped)."""
+    raw = path.read_bytes()
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark some editors write: skipped
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        line = raw[: bom + err.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {bom + err.start} of the file)") from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
