@@ -290,3 +290,36 @@ def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_p
     # The continuations are the run's own store: a second evaluation writes none.
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     assert batch_sizes == [1] and json.loads((out / "evaluation.json").read_text())["self_generated"]["generated_now"] == 0
+
+
+def test_cli_refuses_a_head_export_would_refuse(checkpoints, tmp_path, capsys):
+    """Issue 22, item 7: a NaN in fc, or a head stored as integers, is one error line and exit 2
+    (evaluate took both without a word: 0.00% acceptance and NaN in its JSON)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from occamy_mtp.model import checkpoint as ckpt_io
+
+    donor = ckpt_io.SafetensorsCheckpoint(checkpoints["donor"])
+    head = {k: donor.get(k) for k in ckpt_io.head_disk_keys(donor)}
+    argv = [f"model.base={checkpoints['base']}", f"model.donor_head={checkpoints['donor']}", f"data.files=[{checkpoints['data']}]",
+            f"model.tokenizer={checkpoints['tokenizer']}", "data.context_tokens=16", "data.answer_tokens=12",
+            "data.train_conversations=4", "data.validation_conversations=0", "train.select_every_steps=0",
+            "data.heldout_conversations=2", "model.dtype=float32", f"output.dir={tmp_path / 'run'}", "--teacher-forced-only",
+            "--out", str(tmp_path / "eval")]
+    nan = dict(head)
+    nan["mtp.fc.weight"] = nan["mtp.fc.weight"].clone()
+    nan["mtp.fc.weight"][0, 0] = float("nan")
+    save_file(nan, str(tmp_path / "nan.safetensors"))
+    assert main(argv + ["--head", str(tmp_path / "nan.safetensors")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the progress lines of the set-up
+    assert last.startswith("error: ") and "fc.weight" in last and "NaN or infinite" in last and "Traceback" not in err
+    integers = {k: v.to(torch.int32) for k, v in head.items()}
+    save_file(integers, str(tmp_path / "int.safetensors"))
+    assert main(argv + ["--head", str(tmp_path / "int.safetensors")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "is I32" in last and "BF16, F16, F32" in last
+    assert not (tmp_path / "eval" / "evaluation.json").exists()
+    with safe_open(str(tmp_path / "nan.safetensors"), "pt") as handle:  # the bad file itself is left as it was
+        assert torch.isnan(handle.get_tensor("mtp.fc.weight")[0, 0])

@@ -40,6 +40,8 @@ MULTIMODAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
 VISION_PREFIX = "model.visual."
 
+# What an MTP head's tensors may be stored in (safetensors' names): a float the head can run in.
+HEAD_DISK_DTYPES = ("BF16", "F16", "F32")
 # The dtypes a run config may name (model.dtype), by name.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -463,7 +465,15 @@ def load_head_state(
     sources, report = check_tensors(ckpt, head_module_shapes(head), HEAD_PREFIX, disk_keys)
     if report.problems:
         raise CheckpointError("MTP head checkpoint does not match the model config:\n  " + "\n  ".join(report.problems))
+    not_float = sorted(k for k in disk_keys if ckpt.dtype(k) not in HEAD_DISK_DTYPES)
+    if not_float:
+        raise CheckpointError(f"{ckpt.file_of(not_float[0])}: {not_float[0]} is {ckpt.dtype(not_float[0])} "
+                              f"({len(not_float)} tensors so); an MTP head is stored in {', '.join(HEAD_DISK_DTYPES)}")
     state = {name: _read_source(ckpt, source, dtype, "cpu") for name, source in sources.items()}
+    broken = sorted(name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all()))
+    if broken:
+        raise CheckpointError(f"{ckpt.directory}: the MTP head's {', '.join(broken[:3])} hold NaN or infinite values "
+                              f"({len(broken)} tensors); a diverged training wrote them")
     return state, report.layout or FUSED
 
 
