@@ -162,13 +162,10 @@ def connect(urls: Sequence[str], expected_model: str, probe_prompt: Sequence[int
             raise EngineError(f"data.self_generate_endpoints: {url} serves {model!r} and {servers[0].url} serves "
                               f"{servers[0].model!r}; every server must serve the same base")
         try:
-            body = request_body(model, probe_prompt, request, PROBE_TOKENS)
-            response = post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds)
-            read_answer(response, tokenizer, request, PROBE_TOKENS)
+            probe = _completion(url, model, probe_prompt, tokenizer, request, PROBE_TOKENS)
         except RequestFailed as err:
             raise EngineError(f"data.self_generate_endpoints: {url}: a {PROBE_TOKENS}-token greedy probe failed ({err})") from None
-        token_ids = parse_response(response, COMPLETIONS, logprobs=False)["token_ids"] is not None
-        servers.append(Server(url, model, identity["engine"], identity["version"], token_ids))
+        servers.append(Server(url, model, identity["engine"], identity["version"], probe.source == "token_ids"))
     return servers
 
 
