@@ -396,18 +396,22 @@ class Run:
 
 def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT, self_generated: bool = True,
              max_heldout: int | None = None,
-             writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Run:
+             writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+             check_data: Callable[[PreparedData], None] | None = None) -> Run:
     """Tokenizer, windows of `splits`, models, the self-generated twins, targets (module docstring).
 
     `self_generated=False` reads the recorded answers only (no store, no generation);
     `max_heldout` keeps the first heldout windows only. `writer_first` orders the
     processes of a multi-process run around the store: the main process writes the
     missing continuations while the others wait, then they read them
-    (`accelerator.main_process_first`).
+    (`accelerator.main_process_first`). `check_data` sees the windows before any model
+    loads (a resumed run refuses data other than its checkpoint's there).
     """
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer, log=log)
     check_split(config, data, splits)
+    if check_data is not None:
+        check_data(data)
     if max_heldout is not None:
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
     models = load_models(config, device, with_base=not config.data.target_cache, log=log)

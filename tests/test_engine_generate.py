@@ -81,13 +81,19 @@ def stop(process: subprocess.Popen) -> None:
     process.stdout.close()
 
 
+def lines_of(directory: Path) -> list[dict]:
+    """A store's lines, each without its `store` digest (which names the writer: embedded or engine)."""
+    lines = [json.loads(line) for line in (directory / STORE_FILE).read_text().splitlines()]
+    return [{k: v for k, v in line.items() if k != "store"} for line in lines]
+
+
 @pytest.fixture(scope="module")
 def embedded(world):
-    """The store the base in this process writes: the reference for every engine-written one."""
+    """The store the base in this process writes (its lines): the reference for every engine-written one."""
     base = ckpt_io.load_base(world["base"], dtype=torch.float32, device=torch.device("cpu"))
     store, windows = write_store(config_of(world, world["root"] / "embedded"), base)
     assert store.generated_now > 0
-    return (world["root"] / "embedded" / STORE_FILE).read_bytes()
+    return lines_of(world["root"] / "embedded")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +108,7 @@ def test_two_servers_write_the_embedded_generator_s_store(world, embedded, serve
     config = config_of(world, tmp_path / "engines", f"data.self_generate_endpoints=[{servers[0]},{servers[1]}]",
                        "data.self_generate_concurrency=2")
     store, _ = write_store(config)
-    assert (tmp_path / "engines" / STORE_FILE).read_bytes() == embedded
+    assert lines_of(tmp_path / "engines") == embedded
     meta = json.loads((tmp_path / "engines" / META_FILE).read_text())
     assert meta["writer"] == "engine" and meta["writer_details"]["model"] == "base"
     assert [s["url"] for s in meta["writer_details"]["servers"]] == servers
@@ -114,7 +120,7 @@ def test_two_servers_write_the_embedded_generator_s_store(world, embedded, serve
 def test_a_store_is_not_extended_by_another_writer(world, embedded, servers, tmp_path):
     directory = tmp_path / "mixed"
     directory.mkdir()
-    lines = embedded.splitlines(keepends=True)
+    lines = (world["root"] / "embedded" / STORE_FILE).read_bytes().splitlines(keepends=True)
     (directory / STORE_FILE).write_bytes(b"".join(lines[: len(lines) // 2]))
     (directory / META_FILE).write_text((world["root"] / "embedded" / META_FILE).read_text())
     with pytest.raises(SelfGenError, match="writer: 'embedded' in the store, 'engine' now"):
@@ -130,15 +136,17 @@ def test_a_server_killed_halfway_resumes_into_the_same_store(world, embedded, tm
                                   "data.self_generate_retries=1", "data.self_generate_concurrency=1"))
     finally:
         stop(process)
-    written = (tmp_path / "killed" / STORE_FILE).read_bytes()
-    assert written and embedded.startswith(written) and written != embedded  # what came back stays
+    written_bytes = (tmp_path / "killed" / STORE_FILE).read_bytes()
+    written = lines_of(tmp_path / "killed")
+    assert written and embedded[: len(written)] == written and written != embedded  # what came back stays
     process, url = start_server(world)
     try:
         config = config_of(world, tmp_path / "killed", f"data.self_generate_endpoints=[{url}]")
         write_store(config)
     finally:
         stop(process)
-    assert (tmp_path / "killed" / STORE_FILE).read_bytes() == embedded
+    assert lines_of(tmp_path / "killed") == embedded
+    assert (tmp_path / "killed" / STORE_FILE).read_bytes().startswith(written_bytes)  # appended to, not rewritten
 
 
 # ----------------------------------------------------------------------------------

@@ -595,6 +595,26 @@ def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, c
     assert last.startswith("error: ") and "train.lr: 0.01 -> 0.02" in last
 
 
+def test_a_resume_on_other_data_is_refused_before_any_model_loads(run_models, tmp_path, monkeypatch):
+    """Issue 22, item 2: a data file replaced between a kill and --resume was trained on without a word."""
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.train.loop import train
+
+    data = tmp_path / "chats.jsonl"
+    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[:40]))
+    config = run_config(run_models, tmp_path / "run", f"data.files=[{data}]")
+    train(config)
+    train(config, resume=True)  # the same data: resumes (and finds nothing left to do)
+    data.write_text("".join(lines[:20] + lines[60:80]))  # half the conversations replaced
+    for name in ("load_base", "load_head", "load_shared_weights"):
+        monkeypatch.setattr(ckpt_io, name, lambda *a, **k: pytest.fail("a model was loaded before the data was checked"))
+    with pytest.raises(ConfigError, match=r"step-\d+.pt: was trained on other data \(data.files .*chats.jsonl: sha256 "
+                                          r"[0-9a-f]+\.\.\. then, [0-9a-f]+\.\.\. now; the train split: [1-9]\d* of its 6 "
+                                          r"conversations are gone, [1-9]\d* are new"):
+        train(config, resume=True)
+
+
 def test_slow_phases_report_progress(run_models, tmp_path, capsys):
     from occamy_mtp.export.exporter import export
     from occamy_mtp.train.loop import train
@@ -915,3 +935,160 @@ def test_generate_round_trip_reads_only_the_answer_of_a_long_prompt(sample_token
     assert G.roundtrip_outcome(counting, messages, answer_ids, True, im_end) == G.ROUNDTRIP_EXACT
     assert max(counting.lengths) < 10_000
     assert G.roundtrip_outcome(counting, messages, answer_ids[:1] + answer_ids, True, im_end) == G.RETOKENIZED
+
+
+# ==================================================================================
+# The self-generated store (occamy_mtp/selfgen/store.py): one writer at a time, every line
+# checked for whose it is and whether it changed (issue 22, items 1 and 4)
+# ==================================================================================
+def store_config(models, store: Path, base: str = "base"):
+    return run_config(models, store.parent / "run", f"data.self_generated_dir={store}", f"model.base={models[base]}",
+                      "data.self_generate_batch_size=4")
+
+
+def opened_store(config):
+    """A run's store and windows as `open_run` has them once its models are loaded."""
+    from occamy_mtp.run import load_tokenizer, open_store, prepare_data, self_generated_needed
+
+    tokenizer = load_tokenizer(config)
+    data = prepare_data(config, tokenizer)
+    return open_store(config, tokenizer), self_generated_needed(config, data)
+
+
+def embedded_writer(config):
+    from occamy_mtp.selfgen.store import EmbeddedWriter
+
+    base = ckpt_io.load_base(config.model.base, dtype=torch.float32, device=torch.device("cpu"))
+    return EmbeddedWriter(base, config.data.self_generate_batch_size)
+
+
+def store_lines(store: Path) -> list[dict]:
+    from occamy_mtp.selfgen.store import STORE_FILE
+
+    return [json.loads(line) for line in (store / STORE_FILE).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def written_store(run_models, tmp_path_factory):
+    """A complete store of the base's continuations, and its config."""
+    store = tmp_path_factory.mktemp("written-store") / "store"
+    config = store_config(run_models, store)
+    opened, needed = opened_store(config)
+    opened.generate(embedded_writer(config), needed, log=lambda message: None)
+    return config, store, len({w.input_ids[: w.answer_start] for w in needed})
+
+
+def test_a_run_of_another_base_into_a_shared_store_is_refused_under_its_lock(run_models, tmp_path):
+    from occamy_mtp.selfgen.store import SelfGenError
+
+    store = tmp_path / "store"
+    ours, theirs = store_config(run_models, store), store_config(run_models, store, base="donor")
+    # Both open the empty store (the base loading takes minutes at real size); the other base writes first.
+    ours_store, ours_needed = opened_store(ours)
+    theirs_store, theirs_needed = opened_store(theirs)
+    theirs_store.generate(embedded_writer(theirs), theirs_needed, log=lambda message: None)
+    written = (store / "self-generated.jsonl").read_bytes()
+    with pytest.raises(SelfGenError, match="written under other settings .*base_config_sha256"):
+        ours_store.generate(embedded_writer(ours), ours_needed, log=lambda message: None)
+    assert (store / "self-generated.jsonl").read_bytes() == written  # nothing of ours was added
+
+
+def test_runs_of_the_same_settings_sharing_a_store_write_each_line_once(run_models, written_store, tmp_path):
+    import threading
+
+    from occamy_mtp.selfgen.store import LOCK_FILE
+
+    config, reference, contexts = written_store
+    store = tmp_path / "store"
+    config = store_config(run_models, store)
+    first, needed = opened_store(config)
+    second, _ = opened_store(config)
+    writer = embedded_writer(config)
+    release, waiting, errors = threading.Event(), threading.Event(), []
+
+    class HeldWriter:  # the first run holds the lock until the second is seen waiting
+        source, details, describe = writer.source, writer.details, writer.describe
+
+        def answers(self, *args):
+            assert release.wait(60)
+            yield from writer.answers(*args)
+
+    def run(store_, writer_, log):
+        try:
+            store_.generate(writer_, needed, log=log)
+        except BaseException as err:  # reported in the main thread
+            errors.append(err)
+
+    one = threading.Thread(target=run, args=(first, HeldWriter(), lambda m: None))
+    one.start()
+    for _ in range(600):
+        if (store / LOCK_FILE).exists():
+            break
+        threading.Event().wait(0.05)
+    messages: list[str] = []
+
+    def second_log(message):
+        messages.append(message)
+        if "being written by another run" in message:
+            waiting.set()
+
+    two = threading.Thread(target=run, args=(second, writer, second_log))
+    two.start()
+    assert waiting.wait(60), messages
+    release.set()
+    one.join(120), two.join(120)
+    assert not errors, errors
+    assert first.generated_now == contexts and second.generated_now == 0
+    assert (store / "self-generated.jsonl").read_bytes() == (reference / "self-generated.jsonl").read_bytes()
+    assert second.windows(needed) == first.windows(needed)
+
+
+def _rewrite(store: Path, number: int, change) -> None:
+    """Line `number` (1-based) of the store changed by `change(record)`."""
+    from occamy_mtp.selfgen.store import STORE_FILE
+
+    lines = (store / STORE_FILE).read_text().splitlines(keepends=True)
+    record = json.loads(lines[number - 1])
+    change(record)
+    lines[number - 1] = json.dumps(record, separators=(",", ":")) + "\n"
+    (store / STORE_FILE).write_text("".join(lines))
+
+
+def _resealed(record: dict) -> None:
+    from occamy_mtp.selfgen.store import line_digest
+
+    record["line_sha256"] = line_digest(record["context_sha256"], record["tokens"], record["finished"])
+
+
+@pytest.mark.parametrize("case, change, message", [
+    ("changed", lambda r: r["tokens"].__setitem__(1, (r["tokens"][1] + 1) % 97),
+     r"self-generated.jsonl:3: changed after it was written"),
+    ("other-identity", lambda r: (r.__setitem__("store", "0123456789abcdef"), _resealed(r)),
+     r"self-generated.jsonl:3: written under another identity"),
+    ("beyond-vocab", lambda r: (r["tokens"].__setitem__(2, 10**6), _resealed(r)),
+     r"self-generated.jsonl:3: token id 1000000 at position 2 is outside the base's vocabulary"),
+    ("negative", lambda r: (r["tokens"].__setitem__(0, -1), _resealed(r)),
+     r"self-generated.jsonl:3: token id -1 at position 0 is outside"),
+    ("over-budget", lambda r: (r["tokens"].extend([5] * 40), _resealed(r)),
+     r"self-generated.jsonl:3: \d+ tokens, over the budget of 24"),
+    ("conflict", lambda r: None, r"self-generated.jsonl:\d+: context [0-9a-f]+ is stored before with another continuation"),
+])
+def test_store_lines_are_checked_when_read_naming_the_line(run_models, written_store, tmp_path, case, change, message):
+    import shutil
+
+    from occamy_mtp.selfgen.store import STORE_FILE, SelfGenError
+
+    config, reference, _ = written_store
+    store = tmp_path / "store"
+    shutil.copytree(reference, store)
+    if case == "conflict":  # a second line for the first context, with another (well-formed) continuation
+        first = json.loads((store / STORE_FILE).read_text().splitlines()[0])
+        first["tokens"] = [t + 1 for t in first["tokens"][:3]]
+        first["finished"] = False
+        _resealed(first)
+        with open(store / STORE_FILE, "a") as handle:
+            handle.write(json.dumps(first) + "\n")
+    else:
+        _rewrite(store, 3, change)
+    with pytest.raises(SelfGenError, match=message):
+        opened_store(store_config(run_models, store))

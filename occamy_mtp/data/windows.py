@@ -219,6 +219,33 @@ class PreparedData:
             "heldout_windows": len(self.heldout),
         }
 
+    def members(self) -> dict[str, Any]:
+        """What a resumed run must find again: the files by content and each side's conversations."""
+        return {
+            "files": [{"path": f["path"], "sha256": f["sha256"]} for f in self.files],
+            TRAIN: list(self.train_hashes),
+            VALIDATION: list(self.validation_hashes),
+            HELDOUT: list(self.heldout_hashes),
+        }
+
+    def members_changed(self, recorded: dict[str, Any]) -> list[str]:
+        """How `members()` differs from `recorded` (an earlier `members()`), one phrase per difference."""
+        now = self.members()
+        changes = []
+        before_files = {f["path"]: f["sha256"] for f in recorded.get("files", [])}
+        now_files = {f["path"]: f["sha256"] for f in now["files"]}
+        for path in sorted(before_files.keys() | now_files.keys()):
+            if before_files.get(path) != now_files.get(path):
+                was, is_ = before_files.get(path), now_files.get(path)
+                changes.append(f"data.files {path}: " + ("not read then" if was is None else "not read now" if is_ is None
+                                                          else f"sha256 {was[:12]}... then, {is_[:12]}... now"))
+        for side in (TRAIN, VALIDATION, HELDOUT):
+            before, after = set(recorded.get(side, [])), set(now[side])
+            if before != after:
+                changes.append(f"the {side} split: {len(before - after)} of its {len(before)} conversations are gone, "
+                               f"{len(after - before)} are new")
+        return changes
+
     def provenance(self) -> dict[str, Any]:
         """JSON-able record for TRAINING.json: inputs, counts, the split and the settings."""
         return {

@@ -5,6 +5,9 @@ docs/SELF_GENERATED.md sets out the details.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import time
@@ -23,11 +26,12 @@ from occamy_mtp.data.windows import Window
 
 STORE_FILE = "self-generated.jsonl"
 META_FILE = "self-generated.meta.json"
-STORE_FORMAT = 1
+LOCK_FILE = "self-generated.lock"
+STORE_FORMAT = 2  # 2: every line carries its store's identity digest and a digest of itself
 SYNC_SECONDS = 1.0  # lines written since the last fsync at most this old: a kill loses about this much
 # What the continuations are a function of: a store that differs in any is refused.
-COMPARED_FIELDS = ("format", "base_config_sha256", "base_weights_sample_sha256", "dtype", "attn_implementation",
-                   "max_new_tokens", "stop_token_ids", "writer")
+COMPARED_FIELDS = ("format", "base_config_sha256", "base_weights_sample_sha256", "vocab_size", "dtype",
+                   "attn_implementation", "max_new_tokens", "stop_token_ids", "writer")
 EMBEDDED = "embedded"  # the base in this process (`EmbeddedWriter`)
 ENGINE = "engine"  # serving engines (`engine_generate.EngineWriter`)
 
@@ -39,6 +43,17 @@ class SelfGenError(OccamyError, ValueError):
 def context_digest(context_ids: Sequence[int]) -> str:
     """A context's key in the store (`files.token_ids_sha256`)."""
     return token_ids_sha256(context_ids)
+
+
+def identity_digest(identity: dict) -> str:
+    """What every line of a store carries of its identity: a line written under another is found when read."""
+    compared = {name: identity[name] for name in COMPARED_FIELDS}
+    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def line_digest(context_sha256: str, tokens: Sequence[int], finished: bool) -> str:
+    """A digest of one line's content: a line changed after it was written is found when read."""
+    return hashlib.sha256(f"{context_sha256}:{int(finished)}:{token_ids_sha256(tokens)}".encode()).hexdigest()[:16]
 
 
 def context_of(window: Window) -> tuple[int, ...]:
@@ -139,6 +154,7 @@ def store_identity(base_dir: str | Path, dtype: str, attn_implementation: str, m
         "format": STORE_FORMAT,
         "base_config_sha256": base["config_sha256"],
         "base_weights_sample_sha256": base["weights_sample_sha256"],
+        "vocab_size": int(ckpt_io.read_config(Path(base_dir)).text_config.vocab_size),
         "dtype": dtype,
         "attn_implementation": attn_implementation,
         "max_new_tokens": int(max_new_tokens),
@@ -162,31 +178,15 @@ class SelfGeneratedStore:
 
     @classmethod
     def open(cls, directory: str | Path, identity: dict) -> "SelfGeneratedStore":
-        """Open (or start) the store in `directory`; refuse one written under another identity."""
+        """Open (or start) the store in `directory`; refuse one written under another identity,
+        and any line that is not this store's as written (`_read_store`)."""
         directory = Path(directory)
-        meta_path, store_path = directory / META_FILE, directory / STORE_FILE
-        if meta_path.is_file():
-            try:
-                existing = json.loads(meta_path.read_text())
-            except (OSError, ValueError) as err:
-                raise SelfGenError(f"{meta_path}: unreadable ({err}); remove the directory to generate again") from None
-            existing.setdefault("writer", EMBEDDED)  # stores from before engines wrote any
-            differences = [
-                f"{name}: {existing.get(name)!r} in the store, {identity[name]!r} now"
-                for name in COMPARED_FIELDS
-                if existing.get(name) != identity[name]
-            ]
-            if differences:
-                raise SelfGenError(
-                    f"{directory}: the self-generated windows there were written under other settings ("
-                    + "; ".join(differences)
-                    + "); use another data.self_generated_dir, or remove it to generate again"
-                )
-        elif store_path.exists():
-            raise SelfGenError(f"{store_path}: has no {META_FILE} beside it, so what wrote it is unknown; remove it")
-        continuations, torn = _read_store(store_path)
+        existing = _check_meta(directory, identity)
+        if existing is None and (directory / STORE_FILE).exists():
+            raise SelfGenError(f"{directory / STORE_FILE}: has no {META_FILE} beside it, so what wrote it is unknown; remove it")
+        continuations, torn = _read_store(directory / STORE_FILE, identity)
         store = cls(directory, identity, continuations, torn)
-        store.writer_details = existing.get("writer_details", {}) if meta_path.is_file() else {}
+        store.writer_details = (existing or {}).get("writer_details", {})
         return store
 
     def __contains__(self, window: Window) -> bool:
@@ -203,9 +203,38 @@ class SelfGeneratedStore:
         very bytes of an uninterrupted one (given the same answers).
         """
         contexts = sorted({context_of(w) for w in windows}, key=context_digest)
-        missing = [context_digest(c) not in self._continuations for c in contexts]
-        if not any(missing):
+        if all(context_digest(c) in self._continuations for c in contexts):
             return
+        with self._writing(log):
+            # What another run sharing the directory wrote while this one was loading or waiting.
+            self._continuations.update(_read_store(self.directory / STORE_FILE, self.identity)[0])
+            missing = [context_digest(c) not in self._continuations for c in contexts]
+            if any(missing):
+                self._append(writer, contexts, missing, log)
+
+    @contextlib.contextmanager
+    def _writing(self, log: Callable[[str], None]) -> Iterator[None]:
+        """Hold the store's lock (waiting for a run that holds it) and check, under it, that the
+        meta file is still this store's: one run writes a directory at a time."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with open(self.directory / LOCK_FILE, "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                log(f"self-generated windows: {self.directory} is being written by another run "
+                    f"(pid {handle.read().strip() or 'unknown'}); waiting for it, then using its lines")
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            existing = _check_meta(self.directory, self.identity)
+            if existing is not None and not self.writer_details:
+                self.writer_details = existing.get("writer_details", {})
+            yield  # closing the file releases the lock
+
+    def _append(self, writer: Writer, contexts: list[tuple[int, ...]], missing: list[bool], log: Callable[[str], None]) -> None:
         if writer.source != self.identity["writer"]:
             raise SelfGenError(f"{self.directory}: written by the {self.identity['writer']} writer, asked to be extended by "
                                f"the {writer.source} one; use another data.self_generated_dir")
@@ -213,7 +242,6 @@ class SelfGeneratedStore:
         if self.writer_details and self.writer_details.get("model", details.get("model")) != details.get("model"):
             raise SelfGenError(f"{self.directory}: written from model {self.writer_details.get('model')!r}, and the servers now "
                                f"serve {details.get('model')!r}; use another data.self_generated_dir")
-        self.directory.mkdir(parents=True, exist_ok=True)
         meta_path = self.directory / META_FILE
         if not meta_path.is_file():
             files.write_json(meta_path, {**self.identity, "writer_details": details})
@@ -228,6 +256,7 @@ class SelfGeneratedStore:
         order = iter([i for i, m in enumerate(missing) if m])
         following = next(order)
         synced = time.perf_counter()
+        store = identity_digest(self.identity)
         with open(store_path, "a", encoding="utf-8") as stream:
             for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
                                                       self.identity["stop_token_ids"], log):
@@ -235,7 +264,9 @@ class SelfGeneratedStore:
                 while following is not None and following in waiting:
                     written = waiting.pop(following)
                     key = context_digest(contexts[following])
-                    line = {"context_sha256": key, "tokens": list(written.tokens), "finished": written.finished}
+                    _check_line(self.identity, written.tokens, lambda: f"{writer.describe()} wrote for context {key}")
+                    line = {"context_sha256": key, "tokens": list(written.tokens), "finished": written.finished,
+                            "store": store, "line_sha256": line_digest(key, written.tokens, written.finished)}
                     stream.write(json.dumps(line, separators=(",", ":")) + "\n")
                     self._continuations[key] = written
                     self.generated_now += 1
@@ -274,29 +305,76 @@ class SelfGeneratedStore:
         }
 
 
-def _read_store(path: Path) -> tuple[dict[str, Continuation], int]:
-    """Parse the store; a last line without its newline is torn (dropped), any other bad line an error."""
+def _check_meta(directory: Path, identity: dict) -> dict | None:
+    """The store's meta file, refused when written under another identity; None when there is none yet."""
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        return None
+    try:
+        existing = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise SelfGenError(f"{meta_path}: unreadable ({err}); remove the directory to generate again") from None
+    existing.setdefault("writer", EMBEDDED)  # stores from before engines wrote any
+    differences = [f"{name}: {existing.get(name)!r} in the store, {identity[name]!r} now"
+                   for name in COMPARED_FIELDS if existing.get(name) != identity[name]]
+    if differences:
+        raise SelfGenError(f"{directory}: the self-generated windows there were written under other settings ("
+                           + "; ".join(differences) + "); use another data.self_generated_dir, or remove it to generate again")
+    return existing
+
+
+def _check_line(identity: dict, tokens: Sequence[int], where: Callable[[], str]) -> None:
+    """A continuation the base could have written under `identity`: ids in its vocabulary, within the budget."""
+    vocab, budget = identity["vocab_size"], identity["max_new_tokens"]
+    if len(tokens) > budget:
+        raise SelfGenError(f"{where()}: {len(tokens)} tokens, over the budget of {budget} (data.answer_tokens)")
+    outside = [(i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab]
+    if outside:
+        position, token = outside[0]
+        raise SelfGenError(f"{where()}: token id {token} at position {position} is outside the base's vocabulary "
+                           f"(0..{vocab - 1}; {len(outside)} such ids)")
+
+
+LINE_FIELDS = '{"context_sha256": str, "tokens": [int, ...], "finished": bool, "store": str, "line_sha256": str}'
+
+
+def _read_store(path: Path, identity: dict) -> tuple[dict[str, Continuation], int]:
+    """Parse the store; a last line without its newline is torn (dropped), any other bad line an error.
+
+    Every line must be this store's (its `store` digest is the identity's), unchanged since it
+    was written (its `line_sha256`), and a continuation the base could have written
+    (`_check_line`); a context may appear twice only with the same continuation.
+    """
     if not path.exists():
         return {}, 0
     raw = path.read_bytes()
     good = raw.rfind(b"\n") + 1
+    expected_store = identity_digest(identity)
     continuations: dict[str, Continuation] = {}
+    remove = "remove the store (or the line) to generate it again"
     for number, line in enumerate(raw[:good].splitlines(), start=1):
         try:
             record = json.loads(line)
             key, tokens, finished = record["context_sha256"], record["tokens"], record["finished"]
-            ok = isinstance(key, str) and isinstance(finished, bool) and isinstance(tokens, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-            )
+            store, digest = record["store"], record["line_sha256"]
+            ok = all(isinstance(v, str) for v in (key, store, digest)) and isinstance(finished, bool) and isinstance(
+                tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise SelfGenError(
-                f"{path}:{number}: not a line written by occamy_mtp.selfgen.store "
-                '(expected {"context_sha256": str, "tokens": [int, ...], "finished": bool}); '
-                "only a torn last line is repaired: remove the store to generate again"
-            )
-        continuations[key] = Continuation(tuple(tokens), finished)
+            raise SelfGenError(f"{path}:{number}: not a line written by occamy_mtp.selfgen.store (expected {LINE_FIELDS}); "
+                               "only a torn last line is repaired: remove the store to generate again")
+        if store != expected_store:
+            raise SelfGenError(f"{path}:{number}: written under another identity (store {store}; this store's is "
+                               f"{expected_store}: another base or other settings wrote it); {remove}")
+        if digest != line_digest(key, tokens, finished):
+            raise SelfGenError(f"{path}:{number}: changed after it was written (its line_sha256 does not match its "
+                               f"content); {remove}")
+        _check_line(identity, tokens, lambda: f"{path}:{number}")
+        continuation = Continuation(tuple(tokens), finished)
+        if continuations.get(key, continuation) != continuation:
+            raise SelfGenError(f"{path}:{number}: context {key} is stored before with another continuation; {remove}")
+        continuations[key] = continuation
     return continuations, int(len(raw) > good)
 
 

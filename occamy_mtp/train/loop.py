@@ -31,7 +31,7 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.console import Progress
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
-from occamy_mtp.data.windows import Window
+from occamy_mtp.data.windows import PreparedData, Window
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.head import MTPHead
@@ -88,8 +88,13 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         if existing is not None and not resume:
             raise ConfigError(f"{run_dir.root} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
         log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
+        check_data = None
+        if resume and existing is not None:
+            recorded = checkpoint_data(existing, config)
+            check_data = lambda data: same_data(existing, recorded, data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
-        run = open_run(config, accelerator.device, log=log, writer_first=accelerator.main_process_first)
+        run = open_run(config, accelerator.device, log=log, writer_first=accelerator.main_process_first,
+                       check_data=check_data)
         trainable = [p for p in run.models.head.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=config.train.lr, betas=(config.train.adam_beta1, config.train.adam_beta2),
                                       eps=config.train.adam_eps, weight_decay=config.train.weight_decay)
@@ -148,7 +153,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
-                    save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best)
+                    save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best, run.data)
         progress.close()
 
         accelerator.wait_for_everyone()
@@ -305,13 +310,17 @@ def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().cpu() for n, p in head.named_parameters() if p.requires_grad}
 
 
+CHECKPOINT_FORMAT = 3  # 3: the data's files and split members ("data"), which resume checks
+
+
 def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer, config: RunConfig, keep: int,
-                    best: dict[str, torch.Tensor] | None) -> Path:
+                    best: dict[str, torch.Tensor] | None, data: PreparedData) -> Path:
     path = run_dir.checkpoint(state.step)
     payload = {
-        "format": 2,
+        "format": CHECKPOINT_FORMAT,
         "config_fingerprint": config.fingerprint(),
         "settings": config.fingerprinted(),
+        "data": data.members(),
         "state": dataclasses.asdict(state),
         "trainable": trainable_tensors(head),
         "best_trainable": best or {},
@@ -324,17 +333,36 @@ def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer
     return path
 
 
-def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    """Put the head and optimizer back to a checkpoint; returns its state and the best tensors so far."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("format") != 2:
-        raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads 2; use a new output.dir")
+def checkpoint_data(path: Path, config: RunConfig) -> dict:
+    """The data a checkpoint was trained on (`PreparedData.members`), read without its tensors;
+    refused when the checkpoint is of another format or was written under other settings."""
+    return _checked_payload(torch.load(path, map_location="cpu", weights_only=True, mmap=True), path, config)["data"]
+
+
+def same_data(path: Path, recorded: dict, data: PreparedData) -> None:
+    """Refuse to resume from the checkpoint at `path` on data other than its own, naming what changed."""
+    changes = data.members_changed(recorded)
+    if changes:
+        raise ConfigError(f"{path}: was trained on other data ({'; '.join(changes)}); resume with the data it was "
+                          "trained on, or start again in a new output.dir")
+
+
+def _checked_payload(payload: dict, path: Path, config: RunConfig) -> dict:
+    if payload.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; "
+                          "use a new output.dir")
     if payload.get("config_fingerprint") != config.fingerprint():
         changed = differing_settings(payload.get("settings", {}), config.fingerprinted())
         raise ConfigError(
             f"{path}: written by a run with other settings ({'; '.join(changed) or 'unknown'}); "
             "resume with the same config, or use a new output.dir"
         )
+    return payload
+
+
+def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """Put the head and optimizer back to a checkpoint; returns its state and the best tensors so far."""
+    payload = _checked_payload(torch.load(path, map_location="cpu", weights_only=True), path, config)
     params = dict(head.named_parameters())
     for name, tensor in payload["trainable"].items():
         if name not in params or not params[name].requires_grad:
