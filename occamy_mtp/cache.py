@@ -17,11 +17,13 @@ from pathlib import Path
 
 import torch
 
+from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.run import (
+    check_store_writable,
     continuation_writer,
     load_tokenizer,
     log_stderr,
@@ -102,6 +104,11 @@ def build_for_config(
     data = prepare_data(config, tokenizer)
     store = open_store(config, tokenizer)
     directory = Path(directory)
+    check_store_writable(config, store, self_generated_needed(config, data))
+    complete = (directory / MANIFEST_NAME).is_file() and read_manifest(directory).get("complete")
+    problem = None if complete else files.unwritable(directory)
+    if problem:  # before the base loads
+        raise ConfigError(f"data.target_cache: {directory} cannot be written: {problem}")
     base = None
     if store.missing(self_generated_needed(config, data)) and not config.data.self_generate_endpoints:
         base = _load_base(config)  # it writes the continuations (servers write them when named)

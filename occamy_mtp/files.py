@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,6 +60,28 @@ def token_ids_sha256(token_ids: Sequence[int]) -> str:
 TEMPORARY_SUFFIX = ".tmp"
 
 
+def unwritable(directory: Path) -> str | None:
+    """Why files cannot be created in `directory` (or, where it does not exist yet, in the
+    directory that would hold it), or None when they can: a file is created there and removed,
+    so that read-only mounts, immutable directories and permissions are all found, as they
+    would be by the write itself."""
+    directory = Path(directory)
+    existing = directory
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, so {directory} cannot be made there"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".occamy-write-check.", dir=existing)
+    except OSError as err:
+        return f"files cannot be created in {existing} ({err.strerror or err})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -88,13 +111,15 @@ def atomic_path(final: Path) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_paths(finals: list[Path]) -> Iterator[list[Path]]:
+def atomic_paths(finals: list[Path], incomplete: Path | None = None) -> Iterator[list[Path]]:
     """Yield one temporary path per final path; on success rename them all, in the given order.
 
     A group of outputs that belong together (a head and the record of its hash) is
     written completely before any of them replaces an earlier good file, and the last
     path (the record) lands last. On failure every temporary is removed and no final
-    file is touched.
+    file is touched. `incomplete`, when given, is a marker file that exists (fsynced)
+    from before the first rename until after the last: a kill between two renames leaves
+    it, and readers that find it refuse the set (`model.checkpoint.check_export_set`).
     """
     temporaries = []
     try:
@@ -106,16 +131,48 @@ def atomic_paths(finals: list[Path]) -> Iterator[list[Path]]:
         mode = 0o666 & ~_current_umask()
         for tmp in temporaries:
             os.chmod(tmp, mode)
+            _fsync(tmp)
+        if incomplete is not None:
+            with open(incomplete, "w") as marker:
+                marker.write(f"pid {os.getpid()} is renaming {', '.join(f.name for f in finals)} into place\n")
+                marker.flush()
+                os.fsync(marker.fileno())
+            _fsync(incomplete.parent)
         for tmp, final in zip(temporaries, finals):
             os.replace(tmp, final)
+        _fsync(finals[-1].parent)
+        if incomplete is not None:
+            incomplete.unlink()
+            _fsync(incomplete.parent)
     finally:
         for tmp in temporaries:
             if tmp.exists():
                 tmp.unlink()
 
 
+def _fsync(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries, durable before what depends on them."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def json_text(obj) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
+    """`obj` as standard JSON: a value that is not finite (a NaN loss, an infinite NLL) is written
+    as null, never as the NaN or Infinity that strict readers refuse."""
+    return json.dumps(_finite_or_null(obj), indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+
+def _finite_or_null(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {key: _finite_or_null(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(value) for value in obj]
+    return obj
 
 
 def write_json(path: Path, obj) -> None:

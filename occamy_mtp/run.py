@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
 from occamy_mtp.data.windows import PreparedData, Window, load_tokenizer, prepare_windows
@@ -74,10 +75,12 @@ class RunDir:
     """The base's continuations, unless `data.self_generated_dir` puts them elsewhere."""
     head = property(lambda self: self.root / ckpt_io.HEAD_FILE)
     """The exported head (export.py)."""
-    head_config = property(lambda self: self.root / "mtp_head_config.json")
+    head_config = property(lambda self: self.root / ckpt_io.HEAD_CONFIG_FILE)
     metrics = property(lambda self: self.root / "metrics.json")
     plot = property(lambda self: self.root / "acceptance.png")
-    record = property(lambda self: self.root / "TRAINING.json")
+    record = property(lambda self: self.root / ckpt_io.EXPORT_RECORD)
+    export_incomplete = property(lambda self: self.root / ckpt_io.EXPORT_INCOMPLETE)
+    """There while export renames its outputs into place: readers refuse the set (`check_export_set`)."""
     hash_cache = property(lambda self: self.root / ".file-hashes.json")
     """Known sha256 of the base's and donor's files, by path, size and mtime."""
 
@@ -112,7 +115,9 @@ def check_run(config: RunConfig) -> None:
 
     The base and donor exist and the base's config reads; no output of the run
     (output.dir, the store, the target cache) is a file or lies inside the base or the
-    donor directory (symlinks resolved: the base is never written into); every name in
+    donor directory (symlinks resolved: the base is never written into); output.dir can
+    be written (the store is checked once the run knows it lacks lines, `open_run`, and
+    the target cache by the pass that writes it); every name in
     `train.trainable` is a head submodule (checked on a head built on the meta device).
     """
     base, donor = Path(config.model.base), Path(config.model.donor_head)
@@ -131,6 +136,9 @@ def check_run(config: RunConfig) -> None:
                 raise ConfigError(
                     f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
                 )
+    problem = files.unwritable(Path(config.output.dir))
+    if problem:
+        raise ConfigError(f"output.dir: {config.output.dir} cannot be written: {problem}")
     with torch.device("meta"):
         head = MTPHead(base_config.text_config)
     try:
@@ -144,11 +152,16 @@ def output_lock(config: RunConfig) -> Iterator[None]:
     """Hold an exclusive lock on output.dir (its `.lock` file, with the holder's pid) while a run writes there.
 
     Two trainings into one directory would both run and the last would silently win;
-    the second one now stops at once, naming the process that holds the directory.
+    the second one now stops at once, naming the process that holds the directory. A run
+    that stops with an error takes back the lock file and the directories it made, when
+    nothing else was written into them.
     """
     run_dir = RunDir.of(config)
+    made = [d for d in (run_dir.root, *run_dir.root.parents) if not d.exists()]
     run_dir.root.mkdir(parents=True, exist_ok=True)
+    made_lock = not run_dir.lock.exists()
     handle = open(run_dir.lock, "a+")
+    finished = False
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,7 +176,13 @@ def output_lock(config: RunConfig) -> Iterator[None]:
         handle.write(f"{os.getpid()}\n")
         handle.flush()
         yield
+        finished = True
     finally:
+        if not finished and made_lock:  # a run refused before it wrote anything leaves nothing behind
+            run_dir.lock.unlink(missing_ok=True)
+            for directory in made:  # deepest first, and only while empty
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
         handle.close()  # releases the lock
 
 
@@ -223,6 +242,15 @@ def open_store(config: RunConfig, tokenizer) -> SelfGeneratedStore:
         writer=ENGINE if config.data.self_generate_endpoints else EMBEDDED,
     )
     return SelfGeneratedStore.open(self_generated_dir(config), identity)
+
+
+def check_store_writable(config: RunConfig, store: SelfGeneratedStore, needed: list[Window]) -> None:
+    """A store that lacks continuations must take them: found before the base loads, not after."""
+    lacking = len(store.missing(needed))
+    problem = files.unwritable(store.directory) if lacking else None
+    if problem:
+        raise ConfigError(f"data.self_generated_dir: {store.directory} lacks {lacking} of the run's {len(needed)} "
+                          f"continuations and cannot be written: {problem}")
 
 
 def continuation_writer(config: RunConfig, tokenizer, base=None) -> Writer | None:
@@ -414,9 +442,13 @@ def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT,
         check_data(data)
     if max_heldout is not None:
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
+    store = open_store(config, tokenizer) if self_generated else None
+    if store is not None:
+        check_store_writable(config, store, self_generated_needed(config, data, splits))
     models = load_models(config, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
-        store = open_store(config, tokenizer) if self_generated else None
+        if store is not None:
+            store.reread()  # what the main process (or another run) wrote meanwhile
         windows = run_windows(config, data, store, continuation_writer(config, tokenizer, models.base), log=log, splits=splits)
     targets = open_targets(config, windows.all(), data.settings, base=models.base)
     return Run(config, RunDir.of(config), tokenizer, data, models, windows, targets, stop_token_ids(config, tokenizer))

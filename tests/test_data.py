@@ -358,8 +358,11 @@ def test_sample_data_gives_the_original_split(sample_data):
     assert summary["conversations_read"] == 393
     assert (summary["train_conversations"], summary["heldout_conversations"]) == (256, 32)
     assert summary["excluded"] == {BEYOND_SPLIT_SIZE: 393 - 288}
-    assert summary["windows_built"] == 288
-    assert summary["assistant_tokens_scored"] == 109920  # nearly every answer fills its 382 tokens
+    # Five train windows repeat a heldout window's answer (one reference text quoted to two
+    # prompts) and are kept apart: 288 built, 283 kept.
+    assert summary["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 5}
+    assert summary["windows_built"] == 283
+    assert summary["assistant_tokens_scored"] == 109920 - 5 * 382  # nearly every answer fills its 382 tokens
     assert not set(sample_data.train_hashes) & set(sample_data.heldout_hashes)
     assert {w.conversation_hash for w in sample_data.heldout} == set(sample_data.heldout_hashes)
 
@@ -413,7 +416,8 @@ def test_provenance_is_json_and_complete(sample_data):
     [file] = provenance["files"]
     assert file["sha256"] == hashlib.sha256(SAMPLE_DATA_PATH.read_bytes()).hexdigest()
     assert file["records"] == 393
-    assert provenance["windows"]["built"] == 288 and provenance["windows"]["assistant_tokens_scored"] == 109920
+    assert provenance["windows"]["built"] == 283 and provenance["windows"]["assistant_tokens_scored"] == 109920 - 5 * 382
+    assert provenance["windows"]["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 5}
     assert provenance["split"]["heldout_hashes"] == sample_data.heldout_hashes and len(provenance["split"]["train_hashes"]) == 256
     assert provenance["settings"]["context_tokens"] == 128 and provenance["settings"]["answer_tokens"] == 382
     assert provenance["tokenizer"]["vocab_size"] == 1024
@@ -428,7 +432,8 @@ def test_cli_json_report(sample_tokenizer_dir, capsys):
     # the training defaults' split: 256 train, 32 validation, 32 heldout
     assert report["conversations_read"] == 393 and report["conversations_kept"] == 320
     assert report["excluded"] == {"beyond_split_size": 73}
-    assert report["windows_built"] == 320 and report["assistant_tokens_scored"] == 122144
+    assert report["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 8}
+    assert report["windows_built"] == 312 and report["assistant_tokens_scored"] == 122144 - 8 * 382
     assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (256, 32, 32)
 
 

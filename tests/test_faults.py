@@ -10,11 +10,14 @@ tests/test_faults_validate.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
+import re
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -421,8 +424,8 @@ def test_bad_settings_are_found_before_any_model_loads(run_models, tmp_path, no_
     if case == "no-heldout":  # every conversation hashes to the train side
         overrides = [*overrides, f"data.files=[{train_side_only(run_models, tmp_path / 'train-side.jsonl')}]"]
     with pytest.raises(ConfigError, match=message):
-        train(run_config(run_models, tmp_path / "run", *overrides))
-    assert not (tmp_path / "run" / "checkpoints").exists()
+        train(run_config(run_models, tmp_path / "run" / "nested", *overrides))
+    assert not (tmp_path / "run").exists()  # a config error leaves nothing behind (issue 22, item 5)
 
 
 def test_an_output_dir_that_is_a_file_is_refused(run_models, tmp_path, no_model_loading):
@@ -432,6 +435,61 @@ def test_an_output_dir_that_is_a_file_is_refused(run_models, tmp_path, no_model_
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(ConfigError, match="output.dir: .* is a file"):
         train(run_config(run_models, tmp_path / "run"))
+
+
+@contextlib.contextmanager
+def unwritable_directory(path: Path, how: str):
+    """`path`, made, into which nothing can be written: immutable (chattr +i) or without write permission."""
+    path.mkdir(parents=True, exist_ok=True)
+    if how == "immutable":
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not permitted here")
+        try:
+            yield path
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes whatever the permissions")
+        path.chmod(0o500)
+        try:
+            yield path
+        finally:
+            path.chmod(0o700)
+
+
+@pytest.mark.parametrize("how", ["immutable", "permissions"])
+def test_an_unwritable_output_dir_is_one_error_line_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys, how):
+    """Issue 22, item 5: an immutable parent of output.dir gave a PermissionError traceback, late."""
+    from occamy_mtp.train.loop import main
+
+    config = tmp_path / "run.yaml"
+    with unwritable_directory(tmp_path / "parent", how) as parent:
+        config.write_text(dump_yaml(run_config(run_models, parent / "run")))
+        assert main(["--config", str(config)]) == 2
+        assert not (parent / "run").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: output.dir: ") and "cannot be written: files cannot be created in" in err[-1]
+
+
+@pytest.mark.parametrize("how", ["immutable", "permissions"])
+def test_a_store_that_lacks_lines_and_cannot_take_them_is_refused_before_the_base_loads(run_models, tmp_path, monkeypatch,
+                                                                                        capsys, how):
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.cache import main as cache_main
+    from occamy_mtp.train.loop import train
+
+    for name in ("load_base", "load_head", "load_shared_weights"):
+        monkeypatch.setattr(ckpt_io, name, lambda *a, **k: pytest.fail("a model was loaded before the store was checked"))
+    with unwritable_directory(tmp_path / "shared", how) as shared:
+        with pytest.raises(ConfigError, match=r"data.self_generated_dir: .* lacks \d+ of the run's \d+ continuations and "
+                                              "cannot be written"):
+            train(run_config(run_models, tmp_path / "run", f"data.self_generated_dir={shared / 'store'}"))
+        config = tmp_path / "cache.yaml"
+        config.write_text(dump_yaml(run_config(run_models, tmp_path / "run", f"data.target_cache={shared / 'cache'}")))
+        assert cache_main(["--config", str(config)]) == 2  # the store is fine; the cache cannot be written
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: data.target_cache: {shared / 'cache'} "
+                                                                        "cannot be written")
 
 
 @pytest.mark.parametrize("override, message", [
@@ -567,6 +625,108 @@ def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, 
     assert record["outputs"][output.head.name] == hashlib.sha256(first[output.head]).hexdigest()
     export(config, allow_worse=True, log=lambda m: None)
     assert output.head.read_bytes() == first[output.head]  # identical tensors, identical file
+
+
+class Killed(BaseException):
+    """What a SIGKILL leaves, in this process: nothing after it runs but the `finally` blocks."""
+
+
+@pytest.fixture(scope="module")
+def exported(run_models, tmp_path_factory):
+    """A trained and exported run (the donor's layout), and its config."""
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.train.loop import train
+
+    config = run_config(run_models, tmp_path_factory.mktemp("exported") / "run")
+    train(config)
+    export(config, allow_worse=True, log=lambda m: None)
+    return config
+
+
+def readers_refuse(config, message: str, capsys) -> None:
+    """Every reader of an exported head refuses it: load_head (evaluate, the reference server), assemble, evaluate's CLI."""
+    from occamy_mtp.evaluation.evaluate import main as evaluate_main
+    from occamy_mtp.run import RunDir
+
+    head = RunDir.of(config).head
+    text_config = ckpt_io.read_config(config.model.base).text_config
+    with pytest.raises(ckpt_io.CheckpointError, match=message):
+        ckpt_io.load_head(head, text_config)
+    with pytest.raises(asm.AssemblyError, match="--head: .*" + message):
+        asm.check_head_file(head, text_config)
+    config_file = head.parent.parent / "evaluate.yaml"
+    config_file.write_text(dump_yaml(config))
+    capsys.readouterr()
+    assert evaluate_main(["--config", str(config_file), "--head", str(head), "--out", str(head.parent.parent / "eval")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and re.search(message, last), last
+
+
+@pytest.mark.parametrize("renamed", [1, 2, 3, 4])
+def test_an_export_killed_between_two_renames_is_refused_by_every_reader(exported, monkeypatch, capsys, renamed):
+    """Issue 22, item 6: a kill between export's renames left a new head beside an old config and record."""
+    import shutil
+
+    from occamy_mtp import files
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.run import RunDir
+
+    root = RunDir.of(exported).root.parent / f"killed-{renamed}"
+    shutil.copytree(RunDir.of(exported).root, root)
+    config = run_config_like(exported, root, "output.expert_layout=fused")  # the new set differs in every file
+    outputs = [p.name for p in RunDir.of(config).export_outputs()]
+    real_replace, done = os.replace, []
+
+    def replace(source, target):
+        if Path(target).name in outputs:
+            if len(done) == renamed:
+                raise Killed
+            done.append(target)
+        real_replace(source, target)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with pytest.raises(Killed):
+        export(config, allow_worse=True, log=lambda m: None)
+    monkeypatch.undo()
+    assert len(done) == renamed and RunDir.of(config).export_incomplete.exists()
+    readers_refuse(config, "an export into it was interrupted", capsys)
+    export(config, allow_worse=True, log=lambda m: None)  # the next export completes the set
+    assert not RunDir.of(config).export_incomplete.exists()
+    ckpt_io.load_head(RunDir.of(config).head, ckpt_io.read_config(config.model.base).text_config)
+
+
+def run_config_like(config, output: Path, *overrides):
+    from occamy_mtp.config import load_config
+
+    return load_config(None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in _flat_settings(config).items()
+                              if k != "output.dir"] + [f"output.dir={output}", *overrides])
+
+
+def _flat_settings(config) -> dict:
+    flat = {}
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def test_a_head_that_is_not_the_one_its_record_names_is_refused(exported, tmp_path, capsys):
+    import shutil
+
+    from occamy_mtp.run import RunDir
+
+    root = tmp_path / "run"
+    shutil.copytree(RunDir.of(exported).root, root)
+    config = run_config_like(exported, root)
+    head = RunDir.of(config).head
+    tensors = load_file(head)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1
+    from safetensors.torch import save_file
+
+    save_file(tensors, head, metadata={"format": "pt"})
+    readers_refuse(config, "its sha256 is not the one .*TRAINING.json records", capsys)
 
 
 def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
@@ -782,6 +942,36 @@ def test_generate_reads_prompts_with_the_same_limit(tmp_path, sample_tokenizer):
     assert read.excluded == windows.excluded == {D.RECORD_TOO_LARGE: 1}
     assert read.excluded_examples == windows.excluded_examples
     assert len(read.prompts) == 1
+
+
+# ---------------------------------------------------------------- the split keeps windows apart (issue 22, item 3)
+
+
+@pytest.mark.parametrize("case", ["same-prompt-other-answer", "answers-differing-past-the-window"])
+def test_no_heldout_or_validation_window_shares_a_context_or_answer_with_train(tmp_path, sample_tokenizer, case):
+    records = []
+    for i in range(30):
+        prompt = f"Question {i}: how many legs do {i} spiders and {i + 3} ants have together?"
+        answer = f"Spiders have eight legs and ants have six, so the answer for question {i} is {8 * i + 6 * (i + 3)}."
+        if case == "same-prompt-other-answer":
+            records += [chat(prompt, answer), chat(prompt, f"Let me count: {answer} That is all.")]
+        else:  # the same first tokens, so the same window, once cut to its answer budget
+            records += [chat(prompt, answer + " " + "Extra words. " * 10), chat(prompt, answer + " " + "Other words. " * 10)]
+    data = D.prepare_windows([write_jsonl(tmp_path / "chats.jsonl", records)], sample_tokenizer, context_tokens=16,
+                             answer_tokens=12, train_conversations=40, validation_conversations=10, heldout_conversations=10)
+
+    def keys(windows, part):
+        return {w.input_ids[: w.answer_start] if part == "context" else w.input_ids[w.answer_start :] for w in windows}
+
+    for part in ("context", "answer"):
+        assert not keys(data.heldout, part) & keys(data.train, part), part
+        assert not keys(data.heldout, part) & keys(data.validation, part), part
+        assert not keys(data.validation, part) & keys(data.train, part), part
+    dropped = data.summary()["kept_apart"]
+    assert dropped["train_windows_dropped"] > 0  # half the prompts have their twin on another side
+    built = sum(len(w) for w in (data.train, data.validation, data.heldout))
+    assert built + sum(dropped.values()) == data.conversations_kept  # one window a conversation: each counted once
+    assert data.provenance()["windows"]["kept_apart"] == dropped
 
 
 # ---------------------------------------------------------------- bounded tokenization (item 7)
@@ -1092,3 +1282,44 @@ def test_store_lines_are_checked_when_read_naming_the_line(run_models, written_s
         _rewrite(store, 3, change)
     with pytest.raises(SelfGenError, match=message):
         opened_store(store_config(run_models, store))
+
+
+# ==================================================================================
+# Readers and written JSON (issue 22, item 7)
+# ==================================================================================
+def test_written_json_is_standard_even_where_a_figure_is_not_finite(tmp_path):
+    from occamy_mtp import files
+
+    def refuse(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    files.write_json(tmp_path / "report.json", {"data_nll": float("nan"), "steps": [1.5, float("inf"), -float("inf")],
+                                                "nested": {"ok": 2.0, "pair": (float("nan"), 3)}})
+    read = json.loads((tmp_path / "report.json").read_text(), parse_constant=refuse)
+    assert read == {"data_nll": None, "steps": [1.5, None, None], "nested": {"ok": 2.0, "pair": [None, 3]}}
+
+
+def test_a_donor_whose_head_sits_in_a_shard_the_index_does_not_list_is_named(tmp_path, sample_tokenizer_dir):
+    """The donor's mtp.* tensors moved to a file of their own, the index not told: it said only 'no MTP head'."""
+    from safetensors.torch import save_file
+
+    donor = build_tiny_checkpoint(tmp_path / "donor", layout="fused", seed=1, tokenizer_dir=sample_tokenizer_dir).path
+    index = json.loads((donor / ckpt_io.INDEX_NAME).read_text())
+    head_keys = sorted(k for k in index["weight_map"] if k.startswith(ckpt_io.HEAD_PREFIX))
+    assert head_keys
+    moved = {}
+    for shard in sorted({index["weight_map"][k] for k in head_keys}):
+        tensors = load_file(donor / shard)
+        moved.update({k: tensors.pop(k) for k in head_keys if k in tensors})
+        save_file(tensors, donor / shard, metadata={"format": "pt"})
+    save_file(moved, donor / "mtp.safetensors", metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in moved}
+    (donor / ckpt_io.INDEX_NAME).write_text(json.dumps(index))
+    text_config = ckpt_io.read_config(donor).text_config
+    with pytest.raises(ckpt_io.CheckpointError, match=rf"no mtp\.\* tensors among the \d+ tensors that "
+                                                      rf"model.safetensors.index.json maps, in .*But mtp.safetensors "
+                                                      rf"\({len(head_keys)} mtp\.\* tensors\) in the same directory is not "
+                                                      "listed in model.safetensors.index.json"):
+        ckpt_io.load_head(donor, text_config)
+    head, _ = ckpt_io.load_head(donor / "mtp.safetensors", text_config)  # the file itself, as the message says
+    assert sum(p.numel() for p in head.parameters()) > 0

@@ -197,6 +197,8 @@ class PreparedData:
     # which conversations are kept, never what a window holds, and the cache compares
     # the windows themselves too.
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    kept_apart: dict[str, int] = field(default_factory=dict)
+    """Windows dropped because another side holds their context or answer (`keep_apart`)."""
 
     @property
     def conversations_kept(self) -> int:
@@ -217,6 +219,7 @@ class PreparedData:
             "train_windows": len(self.train),
             "validation_windows": len(self.validation),
             "heldout_windows": len(self.heldout),
+            "kept_apart": dict(self.kept_apart),
         }
 
     def members(self) -> dict[str, Any]:
@@ -264,6 +267,7 @@ class PreparedData:
                 "validation_assistant_tokens": _span_tokens(self.validation),
                 "heldout_assistant_tokens": _span_tokens(self.heldout),
                 "boundary_retokenized": self.boundary_retokenized,
+                "kept_apart": dict(self.kept_apart),
             },
             "split": {
                 "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
@@ -808,23 +812,51 @@ def prepare_windows(
         "skip_bad_records": skip_bad_records,
         "exclude": sorted(exclude),
         "enable_thinking": False,
+        "kept_apart_by": "context and answer",
     }
+    sides = {side: [w for h in members[side] for w in windows_by_hash[h]] for side in members}
+    kept_apart = keep_apart(sides)
     return PreparedData(
-        train=[w for h in members[TRAIN] for w in windows_by_hash[h]],
-        heldout=[w for h in members[HELDOUT] for w in windows_by_hash[h]],
+        train=sides[TRAIN],
+        heldout=sides[HELDOUT],
         files=files,
         conversations_read=conversations_read,
         excluded={reason: tally.counts[reason] for reason in EXCLUSION_REASONS if reason in tally.counts},
         excluded_examples={reason: tally.examples[reason] for reason in EXCLUSION_REASONS if reason in tally.examples},
         train_hashes=members[TRAIN],
         heldout_hashes=members[HELDOUT],
-        validation=[w for h in members[VALIDATION] for w in windows_by_hash[h]],
+        validation=sides[VALIDATION],
         validation_hashes=members[VALIDATION],
         boundary_retokenized=boundary_retokenized,
         settings=settings,
         tokenizer_identity=tokenizer_identity(tokenizer),
         max_record_bytes=max_record_bytes,
+        kept_apart=kept_apart,
     )
+
+
+def keep_apart(sides: dict[str, list[Window]]) -> dict[str, int]:
+    """Drop, in place, the validation windows that share a context or an answer with a heldout
+    window, then the train windows that share one with a heldout or validation window.
+
+    The split assigns whole conversations, but two conversations can share a prompt (the
+    same question answered twice) or an answer span (answers that differ only past the
+    window): with self-generated answers a window is its context and the base's
+    continuation of it, so a shared context is a shared window, and the teacher-forced
+    figures read the recorded answers in every recipe. Heldout is never changed (every
+    reported figure is measured on it). Returns how many windows each side lost.
+    """
+    def keys(window: Window) -> tuple[tuple, tuple]:
+        return (("context",) + window.input_ids[: window.answer_start]), (("answer",) + window.input_ids[window.answer_start :])
+
+    taken = {key for w in sides[HELDOUT] for key in keys(w)}
+    dropped = {}
+    for side in (VALIDATION, TRAIN):
+        kept = [w for w in sides[side] if not taken.intersection(keys(w))]
+        dropped[f"{side}_windows_dropped"] = len(sides[side]) - len(kept)
+        sides[side][:] = kept
+        taken.update(key for w in kept for key in keys(w))
+    return dropped
 
 
 def _check_settings(
@@ -888,6 +920,10 @@ def _format_summary(summary: dict[str, Any]) -> str:
         f"{summary['train_windows']} / {summary['validation_windows']} / {summary['heldout_windows']} windows"
     )
     lines.append(f"windows: {summary['windows_built']} built, {summary['assistant_tokens_scored']} assistant tokens scored")
+    dropped = {side.removesuffix("_windows_dropped"): n for side, n in summary["kept_apart"].items() if n}
+    if dropped:
+        lines.append("kept apart: " + ", ".join(f"{n} {side}" for side, n in dropped.items()) + " windows dropped, sharing "
+                     "a context or an answer with a heldout (or validation) window")
     return "\n".join(lines)
 
 

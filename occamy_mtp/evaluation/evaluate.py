@@ -399,6 +399,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
 
     if reference_decoder and config.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
+    ckpt_io.check_export_set(head_path)  # before the base loads (load_head checks it again)
     run = open_run(config, device, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows)
     dtype = ckpt_io.DTYPES[config.model.dtype]

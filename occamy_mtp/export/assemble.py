@@ -287,6 +287,7 @@ def check_head_file(head_file: Path, text_config) -> HeadCheck:
     Every problem is listed (tensor, file, found and expected shape), not only the first.
     """
     try:
+        ckpt_io.check_export_set(head_file)
         ckpt = ckpt_io.SafetensorsCheckpoint(head_file)
     except ckpt_io.CheckpointError as err:
         raise AssemblyError(f"--head: {err}") from None

@@ -7,7 +7,10 @@ are measured side by side on the same heldout windows, led by what serving will 
 (the decoder replay on the base's own greedy text, checked against the reference
 decoder on `eval.decoder_check_windows` prompts). A head worse than the donor there is
 refused unless `--allow-worse`. Outputs are written to temporaries and renamed together,
-TRAINING.json last; temporaries of a killed export are removed by the next one.
+TRAINING.json last, with `.export-incomplete` beside them from the first rename to the
+last: a kill in between leaves it, and every reader of the head refuses the directory
+until an export completes (`checkpoint.check_export_set`, which also checks the head's
+bytes against TRAINING.json). Temporaries of a killed export are removed by the next one.
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
                   for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
     largest = max(config.eval.served_steps)
 
-    with files.atomic_paths(list(run_dir.export_outputs())) as temporaries:
+    with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete) as temporaries:
         tmp = dict(zip(run_dir.export_outputs(), temporaries))
         files.write_safetensors(tmp[run_dir.head], disk, metadata={"format": "pt", "producer": "occamy-mtp", "expert_layout": layout})
         check = verify_export(tmp[run_dir.head], donor_disk, trained_disk)

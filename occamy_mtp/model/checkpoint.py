@@ -36,6 +36,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 HEAD_PREFIX = "mtp."
 HEAD_FILE = "mtp-trained.safetensors"  # what export.py writes into output.dir: the trained head's tensors
+HEAD_CONFIG_FILE = "mtp_head_config.json"  # beside it: what a reader needs to rebuild the head
+EXPORT_RECORD = "TRAINING.json"  # beside it: the export's record, with the sha256 of the head and its config
+EXPORT_INCOMPLETE = ".export-incomplete"  # beside it while export renames its outputs into place
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
 VISION_PREFIX = "model.visual."
@@ -109,6 +112,7 @@ class SafetensorsCheckpoint:
         path = Path(path)
         if path.is_file():  # one bare .safetensors file, e.g. mtp-trained.safetensors
             self.directory = path.parent
+            self.index: Path | None = None
             self.weight_map = {k: path.name for k in self._open(path).keys()}
             self._handles: dict[str, object] = {}
             return
@@ -117,6 +121,8 @@ class SafetensorsCheckpoint:
         single_path = self.directory / SINGLE_NAME
         if not path.exists():
             raise CheckpointError(f"{path}: no such checkpoint directory or file")
+        self.index = index_path if index_path.is_file() else None
+        """The index the weight map was read from (None: one file)."""
         if index_path.is_file():
             self.weight_map = self._read_index(index_path)
         elif single_path.is_file():
@@ -451,6 +457,32 @@ def head_disk_keys(ckpt: SafetensorsCheckpoint) -> set[str]:
     return {k for k in ckpt.keys() if k.startswith(HEAD_PREFIX)}
 
 
+def no_head_message(ckpt: SafetensorsCheckpoint) -> str:
+    """Where a checkpoint without `mtp.*` tensors was looked in, and any file beside it that holds some."""
+    read = sorted(set(ckpt.weight_map.values()))
+    where = (f"that {ckpt.index.name} maps, in {', '.join(read)}" if ckpt.index else f"in {ckpt.directory / read[0]}"
+             ) if read else "(none)"
+    message = f"{ckpt.directory}: no {HEAD_PREFIX}* tensors among the {len(ckpt.weight_map)} tensors {where}; " \
+              "this checkpoint carries no MTP head"
+    if ckpt.index is None:
+        return message
+    elsewhere = []
+    for other in sorted(ckpt.directory.glob("*.safetensors")):
+        if other.name in read:
+            continue
+        try:
+            found = sum(k.startswith(HEAD_PREFIX) for k in SafetensorsCheckpoint._open(other).keys())
+        except CheckpointError:
+            continue
+        if found:
+            elsewhere.append(f"{other.name} ({found} {HEAD_PREFIX}* tensors)")
+    if elsewhere:
+        message += (f". But {', '.join(elsewhere)} in the same directory " + ("is" if len(elsewhere) == 1 else "are")
+                    + f" not listed in {INDEX_NAME}: add its tensors to the index's weight_map, or give that file "
+                    "itself as the head (model.donor_head)")
+    return message
+
+
 def load_head_state(
     ckpt: SafetensorsCheckpoint, head: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[dict[str, torch.Tensor], str]:
@@ -461,7 +493,7 @@ def load_head_state(
     """
     disk_keys = head_disk_keys(ckpt)
     if not disk_keys:
-        raise CheckpointError(f"{ckpt.directory}: no {HEAD_PREFIX}* tensors; this checkpoint carries no MTP head")
+        raise CheckpointError(no_head_message(ckpt))
     sources, report = check_tensors(ckpt, head_module_shapes(head), HEAD_PREFIX, disk_keys)
     if report.problems:
         raise CheckpointError("MTP head checkpoint does not match the model config:\n  " + "\n  ".join(report.problems))
@@ -577,6 +609,29 @@ def base_checkpoint_tensors(model, layout: str, multimodal: bool) -> dict[str, t
     return out
 
 
+def check_export_set(source: Path) -> None:
+    """Refuse a head whose directory holds an export that is not one set: interrupted between
+    its renames (EXPORT_INCOMPLETE is there), or a head (or head config) whose bytes are not
+    the ones its TRAINING.json records. Heads without a record beside them are not checked."""
+    source = Path(source)
+    directory = source.parent if source.is_file() else source
+    if (directory / EXPORT_INCOMPLETE).exists():
+        raise CheckpointError(f"{directory}: an export into it was interrupted ({EXPORT_INCOMPLETE} is there), so its head, "
+                              f"config and {EXPORT_RECORD} may be from different exports; run export.py again")
+    record_path = directory / EXPORT_RECORD
+    if not record_path.is_file():
+        return
+    try:
+        recorded = json.loads(record_path.read_text()).get("outputs") or {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{record_path}: unreadable ({err}), so the head beside it cannot be checked") from None
+    head = source if source.is_file() else directory / HEAD_FILE
+    for path in {head, directory / HEAD_CONFIG_FILE}:
+        if path.name in recorded and path.is_file() and sha256_file(path) != recorded[path.name]:
+            raise CheckpointError(f"{path}: its sha256 is not the one {record_path} records for it, so they are not from "
+                                  "the same export; run export.py again (or read the head without the record beside it)")
+
+
 def load_head(
     source: Path,
     text_config,
@@ -587,10 +642,12 @@ def load_head(
 ):
     """Build the MTP head for `text_config` and fill it from the `mtp.*` tensors at `source`.
 
-    `source` is a checkpoint directory or one safetensors file. Returns (head, layout).
+    `source` is a checkpoint directory or one safetensors file; an exported head is checked
+    against its record first (`check_export_set`). Returns (head, layout).
     """
     from occamy_mtp.model.head import MTPHead
 
+    check_export_set(source)
     ckpt = SafetensorsCheckpoint(source)
     with torch.device("meta"):
         head = MTPHead(text_config, attn_implementation=attn_implementation)

@@ -189,6 +189,10 @@ class SelfGeneratedStore:
         store.writer_details = (existing or {}).get("writer_details", {})
         return store
 
+    def reread(self) -> None:
+        """Take in what another run (or process) sharing the directory wrote since this store was read."""
+        self._continuations.update(_read_store(self.directory / STORE_FILE, self.identity)[0])
+
     def __contains__(self, window: Window) -> bool:
         return context_digest(context_of(window)) in self._continuations
 
@@ -206,8 +210,7 @@ class SelfGeneratedStore:
         if all(context_digest(c) in self._continuations for c in contexts):
             return
         with self._writing(log):
-            # What another run sharing the directory wrote while this one was loading or waiting.
-            self._continuations.update(_read_store(self.directory / STORE_FILE, self.identity)[0])
+            self.reread()
             missing = [context_digest(c) not in self._continuations for c in contexts]
             if any(missing):
                 self._append(writer, contexts, missing, log)
