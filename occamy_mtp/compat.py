@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 
 
 def cache_kwarg(forward) -> str:
@@ -38,3 +40,53 @@ def torch_function(fn):
     if not inspect.isfunction(fn):
         raise TypeError(f"cannot find the PyTorch function under {seen!r} (transformers' kernel wrapper changed?)")
     return fn
+
+
+# transformers' Gated DeltaNet kernel entry points, as its modeling modules name them.
+GATED_DELTANET_KERNELS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                          "causal_conv1d_update", "causal_conv1d_forward")
+_ROUTED = "_occamy_routed_by_device"
+
+
+def plain_forward(forward):
+    """`forward` (a Gated DeltaNet's, under any decorators) with every kernel entry point it calls
+    bound to its plain PyTorch function: the same code, run against a copy of its module's
+    globals in which those names are swapped (nothing global changes)."""
+    inner = forward
+    while hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    names = {name for name in inner.__code__.co_names if name in GATED_DELTANET_KERNELS and name in inner.__globals__}
+    swapped = {name: torch_function(inner.__globals__[name]) for name in names}
+    plain = types.FunctionType(inner.__code__, {**inner.__globals__, **swapped}, inner.__name__, inner.__defaults__,
+                               inner.__closure__)
+    plain.__kwdefaults__ = inner.__kwdefaults__
+    return plain
+
+
+def route_kernels_by_device(classes=None) -> None:
+    """Run a Gated DeltaNet on the kernels of the device its input is on (idempotent).
+
+    transformers before 5.25 (5.17 on GPU images) sends every Gated DeltaNet call to fla
+    when fla imports, whatever the device: with CUDA visible, a model on the CPU then
+    fails inside fla's Triton kernels. After this, a call on CPU tensors runs the layer's
+    own code with the plain PyTorch kernels (`plain_forward`), and a call on any other
+    device runs the forward as transformers defines it (fla where it is installed).
+    `classes` defaults to the Qwen3.5-MoE and Qwen3-Next layers.
+    """
+    if classes is None:
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+        from transformers.models.qwen3_next import modeling_qwen3_next
+
+        classes = (modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet, modeling_qwen3_next.Qwen3NextGatedDeltaNet)
+    for cls in classes:
+        if getattr(cls.forward, _ROUTED, False):
+            continue
+        original, plain = cls.forward, plain_forward(cls.forward)
+
+        @functools.wraps(original)
+        def forward(self, hidden_states, *args, _original=original, _plain=plain, **kwargs):
+            run = _plain if hidden_states.device.type == "cpu" else _original
+            return run(self, hidden_states, *args, **kwargs)
+
+        setattr(forward, _ROUTED, True)
+        cls.forward = forward

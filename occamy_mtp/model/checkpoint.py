@@ -520,8 +520,13 @@ def head_checkpoint_tensors(state: Mapping[str, torch.Tensor], layout: str) -> d
 
 
 def base_model_class(text_config):
+    """transformers' causal-LM class of the base, its Gated DeltaNet run on the kernels of the
+    device of its input (`compat.route_kernels_by_device`: a CPU model next to CUDA and fla)."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 
+    from occamy_mtp.compat import route_kernels_by_device
+
+    route_kernels_by_device()
     return {"qwen3_5_moe_text": Qwen3_5MoeForCausalLM, "qwen3_next": Qwen3NextForCausalLM}[text_config.model_type]
 
 
