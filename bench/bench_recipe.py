@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import hashlib
 import json
 import tempfile
@@ -58,7 +59,7 @@ from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import TrainSettings, step_loss_weights
 from occamy_mtp.selfgen.store import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
-from occamy_mtp.train.loop import lr_at, step_windows, train_step
+from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
@@ -137,6 +138,9 @@ def main() -> int:
     parser.add_argument("--extra-generate-batch-sizes", default="",
                         help="comma-separated batch sizes to time one more batch at each (e.g. 16, the library's default)")
     parser.add_argument("--decoder-check-windows", type=int, default=1, help="heldout prompts decoded by the reference decoder (0: skip)")
+    parser.add_argument("--trainable", default="", help="comma-separated train.trainable (default: the library's, fc + pre-fc norms)")
+    parser.add_argument("--draft-steps", type=int, default=1, help="train.draft_steps: the chain loss over this many steps")
+    parser.add_argument("--step-loss-weights", default="", help="train.step_loss_weights, comma-separated (default: equal)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -151,7 +155,12 @@ def main() -> int:
         base = base_model_class(config)._from_config(config, dtype=dtype)
         head = MTPHead(config, SharedWeights(base.model.embed_tokens, base.lm_head)).to(dtype)
     base.requires_grad_(False).eval()
-    trainable = set_trainable(head)
+    settings = TrainSettings()
+    settings = dataclasses.replace(
+        settings, trainable=tuple(args.trainable.split(",")) if args.trainable else settings.trainable,
+        draft_steps=args.draft_steps,
+        step_loss_weights=tuple(float(w) for w in args.step_loss_weights.split(",")) if args.step_loss_weights else ())
+    trainable = set_trainable(head, settings.trainable)
     for param in head.parameters():
         if param.requires_grad:
             param.data = param.data.float()
@@ -173,6 +182,8 @@ def main() -> int:
         "torch": torch.__version__,
         "dimensions": "tiny" if args.tiny else "Qwen3.5-35B-A3B",
         "trainable_parameters": trainable,
+        "trainable": list(settings.trainable), "draft_steps": settings.draft_steps,
+        "step_loss_weights": list(step_loss_weights(settings)),
         "windows": len(windows),
         "tokens": len(windows) * length,
         "build_seconds_excluded": build_seconds,
@@ -225,7 +236,6 @@ def main() -> int:
 
     # 3. the 512 steps: occamy_mtp.train.loop's own step, with the default settings, without accelerate
     total_steps = EPOCHS * args.steps_per_epoch
-    settings = TrainSettings()
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
                                   eps=settings.adam_eps, weight_decay=settings.weight_decay)
@@ -234,7 +244,8 @@ def main() -> int:
 
     def select():
         started = time.perf_counter()
-        served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS)
+        with as_served(head, dtype), head_autocast(head, device, dtype):  # as train.loop.selection_step
+            served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS)
         head.train()
         sync(device)
         selection_seconds.append(time.perf_counter() - started)
@@ -256,7 +267,8 @@ def main() -> int:
     # 4. export: donor and trained evaluated on the heldout windows, the head written out
     def export():
         for model in (donor, head):
-            evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
+            with as_served(model, dtype), head_autocast(model, device, dtype):
+                evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
         tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
         files.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
 

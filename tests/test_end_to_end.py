@@ -60,8 +60,8 @@ def write_config(path: Path, models: dict, output: Path, **train) -> Path:
     return path
 
 
-def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+def run(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kwargs)
 
 
@@ -180,10 +180,11 @@ def test_resume_after_kill_gives_identical_head(models, tmp_path):
 
 def test_two_process_cpu_run(models, tmp_path):
     config = write_config(tmp_path / "ddp.yaml", models, tmp_path / "ddp", epochs=1)
-    # accelerate's distributed launcher (torchrun underneath); on a machine without a GPU
-    # the Accelerator runs the processes over gloo.
+    # accelerate's distributed launcher (torchrun underneath); without a GPU (hidden here, so
+    # that a machine with one GPU runs the same test) the Accelerator runs the processes over gloo.
     result = run(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                  "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--config", str(config)])
+                  "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--config", str(config)],
+                 env={"CUDA_VISIBLE_DEVICES": ""})
     ok(result)
     summary = json.loads((tmp_path / "ddp" / "train-summary.json").read_text())
     assert summary["processes"] == 2

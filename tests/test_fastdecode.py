@@ -140,3 +140,11 @@ def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_c
     assert_close(logprobs, want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=1024), "logprobs")
     greedy = decode.greedy_decode(base, prompt, 14)
     assert greedy.output_ids == greedy_reference.output_ids and greedy.base_passes == greedy_reference.base_passes
+
+
+def test_a_graph_is_captured_only_for_a_bfloat16_base_on_cuda(base):
+    """torch's grouped GEMM copies to the host outside bf16, which a capture refuses: such a
+    base decodes eagerly (the default), and asking for a graph is an error, not a crash mid-capture."""
+    assert not BatchDecoder(base, batch=1, positions=4).cuda_graph
+    with pytest.raises(ValueError, match="cuda_graph=True needs a bfloat16 base on CUDA"):
+        BatchDecoder(base, batch=1, positions=4, cuda_graph=True)

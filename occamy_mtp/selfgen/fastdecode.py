@@ -152,7 +152,12 @@ class BatchDecoder:
         self._arange = torch.arange(positions, device=self.device)
         _register_attention()
         self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
-        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        # Captured only in bf16: torch's grouped GEMM runs other dtypes through a fallback that
+        # copies to the host, which a capture refuses (a float32 base on CUDA decodes eagerly).
+        capturable = self.device.type == "cuda" and dtype == torch.bfloat16
+        if cuda_graph and not capturable:
+            raise ValueError(f"cuda_graph=True needs a bfloat16 base on CUDA, got {dtype} on {self.device}")
+        self.cuda_graph = capturable if cuda_graph is None else cuda_graph
         self._graph = None
 
     # -- the step ---------------------------------------------------------------------
