@@ -43,6 +43,14 @@ RECIPES = {
     "mtp3": ("as default, 3-step chain loss (0.5/0.25/0.25)", ["train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]),
     "wide": ("as default, also trains mtp.norm and the attention", [
         "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]"]),
+    "wide-mtp3": ("as wide, 3-step chain loss (0.5/0.25/0.25)", [
+        "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]",
+        "train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]),
+    "layer": ("as default, trains the whole layer (its experts too)", [
+        "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]"]),
+    "layer-mtp3": ("as layer, 3-step chain loss (0.5/0.25/0.25)", [
+        "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]",
+        "train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]),
 }
 
 

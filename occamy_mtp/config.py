@@ -106,8 +106,9 @@ WINDOW_SETTINGS = (
 
 
 def window_settings(data: DataSettings) -> dict:
-    """`prepare_windows` keyword arguments of a run's data settings (its split, exactly)."""
-    return {name: getattr(data, name) for name in WINDOW_SETTINGS}
+    """`prepare_windows` keyword arguments of a run's data settings (its split, exactly): and
+    `prompts`, whether records without an answer are used (the base writes the answers)."""
+    return {**{name: getattr(data, name) for name in WINDOW_SETTINGS}, "prompts": data.answers != "data"}
 
 
 @dataclass(frozen=True)

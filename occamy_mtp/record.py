@@ -163,7 +163,7 @@ _SERVED = {
     "mean_accept_length": float, "accept_rate": float, "verify_passes": int, "tokens_per_verify_pass": float,
 }
 # "served" maps each served step count ("1", "3") to _SERVED; checked in validate_record.
-_HEAD_REPORT = {"served": dict, "self_generated": _METRICS, "teacher_forced": _METRICS}
+_HEAD_REPORT = {"served": dict, "self_generated": _METRICS, "teacher_forced": (_METRICS, None)}  # None: prompts only
 _IDENTITY = {
     "path": str, "revision": (str, None), "config_sha256": (str, None),
     "files": [{"name": str, "bytes": int, "sha256": str}],
@@ -201,6 +201,7 @@ SCHEMA = {
 
 def _check(value, schema, path: str, errors: list[str]) -> None:
     if isinstance(schema, tuple):  # alternatives, e.g. (str, None)
+        failures: list[list[str]] = []
         for option in schema:
             if option is None and value is None:
                 return
@@ -209,7 +210,11 @@ def _check(value, schema, path: str, errors: list[str]) -> None:
                 _check(value, option, path, sub)
                 if not sub:
                     return
-        errors.append(f"{path}: expected one of {schema}, got {value!r:.80}")
+                failures.append(sub)
+        if len(failures) == 1 and value is not None:  # one shape besides null: say what in it is wrong
+            errors.extend(failures[0])
+        else:
+            errors.append(f"{path}: expected one of {schema}, got {value!r:.80}")
     elif isinstance(schema, dict):
         if not isinstance(value, dict):
             errors.append(f"{path}: expected an object, got {type(value).__name__}")

@@ -278,7 +278,8 @@ class RunWindows:
     heldout: list[Window]
     """Self-generated heldout windows: the headline figures (exact; the decoder replay)."""
     heldout_data: list[Window]
-    """The recorded heldout answers: teacher-forced agreement and NLL (approximate acceptance)."""
+    """The recorded heldout answers: teacher-forced agreement and NLL (approximate acceptance);
+    prompts' windows, which record none, are not among them."""
     self_generated: dict
     """Provenance of the continuations (`SelfGeneratedStore.provenance`)."""
 
@@ -308,9 +309,10 @@ def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore
     must be in the store already: the cache pass writes them. Without a store, the
     recorded answers only (train and the teacher-forced heldout windows).
     """
+    recorded_heldout = [w for w in data.heldout if w.has_answer] if HELDOUT in splits else []  # prompts have none
     if store is None:
-        return RunWindows(train=list(data.train) if TRAIN in splits else [], validation=[], heldout=[],
-                          heldout_data=list(data.heldout) if HELDOUT in splits else [], self_generated={})
+        return RunWindows(train=[w for w in data.train if w.has_answer] if TRAIN in splits else [], validation=[],
+                          heldout=[], heldout_data=recorded_heldout, self_generated={})
     needed = self_generated_needed(config, data, splits)
     missing = store.missing(needed)
     if missing:
@@ -329,12 +331,13 @@ def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore
             train = list(data.train)
         else:
             generated = store.windows(data.train)
-            train = generated if answers == "self_generated" else [w for pair in zip(data.train, generated) for w in pair]
+            train = generated if answers == "self_generated" else [
+                w for pair in zip(data.train, generated) for w in pair if w.has_answer]  # a prompt's recorded half is empty
     return RunWindows(
         train=train,
         validation=store.windows(data.validation) if VALIDATION in splits else [],
         heldout=store.windows(data.heldout) if HELDOUT in splits else [],
-        heldout_data=list(data.heldout) if HELDOUT in splits else [],
+        heldout_data=recorded_heldout,
         self_generated=store.provenance(needed),
     )
 

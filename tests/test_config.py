@@ -95,8 +95,12 @@ def test_window_settings_are_prepare_windows_arguments_with_the_same_defaults():
         if name == "validation_conversations":  # the function splits two ways unless asked; runs and CLIs ask
             assert parameters[name].default == 0
             continue
+        if name == "prompts":  # derived from data.answers; the function keeps recorded answers only unless asked
+            assert parameters[name].default is False and value is True
+            continue
         assert parameters[name].default == value, f"data.{name}: DataSettings {value!r}, prepare_windows {parameters[name].default!r}"
-    assert set(WINDOW_SETTINGS) == set(window_settings(DataSettings()))
+    assert set(WINDOW_SETTINGS) | {"prompts"} == set(window_settings(DataSettings()))
+    assert window_settings(DataSettings(answers="data"))["prompts"] is False
 
 
 def test_a_command_line_takes_the_run_config_then_the_overrides(tmp_path):

@@ -1323,3 +1323,65 @@ def test_a_donor_whose_head_sits_in_a_shard_the_index_does_not_list_is_named(tmp
         ckpt_io.load_head(donor, text_config)
     head, _ = ckpt_io.load_head(donor / "mtp.safetensors", text_config)  # the file itself, as the message says
     assert sum(p.numel() for p in head.parameters()) > 0
+
+
+# ==================================================================================
+# Prompt sets: records without answers, when the base writes the answers (issue 21)
+# ==================================================================================
+def prompt_records(count: int) -> list[dict]:
+    """The sample conversations cut before their first answer, in the three shapes a prompt set comes in."""
+    records = []
+    for index, line in enumerate(SAMPLE_DATA_PATH.read_text().splitlines()[:count]):
+        conversation = D.normalise_record(json.loads(line), "sample")
+        user = next(m.content for m in conversation.messages if m.role == "user")
+        shape = index % 3
+        if shape == 0:
+            records.append({"messages": [{"role": "user", "content": user}]})
+        elif shape == 1:
+            records.append({"prompt": user})
+        else:
+            records.append({"conversations": [{"from": "human", "value": user}]})
+    return records
+
+
+def test_prompt_records_make_windows_only_when_the_base_writes_the_answers(tmp_path, sample_tokenizer):
+    path = write_jsonl(tmp_path / "prompts.jsonl", prompt_records(12) + [chat("What is 2 + 2?", "4.")])
+    settings = dict(context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=10)  # room for all
+    refused = D.prepare_windows([path], sample_tokenizer, **settings)
+    assert refused.excluded == {D.NO_ASSISTANT_TURN: 12} and refused.conversations_kept == 1
+    assert "usable when the base writes the answers" in refused.excluded_examples[D.NO_ASSISTANT_TURN][0]
+    taken = D.prepare_windows([path], sample_tokenizer, prompts=True, **settings)
+    assert taken.conversations_kept == 13 and not taken.excluded
+    windows = taken.train + taken.heldout
+    assert sum(not w.has_answer for w in windows) == 12 == sum(taken.summary()["prompt_windows"].values())
+    for window in windows:
+        if not window.has_answer:  # the context is the rendered prompt, ending with the generation prompt
+            whole = sample_tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                         add_generation_prompt=True, enable_thinking=False)
+            assert sample_tokenizer.decode(window.input_ids).endswith(whole[whole.index("x") + 1:])
+            assert window.answer_start == len(window.input_ids) <= 32
+
+
+def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figures_absent(run_models, tmp_path, capsys):
+    from occamy_mtp import record as rec
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.evaluation.evaluate import evaluate_run
+    from occamy_mtp.export.exporter import export, format_metrics
+    from occamy_mtp.train.loop import train
+
+    path = write_jsonl(tmp_path / "prompts.jsonl", prompt_records(30))
+    config = run_config(run_models, tmp_path / "run", f"data.files=[{path}]")
+    summary = train(config)
+    assert summary["steps"] > 0
+    record = export(config, allow_worse=True, log=lambda m: None)
+    assert not rec.validate_record(record)
+    windows = record["dataset"]["windows"]
+    assert windows["prompts"] == {side: windows[side] for side in ("train", "validation", "heldout")}  # every one
+    assert windows["heldout"] == 2 and windows["train"] > 0
+    for head in ("donor", "trained"):
+        assert record["metrics"]["heldout"][head]["teacher_forced"] is None
+        assert record["metrics"]["heldout"][head]["served"]["1"]["texts"] == 2
+    assert "absent" in format_metrics(record["metrics"])
+    with pytest.raises(ConfigError, match="the data are prompts"):
+        evaluate_run(config, tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),
+                     teacher_forced_only=True)

@@ -21,9 +21,11 @@ def test_reference_record_fits_schema(reference):
 
 
 def test_reference_record_is_the_demo_recipe(reference):
-    assert reference["derived"]["total_steps"] == 512
     windows = reference["dataset"]["windows"]
-    assert (windows["train"], windows["validation"], windows["heldout"]) == (256, 32, 32)
+    # 256 train conversations, one window each, less the 8 that repeat a heldout answer (kept apart)
+    assert windows["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 8}
+    assert (windows["train"], windows["validation"], windows["heldout"]) == (256 - 8, 32, 32)
+    assert reference["derived"]["total_steps"] == 2 * windows["train"]  # 2 epochs, 1 window a step
     assert reference["settings"]["data"]["answers"] == "self_generated"
     assert reference["derived"]["trainable_tensors"] == [
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"]

@@ -156,6 +156,11 @@ class Window:
         """Tokens in the assistant span (each is a scored prediction target)."""
         return len(self.input_ids) - self.answer_start
 
+    @property
+    def has_answer(self) -> bool:
+        """False for a prompt's window (a record without the answer): only self-generation fills it."""
+        return len(self.input_ids) > self.answer_start
+
 
 @dataclass
 class _Tally:
@@ -219,8 +224,14 @@ class PreparedData:
             "train_windows": len(self.train),
             "validation_windows": len(self.validation),
             "heldout_windows": len(self.heldout),
+            "prompt_windows": self.prompt_windows(),
             "kept_apart": dict(self.kept_apart),
         }
+
+    def prompt_windows(self) -> dict[str, int]:
+        """Windows of prompts (no recorded answer) on each side: trained and measured on the base's text only."""
+        return {side: sum(not w.has_answer for w in windows)
+                for side, windows in ((TRAIN, self.train), (VALIDATION, self.validation), (HELDOUT, self.heldout))}
 
     def members(self) -> dict[str, Any]:
         """What a resumed run must find again: the files by content and each side's conversations."""
@@ -268,6 +279,7 @@ class PreparedData:
                 "heldout_assistant_tokens": _span_tokens(self.heldout),
                 "boundary_retokenized": self.boundary_retokenized,
                 "kept_apart": dict(self.kept_apart),
+                "prompts": self.prompt_windows(),
             },
             "split": {
                 "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
@@ -382,7 +394,8 @@ def normalise_record(
     OpenAI style: {"messages": [{"role", "content"}]} with content a string, null or a
     list of parts ({"type": "text", "text": ...}, image/audio/file parts). ShareGPT
     style: {"conversations": [{"from", "value"}]} (a top-level "system" string becomes
-    the system turn). Unknown keys are ignored; so is any per-message reasoning field:
+    the system turn). A prompt set's record: {"prompt": str} (and "system"), the user's
+    turn alone. Unknown keys are ignored; so is any per-message reasoning field:
     windows are built with thinking disabled. A conversation whose messages hold more
     than `max_record_bytes` of text (UTF-8) is RECORD_TOO_LARGE.
     """
@@ -390,15 +403,20 @@ def normalise_record(
         raise DataError(f"{location}: {record.problem}")
     if not isinstance(record, dict):
         raise DataError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
+    from_prompt = False
     if isinstance(record.get("messages"), list):
         raw_messages, role_key, content_key = record["messages"], "role", "content"
     elif isinstance(record.get("conversations"), list):
         raw_messages, role_key, content_key = record["conversations"], "from", "value"
+    elif isinstance(record.get("prompt"), str):  # a prompt set: the user's turn alone
+        raw_messages, role_key, content_key = [{"role": "user", "content": record["prompt"]}], "role", "content"
+        from_prompt = True
     else:
-        raise DataError(f"{location}: record has no 'messages' (OpenAI style) or 'conversations' (ShareGPT style) list")
+        raise DataError(f"{location}: record has no 'messages' (OpenAI style) or 'conversations' (ShareGPT style) list, "
+                        "and no 'prompt' string")
 
     messages: list[Message] = []
-    if role_key == "from" and isinstance(record.get("system"), str) and record["system"].strip():
+    if (role_key == "from" or from_prompt) and isinstance(record.get("system"), str) and record["system"].strip():
         messages.append(Message("system", record["system"]))
     has_non_text = any(record.get(key) for key in MEDIA_RECORD_KEYS)
     for index, raw in enumerate(raw_messages):
@@ -456,12 +474,23 @@ def _content_text(content: Any, where: str) -> tuple[str, bool]:
     return "".join(texts), has_non_text  # OpenAI and Qwen's template concatenate text parts
 
 
-def selected_turns(conversation: Conversation, turns: str) -> list[int]:
-    """Indices of the assistant messages that become windows ("last", "first" or "every")."""
+def selected_turns(conversation: Conversation, turns: str, prompts: bool = False) -> list[int]:
+    """Indices of the assistant messages that become windows ("last", "first" or "every").
+
+    With `prompts`, a conversation that ends with the user's message has one more turn,
+    open, at index len(messages): the answer the base is to write (`open_turn`).
+    """
     assistant = [index for index, message in enumerate(conversation.messages) if message.role == "assistant"]
+    if prompts and open_turn(conversation):
+        assistant.append(len(conversation.messages))
     if not assistant or turns == "every":
         return assistant
     return [assistant[-1]] if turns == "last" else [assistant[0]]
+
+
+def open_turn(conversation: Conversation) -> bool:
+    """Whether the conversation ends with the user's message: a prompt whose answer is not recorded."""
+    return bool(conversation.messages) and conversation.messages[-1].role == "user"
 
 
 # ---------------------------------------------------------------------------- windows
@@ -480,7 +509,10 @@ def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tupl
         return Excluded(TEMPLATE_ERROR, "the conversation opens with an assistant turn: there is no prompt")
     as_dicts = [{"role": m.role, "content": m.content} for m in messages[: turn_index + 1]]
     try:
-        prompt = tokenizer.apply_chat_template(as_dicts[:-1], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        prompt = tokenizer.apply_chat_template(as_dicts[:turn_index], tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=False)
+        if turn_index == len(messages):  # the open turn of a prompt: nothing recorded after the generation prompt
+            return prompt, ""
         turn = tokenizer.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=False, enable_thinking=False)
     except (jinja2.TemplateError, ValueError) as err:
         return Excluded(TEMPLATE_ERROR, str(err))
@@ -605,13 +637,19 @@ def conversation_windows(
     answer_tokens: int = DEFAULT_ANSWER_TOKENS,
     turns: str = _DEFAULTS.turns,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
+    prompts: bool = False,
 ) -> tuple[list[Window], int] | Excluded:
     """The windows of one conversation and how many were retokenized at the boundary,
-    or the reason it is excluded (checked in EXCLUSION_REASONS order)."""
-    turn_indices = selected_turns(conversation, turns)
+    or the reason it is excluded (checked in EXCLUSION_REASONS order). With `prompts`, a
+    conversation ending with the user's message gives the window of its open turn: the
+    rendered prompt as context and no answer (`Window.has_answer`), for the base to write."""
+    turn_indices = selected_turns(conversation, turns, prompts)
     if not turn_indices:
-        return Excluded(NO_ASSISTANT_TURN)
-    if EMPTY_ANSWER in exclude and any(not conversation.messages[k].content.strip() for k in turn_indices):
+        detail = ("a prompt without its answer: usable when the base writes the answers (data.answers: self_generated "
+                  "or mixed)") if open_turn(conversation) else ""
+        return Excluded(NO_ASSISTANT_TURN, detail)
+    recorded = [k for k in turn_indices if k < len(conversation.messages)]
+    if EMPTY_ANSWER in exclude and any(not conversation.messages[k].content.strip() for k in recorded):
         return Excluded(EMPTY_ANSWER)
     special = _special_token_texts(tokenizer)
     for index, message in enumerate(conversation.messages[: max(turn_indices) + 1]):
@@ -731,6 +769,7 @@ def prepare_windows(
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
     validation_conversations: int = NO_VALIDATION,
     max_record_bytes: int = _DEFAULTS.max_record_bytes,
+    prompts: bool = False,
 ) -> PreparedData:
     """Read chat files, build assistant-only windows, split them; see the module docstring.
 
@@ -739,7 +778,10 @@ def prepare_windows(
     locations in the report) instead of raising DataError; a missing or unreadable file
     always raises. `exclude` lists which of OPTIONAL_EXCLUSIONS apply; the other reasons
     always do. A conversation with more than `max_record_bytes` of text is excluded
-    (RECORD_TOO_LARGE) before it is rendered. Windows are ordered by split key, then turn.
+    (RECORD_TOO_LARGE) before it is rendered. With `prompts` (the base writes the answers),
+    a conversation that ends with the user's message also gives its open turn's window, with
+    no answer (`conversation_windows`); without, a record that is only a prompt is
+    NO_ASSISTANT_TURN, the detail saying why. Windows are ordered by split key, then turn.
     """
     _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
     if max_record_bytes < 1:
@@ -775,7 +817,8 @@ def prepare_windows(
                 continue
             first_location[content_hash] = location
             built = conversation_windows(
-                tokenizer, conversation, context_tokens=context_tokens, answer_tokens=answer_tokens, turns=turns, exclude=exclude
+                tokenizer, conversation, context_tokens=context_tokens, answer_tokens=answer_tokens, turns=turns, exclude=exclude,
+                prompts=prompts,
             )
             if isinstance(built, Excluded):
                 tally.add(built.reason, location, built.detail)
@@ -813,6 +856,7 @@ def prepare_windows(
         "exclude": sorted(exclude),
         "enable_thinking": False,
         "kept_apart_by": "context and answer",
+        "prompts": prompts,
     }
     sides = {side: [w for h in members[side] for w in windows_by_hash[h]] for side in members}
     kept_apart = keep_apart(sides)
@@ -846,8 +890,9 @@ def keep_apart(sides: dict[str, list[Window]]) -> dict[str, int]:
     figures read the recorded answers in every recipe. Heldout is never changed (every
     reported figure is measured on it). Returns how many windows each side lost.
     """
-    def keys(window: Window) -> tuple[tuple, tuple]:
-        return (("context",) + window.input_ids[: window.answer_start]), (("answer",) + window.input_ids[window.answer_start :])
+    def keys(window: Window) -> tuple[tuple, ...]:
+        context = ("context",) + window.input_ids[: window.answer_start]
+        return (context, ("answer",) + window.input_ids[window.answer_start :]) if window.has_answer else (context,)
 
     taken = {key for w in sides[HELDOUT] for key in keys(w)}
     dropped = {}
@@ -920,6 +965,9 @@ def _format_summary(summary: dict[str, Any]) -> str:
         f"{summary['train_windows']} / {summary['validation_windows']} / {summary['heldout_windows']} windows"
     )
     lines.append(f"windows: {summary['windows_built']} built, {summary['assistant_tokens_scored']} assistant tokens scored")
+    if any(summary["prompt_windows"].values()):
+        lines.append("prompts (no recorded answer; the base writes it): " + " / ".join(
+            str(summary["prompt_windows"][side]) for side in (TRAIN, VALIDATION, HELDOUT)) + " train / validation / heldout windows")
     dropped = {side.removesuffix("_windows_dropped"): n for side, n in summary["kept_apart"].items() if n}
     if dropped:
         lines.append("kept apart: " + ", ".join(f"{n} {side}" for side, n in dropped.items()) + " windows dropped, sharing "

@@ -227,7 +227,8 @@ def heldout_report(targets, head, self_generated, recorded, served_steps, draft_
     * `self_generated`: the per-anchor chain over every anchor of the same text (exact,
       but another sample than the decoder's anchors);
     * `teacher_forced`: agreement, NLL and the chain on the recorded answers (`recorded`);
-      the acceptance there is an approximation, and has pointed the wrong way.
+      the acceptance there is an approximation, and has pointed the wrong way. None when
+      no heldout window has a recorded answer (a prompt set).
     """
     steps = max(draft_steps, *served_steps)
     results = list(_batches(targets, head, self_generated, steps, windows_per_batch))
@@ -235,7 +236,8 @@ def heldout_report(targets, head, self_generated, recorded, served_steps, draft_
     return {
         "served": {str(k): a.to_dict() for k, a in served.items()},
         "self_generated": _metrics(results, len(self_generated), steps, SELF_GENERATED).to_dict(),
-        "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict(),
+        "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict()
+        if recorded else None,
     }
 
 
@@ -348,10 +350,13 @@ def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -
             lines.append(f"  {f'{k}-step drafts: step {j + 1} acceptance':<40}" + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
         for label, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
             lines.append(f"  {f'{k}-step drafts: {label}':<40}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+    def recorded(field: str, form: str):
+        return lambda r: "absent" if r["teacher_forced"] is None else format(r["teacher_forced"][field], form)
+
     rows = [
-        ("target top-1 agreement (recorded answers)", lambda r: f"{r['teacher_forced']['agreement']:.2%}"),
-        ("data-answer NLL (recorded answers)", lambda r: f"{r['teacher_forced']['data_nll']:.4f}"),
-        ("accept length, teacher-forced (approx.)", lambda r: f"{r['teacher_forced']['mean_accept_length']:.3f}"),
+        ("target top-1 agreement (recorded answers)", recorded("agreement", ".2%")),
+        ("data-answer NLL (recorded answers)", recorded("data_nll", ".4f")),
+        ("accept length, teacher-forced (approx.)", recorded("mean_accept_length", ".3f")),
         ("accept length, every self-gen. anchor", lambda r: f"{r['self_generated']['mean_accept_length']:.3f}"),
     ]
     lines.append("secondary: the recorded answers, teacher forced (acceptance approximate), and every anchor of the self-generated text")
@@ -424,6 +429,9 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     }
     out.mkdir(parents=True, exist_ok=True)
     if teacher_forced_only:
+        if not run.windows.heldout_data:
+            raise ConfigError("--teacher-forced-only: no heldout window has a recorded answer (the data are prompts); "
+                              "evaluate without it, on the base's own answers")
         results = {name: evaluate_head(run.targets, head, run.windows.heldout_data, steps, per_batch).to_dict()
                    for name, head in heads.items()}
         report.update(text=TEACHER_FORCED, exact=False, draft_steps=steps, heads=results)
