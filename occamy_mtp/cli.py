@@ -18,6 +18,7 @@ from pathlib import Path
 from occamy_mtp.config import RunConfig, load_config
 from occamy_mtp.console import quiet_kernel_fallbacks
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.hub import resolve
 
 
 def parser(prog: str, description: str, *, config_required: bool = True) -> argparse.ArgumentParser:
@@ -31,9 +32,10 @@ def parser(prog: str, description: str, *, config_required: bool = True) -> argp
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, RunConfig]:
-    """The parsed flags and the run config they name (flags and overrides in any order)."""
+    """The parsed flags and the run config they name (flags and overrides in any order), its
+    models named by Hub id resolved to their local snapshots (`hub.resolve`)."""
     args = parser.parse_intermixed_args(argv)
-    return args, load_config(args.config, args.overrides)
+    return args, resolve(load_config(args.config, args.overrides))
 
 
 def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:

@@ -26,11 +26,15 @@ class ConfigError(OccamyError, ValueError):
     """A config file or override that does not fit the schema."""
 
 
+UNSET = "REPLACE_ME"
+"""What the defaults and the shipped configs hold where a path must be given: never a Hub id."""
+
+
 @dataclass(frozen=True)
 class ModelSettings:
-    base: str = "REPLACE_ME/occamy-base"
+    base: str = f"{UNSET}/occamy-base"
     """Checkpoint directory of the frozen, fine-tuned base (config.json + safetensors)."""
-    donor_head: str = "REPLACE_ME/donor"
+    donor_head: str = f"{UNSET}/donor"
     """Where the donor `mtp.*` tensors are: a checkpoint directory or one safetensors file."""
     tokenizer: str = ""
     """Tokenizer directory with the chat template; empty means the base directory."""

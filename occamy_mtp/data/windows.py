@@ -19,6 +19,7 @@ import jinja2
 
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
+from occamy_mtp.hub import dataset_identity, dataset_records, is_dataset, parse_dataset
 from occamy_mtp.config import TURN_CHOICES, ConfigError, DataSettings, RunConfig, window_settings
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.files import sha256_file
@@ -794,9 +795,18 @@ def prepare_windows(
     first_location: dict[str, str] = {}  # content hash -> where it was first read
     conversations_read = 0
     boundary_retokenized = 0
-    for path in (Path(p) for p in paths):
+    for source in paths:
+        if is_dataset(str(source)):  # a Hub dataset: its snapshot's identity, then its rows
+            spec = parse_dataset(str(source))
+            identity = dataset_identity(spec)
+            read, described = dataset_records(spec, Path(identity["directory"])), {
+                "path": spec.text, "sha256": identity["sha256"], "bytes": identity["bytes"],
+                "hub": {k: identity[k] for k in ("repo_id", "revision", "split", "subset", "column", "files")}}
+        else:
+            path = Path(source)
+            read, described = read_records(path), None
         records = 0
-        for location, record in read_records(path):
+        for location, record in read:
             records += 1
             conversations_read += 1
             try:
@@ -826,7 +836,9 @@ def prepare_windows(
             windows, retokenized = built
             windows_by_hash[content_hash] = windows
             boundary_retokenized += retokenized
-        files.append({"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size, "records": records})
+        if described is None:
+            described = {"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        files.append({**described, "records": records})
 
     default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
     fraction = default_heldout if heldout_fraction is None else heldout_fraction

@@ -30,6 +30,7 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, differing_settings
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
@@ -138,6 +139,7 @@ def decoder_check(run: Run, head) -> dict:
 
 def export(config: RunConfig, allow_worse: bool = False, log=log_stderr) -> dict:
     """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir."""
+    config = resolve(config)  # models named by Hub id -> their local snapshots
     check_run(config)
     with output_lock(config):
         return _export(config, allow_worse, log)

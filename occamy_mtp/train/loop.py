@@ -33,6 +33,7 @@ from occamy_mtp.console import Progress
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
 from occamy_mtp.data.windows import PreparedData, Window
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import StepStats, chain_batch, chain_loss, collate
@@ -67,6 +68,7 @@ class TrainState:
 
 def train(config: RunConfig, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir."""
+    config = resolve(config)  # models named by Hub id -> their local snapshots
     run_dir = RunDir.of(config)
     check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
     accelerator = Accelerator(

@@ -1,0 +1,140 @@
+"""Models and datasets named by Hub id (issue 21), resolved offline from a local Hub cache the tests build.
+
+The cache has the layout `huggingface_hub` keeps (`models--org--name/refs/<ref>` holding a
+commit, `snapshots/<commit>/` holding the files), so the library resolves the names exactly
+as it does a user's cache, with `HF_HUB_OFFLINE` set and nothing reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from occamy_mtp import hub
+from occamy_mtp.cli import parse, parser
+from occamy_mtp.data import windows as D
+from occamy_mtp.record import checkpoint_identity
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def cache_repo(cache: Path, kind: str, repo_id: str, files: Path, commit: str = COMMIT, refs=("main",)) -> Path:
+    """`files` (a directory) as the snapshot `commit` of `repo_id` in a Hub cache at `cache`."""
+    root = cache / f"{kind}s--{repo_id.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    shutil.copytree(files, snapshot)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (root / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, sample_tokenizer_dir):
+    root = tmp_path_factory.mktemp("hub")
+    base = build_tiny_checkpoint(root / "local-base", seed=2, tokenizer_dir=sample_tokenizer_dir).path
+    chats = root / "local-chats"
+    (chats / "data").mkdir(parents=True)
+    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:30]
+    (chats / "data" / "train.jsonl").write_text("".join(lines))
+    (chats / "data" / "test.jsonl").write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[30:40]))
+    hub_cache = root / "cache"
+    return {
+        "cache": hub_cache,
+        "base": cache_repo(hub_cache, "model", "occamy-test/tiny-base", base, refs=("main", "v1")),
+        "chats": cache_repo(hub_cache, "dataset", "occamy-test/chats", chats),
+        "lines": lines,
+        "tokenizer_dir": sample_tokenizer_dir,
+    }
+
+
+@pytest.fixture
+def offline(cache, monkeypatch):
+    """The Hub unreachable and offline, its cache the one built here."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache["cache"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    return cache
+
+
+def command_config(*overrides):
+    return parse(parser("test", "a command"), ["--config", str(Path(__file__).parent.parent / "configs" / "demo.yaml"),
+                                               *overrides])[1]
+
+
+@pytest.mark.parametrize("name", ["occamy-test/tiny-base", f"occamy-test/tiny-base@{COMMIT}", "occamy-test/tiny-base@v1"])
+def test_a_model_named_by_hub_id_is_its_cached_snapshot(offline, name):
+    config = command_config(f"model.base={name}", f"model.donor_head={name}")
+    assert Path(config.model.base) == Path(config.model.donor_head) == offline["base"]
+    identity = checkpoint_identity(Path(config.model.base), {})
+    assert identity["revision"] == COMMIT  # what TRAINING.json records, with every file's sha256
+    assert {f["name"] for f in identity["files"]} == {p.name for p in offline["base"].glob("*.safetensors")}
+
+
+def test_a_local_path_is_never_taken_for_a_hub_id(offline, tmp_path, monkeypatch):
+    local = tmp_path / "occamy-test" / "tiny-base"  # the same spelling as the Hub id, on disk
+    shutil.copytree(offline["base"], local)
+    monkeypatch.chdir(tmp_path)
+    assert command_config("model.base=occamy-test/tiny-base").model.base == "occamy-test/tiny-base"
+
+
+@pytest.mark.parametrize("name, message", [
+    ("occamy-test/not-cached", r"model.base: occamy-test/not-cached is not a local path, and the Hub is offline "
+                               r"\(HF_HUB_OFFLINE\) while the cache .* has no snapshot of it"),
+    (f"occamy-test/tiny-base@{OTHER_COMMIT}", rf"model.base: occamy-test/tiny-base@{OTHER_COMMIT} is not a local path"),
+])
+def test_a_hub_id_that_cannot_be_resolved_is_one_error_line(offline, tmp_path, capsys, name, message):
+    import re
+
+    from occamy_mtp.train.loop import main
+
+    assert main(["--config", str(Path(__file__).parent.parent / "configs" / "demo.yaml"), f"model.base={name}",
+                 f"output.dir={tmp_path / 'run'}"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and re.search(message, last), last
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_hub_dataset_reads_as_its_files_do(offline, sample_tokenizer):
+    settings = dict(context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
+    named = D.prepare_windows(["hf:occamy-test/chats?split=train&column=messages"], sample_tokenizer, **settings)
+    local = D.prepare_windows([offline["chats"] / "data" / "train.jsonl"], sample_tokenizer, **settings)
+    assert [w.input_ids for w in named.train + named.heldout] == [w.input_ids for w in local.train + local.heldout]
+    assert named.conversations_read == len(offline["lines"]) == 30
+    [described] = named.provenance()["files"]
+    assert described["hub"]["revision"] == COMMIT and described["hub"]["split"] == "train"
+    assert {f["name"] for f in described["hub"]["files"]} == {"data/train.jsonl", "data/test.jsonl"}
+    other = D.prepare_windows(["hf:occamy-test/chats?split=test&column=messages"], sample_tokenizer, **settings)
+    assert other.conversations_read == 10
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("hf:occamy-test/chats?split=train", "no column= "),
+    ("hf:occamy-test/chats?column=messages", "no split= "),
+    ("hf:occamy-test/chats?split=train&column=messages&config=x", "unknown key 'config'"),
+    ("hf:not a repo?split=train&column=messages", "expected hf:org/name"),
+    ("hf:occamy-test/chats?split=train&column=text", "no column 'text'; the split has messages"),
+    ("hf:occamy-test/missing?split=train&column=messages", "is not a local path, and the Hub is offline"),
+])
+def test_a_bad_dataset_name_is_refused_naming_what_is_wrong(offline, sample_tokenizer, spec, message):
+    with pytest.raises(hub.HubError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        D.prepare_windows([spec], sample_tokenizer, train_conversations=20, heldout_conversations=8)
+
+
+def test_a_prompt_column_reads_as_prompts(offline, tmp_path, sample_tokenizer):
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(12)))
+    cache_repo(offline["cache"], "dataset", "occamy-test/prompts", prompts)
+    data = D.prepare_windows(["hf:occamy-test/prompts?split=train&column=question"], sample_tokenizer, prompts=True,
+                             context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
+    assert data.conversations_kept == 12 and sum(data.summary()["prompt_windows"].values()) == 12
