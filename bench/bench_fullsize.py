@@ -505,7 +505,6 @@ def bench_head_step(base, head, config, device, shape, steps: int, args) -> dict
     head.eval()
     result["tokens_per_s"] = shape[0] * shape[1] / result["median_s"]
     result["steps"] = steps
-    del optimizer
     return result
 
 

@@ -320,6 +320,12 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     from occamy_mtp.model.head import SharedWeights
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
+    ckpt_io.read_config(Path(base_dir))  # a missing or unreadable base is one error line, before anything loads
+    for flag, directory in (("--tokenizer", tokenizer_dir), ("--base", base_dir)):
+        if directory is not None:
+            if not Path(directory).is_dir():
+                raise ckpt_io.CheckpointError(f"{flag} {directory}: not a directory (tokenizer files with a chat template expected)")
+            break
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or base_dir), local_files_only=True)
     base = ckpt_io.load_base(base_dir, dtype=dtype, device=device)
     head = None
