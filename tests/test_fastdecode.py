@@ -148,3 +148,69 @@ def test_a_graph_is_captured_only_for_a_bfloat16_base_on_cuda(base):
     assert not BatchDecoder(base, batch=1, positions=4).cuda_graph
     with pytest.raises(ValueError, match="cuda_graph=True needs a bfloat16 base on CUDA"):
         BatchDecoder(base, batch=1, positions=4, cuda_graph=True)
+
+
+@pytest.mark.parametrize("span, chunks", [(4, (5, 3, 1, 4, 4)), (3, (17,)), (1, (6, 2))])
+def test_a_span_pass_is_one_step_a_token_and_the_full_forward(base, span, chunks):
+    """`StaticRunner` feeding the text in spans (what a verify pass is) against feeding it one
+    step a token and against one full forward: the same argmax, hidden states and logits to
+    float32 rounding, and a rollback (snapshot, restore) inside the text changes nothing."""
+    from occamy_mtp.selfgen.fastdecode import StaticRunner
+
+    text = prompts_of((sum(chunks),), seed=7)[0]
+    with torch.no_grad():
+        full = base(input_ids=torch.tensor([text]), output_hidden_states=True)
+    full_logits, full_hidden = full.logits[0].float(), full.hidden_states[-1][0]
+    stepped = StaticRunner(base, positions=len(text), span=1)
+    one_hidden, one_logits = stepped.forward(text)
+    spanned = StaticRunner(base, positions=len(text) + 4, span=span)
+    hidden, logits, start = [], [], 0
+    for n in chunks:
+        if n > 1:  # a rejected pass first: fed, then rolled back
+            saved = spanned.snapshot()
+            spanned.forward(prompts_of((n,), seed=start)[0])
+            spanned.restore(saved)
+        h, lg = spanned.forward(text[start : start + n])
+        hidden.append(h), logits.append(lg)
+        start += n
+    hidden, logits = torch.cat(hidden), torch.cat(logits)
+    assert logits.argmax(-1).tolist() == one_logits.argmax(-1).tolist() == full_logits.argmax(-1).tolist()
+    width = 2 * base.config.hidden_size
+    for got, want, what in ((hidden, one_hidden, "hidden, spans against steps"), (hidden, full_hidden, "hidden, spans against the forward"),
+                            (logits, full_logits, "logits, spans against the forward")):
+        assert_close(got, want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=width), what)
+
+
+def test_a_span_runner_refuses_what_it_cannot_hold(base):
+    from occamy_mtp.selfgen.fastdecode import StaticRunner
+
+    with pytest.raises(ValueError, match="span must be >= 1"):
+        StaticRunner(base, positions=8, span=0)
+    runner = StaticRunner(base, positions=6, span=4)
+    runner.forward([1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="7 positions asked of a runner that holds 6"):
+        runner.forward([6, 7])
+
+
+@pytest.mark.gpu
+def test_captured_spans_give_the_eager_spans_logits_on_gpu():
+    """bf16 on the GPU, as export's decoder check runs: each span length captured once and
+    replayed gives the eager span step's logits, across a rollback."""
+    from occamy_mtp.selfgen.fastdecode import StaticRunner
+
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
+    text = prompts_of((19,), seed=4)[0]
+    results = []
+    for graphs in (True, False):
+        runner = StaticRunner(model, positions=len(text) + 4, span=4)
+        runner.decoder.cuda_graph = graphs
+        out, start = [], 0
+        for n in (7, 4, 2, 4, 2):
+            saved = runner.snapshot()
+            runner.forward(prompts_of((n,), seed=start)[0])  # a rejected pass, rolled back
+            runner.restore(saved)
+            out.append(runner.forward(text[start : start + n])[1])
+            start += n
+        results.append(torch.cat(out))
+    assert torch.equal(results[0], results[1])  # the graphs replay the very kernels of the eager spans

@@ -145,10 +145,11 @@ class BaseRunner:
         self.seen = snapshot["seen"]
 
 
-def base_runner_for(base, positions: int):
-    """`fastdecode.StaticRunner` (one captured step a token) where `fastdecode.static_decoding`
-    holds, else `BaseRunner`; `positions` bounds the text the runner holds."""
-    return StaticRunner(base, positions) if static_decoding(base) else BaseRunner(base)
+def base_runner_for(base, positions: int, span: int = 1):
+    """`fastdecode.StaticRunner` (one captured pass for every `span` tokens: a verify pass of
+    span - 1 drafts) where `fastdecode.static_decoding` holds, else `BaseRunner`;
+    `positions` bounds the text the runner holds."""
+    return StaticRunner(base, positions, span) if static_decoding(base) else BaseRunner(base)
 
 
 # ----------------------------------------------------------------------------------
@@ -288,7 +289,8 @@ def speculative_decode(
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     prompt = list(prompt_ids)
-    base_runner, head_runner = base_runner_for(base, len(prompt) + max_new_tokens + draft_steps), HeadRunner(head)
+    base_runner = base_runner_for(base, len(prompt) + max_new_tokens + draft_steps, span=draft_steps + 1)
+    head_runner = HeadRunner(head)
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
     hidden, logits = base_runner.forward(prompt)

@@ -11,8 +11,10 @@ in one CUDA graph and replayed: no Python and no kernel launches per step beyond
 replay. The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
 `fastbase.packed_hidden`; the single-token Gated DeltaNet update is
 `decode_kernels.recurrent_step_` (the state updated in place; its PyTorch reference off
-CUDA), the MoE block `fastbase.fused_moe_block` on CUDA. `tests/test_fastdecode.py` holds it against
-`greedy.greedy_generate` and the full forward.
+CUDA), the MoE block `fastbase.fused_moe_block` on CUDA. `span_step` runs the same layers over a
+few tokens of a row at once (the reference decoder's verify pass: the experts read once).
+`tests/test_fastdecode.py` holds both against `greedy.greedy_generate`, one step a token and the
+full forward.
 """
 
 from __future__ import annotations
@@ -87,11 +89,13 @@ class StaticKV:
         shape = (batch, kv_heads, positions, head_dim)
         self.keys = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.values = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.position = torch.zeros(1, dtype=torch.long, device=device)  # where this step writes
+        self.position = torch.zeros(1, dtype=torch.long, device=device)  # the first position this step writes
+        self.writes = self.position
+        """Every position this step writes: `position`, or a span's positions (`BatchDecoder.span_step`)."""
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.position, key_states)
-        self.values[layer_idx].index_copy_(2, self.position, value_states)
+        self.keys[layer_idx].index_copy_(2, self.writes, key_states)
+        self.values[layer_idx].index_copy_(2, self.writes, value_states)
         return self.keys[layer_idx], self.values[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -119,10 +123,12 @@ class BatchDecoder:
     continuations = decoder.generate(prompts, max_new_tokens=382, eos_token_ids={...})
 
     `positions` bounds the longest prompt plus `max_new_tokens` - 1. A decoder is reused
-    for batches of up to `batch` prompts (its graph and state stay allocated).
+    for batches of up to `batch` prompts (its graph and state stay allocated). With `span`,
+    `span_step` also feeds up to that many tokens of every row in one pass (the reference
+    decoder's verify passes, `StaticRunner`).
     """
 
-    def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None):
+    def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0):
         if base.config.model_type != "qwen3_5_moe_text":
             raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
         config = base.config
@@ -150,6 +156,10 @@ class BatchDecoder:
         self.hidden = torch.zeros(batch, config.hidden_size, dtype=dtype, device=self.device)  # last step's, post-norm
         self.logits = torch.zeros(batch, config.vocab_size, dtype=dtype, device=self.device)  # last step's
         self._arange = torch.arange(positions, device=self.device)
+        self.span = span  # the most tokens a `span_step` feeds (0: none; its buffers are then empty)
+        self.span_tokens = torch.zeros(batch, span, dtype=torch.long, device=self.device)  # `span_step`'s input
+        self.span_hidden = torch.zeros(batch, span, config.hidden_size, dtype=dtype, device=self.device)
+        self.span_logits = torch.zeros(batch, span, config.vocab_size, dtype=dtype, device=self.device)
         _register_attention()
         self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
         # Captured only in bf16: torch's grouped GEMM runs other dtypes through a fallback that
@@ -173,8 +183,21 @@ class BatchDecoder:
         visible = self._arange <= position  # (L,) keys at positions 0..t
         mask = torch.zeros(self.positions, dtype=hidden.dtype, device=self.device)
         mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None, None]  # (1, 1, 1, L)
+        self.hidden.copy_(self._layers(hidden, position_embeddings, mask)[:, -1])
+        logits = base.lm_head(self.hidden)  # (B, V)
+        self.logits.copy_(logits)
+        chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
+        self.chosen.index_copy_(1, position, chosen[:, None])
+        following = position + 1
+        from_prompt = following < self.prompt_lengths  # (B,) still reading its prompt
+        self.tokens.copy_(torch.where(from_prompt, self.prompts.index_select(1, following)[:, 0], chosen))
+        position.add_(1)
+
+    def _layers(self, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor) -> torch.Tensor:
+        """The decoder layers over (B, T, D) at the positions `kv.writes`, then the final norm."""
+        base = self.base
         with _attention_implementation(base.config, DECODE_ATTENTION):
-            for i, layer in enumerate(model.layers[: base.config.num_hidden_layers]):
+            for i, layer in enumerate(base.model.layers[: base.config.num_hidden_layers]):
                 residual = hidden
                 hidden = layer.input_layernorm(hidden)
                 if i in self.conv_state:
@@ -185,51 +208,76 @@ class BatchDecoder:
                 hidden = residual + hidden
                 residual = hidden
                 hidden = residual + self.moe(layer.mlp, layer.post_attention_layernorm(hidden))
-        self.hidden.copy_(model.norm(hidden)[:, -1])
-        logits = base.lm_head(self.hidden)  # (B, V)
-        self.logits.copy_(logits)
-        chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
-        self.chosen.index_copy_(1, position, chosen[:, None])
-        following = position + 1
-        from_prompt = following < self.prompt_lengths  # (B,) still reading its prompt
-        self.tokens.copy_(torch.where(from_prompt, self.prompts.index_select(1, following)[:, 0], chosen))
-        position.add_(1)
+        return base.model.norm(hidden)
 
     def _gated_deltanet(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """`Qwen3_5MoeGatedDeltaNet.forward` for one token with this decoder's conv and recurrent state. x: (B, 1, D)."""
-        batch = x.shape[0]
-        mixed_qkv = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, 1)
-        z = mixer.in_proj_z(x).reshape(batch, 1, -1, mixer.head_v_dim)
+        """`Qwen3_5MoeGatedDeltaNet.forward` for T tokens in a row with this decoder's conv and
+        recurrent state: one causal-conv window over the last K - 1 inputs and the T new ones,
+        then T recurrent steps (the state in place). x: (B, T, D)."""
+        batch, tokens = x.shape[:2]
+        mixed_qkv = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
+        z = mixer.in_proj_z(x).reshape(batch, tokens, -1, mixer.head_v_dim)
         b = mixer.in_proj_b(x)
         a = mixer.in_proj_a(x)
         state = self.conv_state[layer]
-        window = torch.cat([state, mixed_qkv.to(state.dtype)], dim=-1)  # (B, C, K): the last K inputs
-        state.copy_(window[:, :, 1:])
+        window = torch.cat([state, mixed_qkv.to(state.dtype)], dim=-1)  # (B, C, K - 1 + T)
+        state.copy_(window[:, :, tokens:])  # the last K - 1 inputs
         weight = mixer.conv1d.weight  # (C, 1, K)
-        mixed_qkv = F.conv1d(window, weight, mixer.conv1d.bias, groups=weight.shape[0])  # (B, C, 1)
-        mixed_qkv = F.silu(mixed_qkv).transpose(1, 2)  # (B, 1, C)
+        mixed_qkv = F.conv1d(window, weight, mixer.conv1d.bias, groups=weight.shape[0])  # (B, C, T)
+        mixed_qkv = F.silu(mixed_qkv).transpose(1, 2)  # (B, T, C)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        query = query.reshape(batch, -1, mixer.head_k_dim)  # (B, H, K)
-        key = key.reshape(batch, -1, mixer.head_k_dim)
-        value = value.reshape(batch, -1, mixer.head_v_dim)  # (B, HV, V)
-        beta = b.sigmoid()[:, 0]  # (B, HV)
-        g = (-mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias))[:, 0]
-        core = recurrent_step_(query, key, value, g, beta, self.recurrent_state[layer])  # the state in place
+        query = query.reshape(batch, tokens, -1, mixer.head_k_dim)  # (B, T, H, K)
+        key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
+        value = value.reshape(batch, tokens, -1, mixer.head_v_dim)  # (B, T, HV, V)
+        beta = b.sigmoid()  # (B, T, HV)
+        g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+        recurrent = self.recurrent_state[layer]
+        core = torch.stack([recurrent_step_(query[:, t], key[:, t], value[:, t], g[:, t], beta[:, t], recurrent)
+                            for t in range(tokens)], dim=1)  # (B, T, HV, V)
         core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
-        return mixer.out_proj(core.reshape(batch, 1, -1))
+        return mixer.out_proj(core.reshape(batch, tokens, -1))
+
+    @torch.no_grad()
+    def span_step(self, tokens: int) -> None:
+        """Feed `span_tokens[:, :tokens]` at positions `kv.position` .. + tokens - 1 in one pass (every
+        row at the same positions): post-norm hidden states and logits into `span_hidden` and
+        `span_logits`; advance. What a verify pass of K + 1 tokens needs, the experts read once."""
+        if not 1 <= tokens <= self.span:
+            raise ValueError(f"a span step feeds 1 to {self.span} tokens (the decoder's span), got {tokens}")
+        base, position = self.base, self.kv.position
+        model = base.model
+        hidden = model.embed_tokens(self.span_tokens[:, :tokens])  # (B, T, D)
+        positions = position + self._arange[:tokens]  # (T,)
+        position_embeddings = model.rotary_emb(hidden, positions[None, None].expand(3, self.batch, -1))
+        visible = self._arange[None, :] <= positions[:, None]  # (T, L): query t sees keys 0..position + t
+        mask = torch.zeros(tokens, self.positions, dtype=hidden.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # (1, 1, T, L)
+        self.kv.writes = positions
+        try:
+            normed = self._layers(hidden, position_embeddings, mask)
+        finally:
+            self.kv.writes = self.kv.position
+        self.span_hidden[:, :tokens].copy_(normed)
+        self.span_logits[:, :tokens].copy_(base.lm_head(normed))
+        position.add_(tokens)
 
     def _capture(self) -> None:
-        """Warm up (autotuning, lazy allocations) on a side stream, then capture one step as a CUDA graph.
+        """Capture one step as a CUDA graph (`_graph_of`); it changes the state: the caller resets it after."""
+        self._graph = self._graph_of(self.step)
+
+    def _graph_of(self, run) -> torch.cuda.CUDAGraph:
+        """Warm `run` up (autotuning, lazy allocations) on a side stream, then capture it as a CUDA graph.
 
         Both change the state; the caller resets it after."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self.step()
+            run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self.step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return graph
 
     def _run_step(self) -> None:
         if self._graph is not None:
@@ -296,33 +344,45 @@ class BatchDecoder:
 class StaticRunner:
     """The reference decoder's base runner (`decode.BaseRunner`'s interface) on a one-row `BatchDecoder`.
 
-    `forward(tokens)` runs the tokens one captured step each and returns their post-norm
+    `forward(tokens)` runs the tokens in spans of up to `span` (a verify pass of K drafts
+    and the token before them is one span of K + 1: the experts read once, not K + 1
+    times), each span length captured once as a CUDA graph, and returns their post-norm
     hidden states and fp32 logits; `snapshot()`/`restore()` put the conv and recurrent
     state and the position back (keys and values past the position are masked, and written
     over when the text goes on). `positions` bounds the text, drafts included.
     """
 
-    def __init__(self, base, positions: int):
-        self.decoder = BatchDecoder(base, batch=1, positions=positions)
-        self.decoder.prompt_lengths.fill_(0)  # every fed token is the caller's: never one from a prompt
+    def __init__(self, base, positions: int, span: int = 1):
+        if span < 1:
+            raise ValueError(f"span must be >= 1, got {span}")
+        self.decoder = BatchDecoder(base, batch=1, positions=positions, span=span)
         self.seen = 0
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         decoder = self.decoder
         if self.seen + len(tokens) > decoder.positions:
             raise ValueError(f"{self.seen + len(tokens)} positions asked of a runner that holds {decoder.positions}")
-        if decoder.cuda_graph and decoder._graph is None:
-            saved = self.snapshot()
-            decoder._capture()
-            self.restore(saved)
         hidden, logits = [], []
-        for token in tokens:
-            decoder.tokens.fill_(int(token))
-            decoder._run_step()
-            hidden.append(decoder.hidden[0].clone())
-            logits.append(decoder.logits[0].to(torch.float32, copy=True))
+        for start in range(0, len(tokens), decoder.span):
+            chunk = tokens[start : start + decoder.span]
+            decoder.span_tokens[0, : len(chunk)] = torch.as_tensor(list(chunk), dtype=torch.long)
+            self._run_span(len(chunk))
+            hidden.append(decoder.span_hidden[0, : len(chunk)].clone())
+            logits.append(decoder.span_logits[0, : len(chunk)].to(torch.float32, copy=True))
         self.seen += len(tokens)
-        return torch.stack(hidden), torch.stack(logits)  # (m, D), (m, V)
+        return torch.cat(hidden), torch.cat(logits)  # (m, D), (m, V)
+
+    def _run_span(self, tokens: int) -> None:
+        decoder = self.decoder
+        if not decoder.cuda_graph:
+            decoder.span_step(tokens)
+            return
+        if tokens not in self._graphs:
+            saved = self.snapshot()
+            self._graphs[tokens] = decoder._graph_of(lambda: decoder.span_step(tokens))
+            self.restore(saved)
+        self._graphs[tokens].replay()
 
     def snapshot(self) -> dict:
         decoder = self.decoder
