@@ -64,12 +64,12 @@ def snapshot(repo_id: str, revision: str | None, where: str, repo_type: str = "m
                        + (f" --revision {revision}" if revision else "") + (" --repo-type dataset" if repo_type == "dataset" else "")
                        + "), or give a local path") from None
     except RevisionNotFoundError:
-        raise HubError(f"{where}: {asked}: the repository has no revision {revision!r}") from None
+        raise HubError(f"{where}: {asked} is not a local path, and the Hub repository has no revision {revision!r}") from None
     except RepositoryNotFoundError:
-        raise HubError(f"{where}: {asked}: no such {repo_type} repository on the Hub (or it needs a token: "
-                       "huggingface-cli login)") from None
+        raise HubError(f"{where}: {asked} is not a local path, and no {repo_type} repository on the Hub has that name "
+                       "(or it needs a token: huggingface-cli login)") from None
     except (HfHubHTTPError, OSError) as err:
-        raise HubError(f"{where}: {asked}: {err}") from None
+        raise HubError(f"{where}: {asked} is not a local path, and the Hub answered: {err}") from None
 
 
 def resolve(config):

@@ -138,3 +138,20 @@ def test_a_prompt_column_reads_as_prompts(offline, tmp_path, sample_tokenizer):
     data = D.prepare_windows(["hf:occamy-test/prompts?split=train&column=question"], sample_tokenizer, prompts=True,
                              context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
     assert data.conversations_kept == 12 and sum(data.summary()["prompt_windows"].values()) == 12
+
+
+@pytest.mark.parametrize("error, message", [
+    ("RepositoryNotFoundError", "is not a local path, and no model repository on the Hub has that name"),
+    ("RevisionNotFoundError", "is not a local path, and the Hub repository has no revision 'v9'"),
+])
+def test_what_the_hub_answers_is_named_with_the_option(monkeypatch, error, message):
+    """Online answers (here raised by a stand-in for the download) become one HubError naming the option."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def refuse(*args, **kwargs):
+        raise getattr(errors, error).__new__(getattr(errors, error))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
+    with pytest.raises(hub.HubError, match=f"model.donor_head: occamy-test/somewhere@v9 {message}"):
+        hub.snapshot("occamy-test/somewhere", "v9", where="model.donor_head")
