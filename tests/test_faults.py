@@ -673,7 +673,7 @@ def test_an_export_killed_between_two_renames_is_refused_by_every_reader(exporte
 
     root = RunDir.of(exported).root.parent / f"killed-{renamed}"
     shutil.copytree(RunDir.of(exported).root, root)
-    config = run_config_like(exported, root, "output.expert_layout=fused")  # the new set differs in every file
+    config = run_config_like(exported, root, expert_layout="fused")  # the new set differs in every file
     outputs = [p.name for p in RunDir.of(config).export_outputs()]
     real_replace, done = os.replace, []
 
@@ -695,19 +695,11 @@ def test_an_export_killed_between_two_renames_is_refused_by_every_reader(exporte
     ckpt_io.load_head(RunDir.of(config).head, ckpt_io.read_config(config.model.base).text_config)
 
 
-def run_config_like(config, output: Path, *overrides):
-    from occamy_mtp.config import load_config
+def run_config_like(config, output: Path, **output_settings):
+    """`config` writing into `output` (a copy of its run directory), other `output.*` settings changed."""
+    import dataclasses
 
-    return load_config(None, [f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in _flat_settings(config).items()
-                              if k != "output.dir"] + [f"output.dir={output}", *overrides])
-
-
-def _flat_settings(config) -> dict:
-    flat = {}
-    for section, values in config.to_dict().items():
-        for key, value in values.items():
-            flat[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
+    return dataclasses.replace(config, output=dataclasses.replace(config.output, dir=str(output), **output_settings))
 
 
 def test_a_head_that_is_not_the_one_its_record_names_is_refused(exported, tmp_path, capsys):

@@ -614,6 +614,11 @@ def base_checkpoint_tensors(model, layout: str, multimodal: bool) -> dict[str, t
     return out
 
 
+_EXPORT_HASHES: dict[str, str] = {}
+"""sha256 of the heads checked in this process, by path, size and mtime (`files.hash_cache_key`):
+a reader that checks before the base loads and again in `load_head` reads a head once."""
+
+
 def check_export_set(source: Path) -> None:
     """Refuse a head whose directory holds an export that is not one set: interrupted between
     its renames (EXPORT_INCOMPLETE is there), or a head (or head config) whose bytes are not
@@ -632,7 +637,7 @@ def check_export_set(source: Path) -> None:
         raise CheckpointError(f"{record_path}: unreadable ({err}), so the head beside it cannot be checked") from None
     head = source if source.is_file() else directory / HEAD_FILE
     for path in {head, directory / HEAD_CONFIG_FILE}:
-        if path.name in recorded and path.is_file() and sha256_file(path) != recorded[path.name]:
+        if path.name in recorded and path.is_file() and sha256_file(path, _EXPORT_HASHES) != recorded[path.name]:
             raise CheckpointError(f"{path}: its sha256 is not the one {record_path} records for it, so they are not from "
                                   "the same export; run export.py again (or read the head without the record beside it)")
 
