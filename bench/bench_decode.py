@@ -21,7 +21,10 @@ bench_fullsize.py). Per batch size:
   recipe's 320), every continuation the full budget (random weights never stop: the worst case);
 * `--reference-runners`: the reference decoder's base at batch 1 (`fastdecode.StaticRunner`
   against `decode.BaseRunner`): a one-token forward, and a 4-token verify between a snapshot
-  and a restore.
+  and a restore;
+* `--profile-batches`: the kernels of one eager step (the kernels a graph replays) at each
+  batch, by category, with their count; `--profile-span` adds a span step of that many
+  tokens at batch 1 (the reference decoder's verify pass).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fullsize import randomise  # noqa: E402
+from bench_fullsize import profile_call, randomise  # noqa: E402
 
 from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
 from occamy_mtp.selfgen.greedy import greedy_generate  # noqa: E402
@@ -180,6 +183,27 @@ def time_reference_runners(base, prompt_tokens: int, device) -> dict:
     return out
 
 
+def profile_steps(base, batches: list[int], span: int, prompt_tokens: int, new_tokens: int, device, top: int = 25) -> list[dict]:
+    """Kernels of one eager step per batch (and one span step at batch 1), by category: where a step's time goes."""
+    out = []
+    for batch in batches:
+        prompts = torch.randint(0, base.config.vocab_size, (batch, prompt_tokens), generator=torch.Generator().manual_seed(4)).tolist()
+        decoder = BatchDecoder(base, batch=batch, positions=prompt_tokens + new_tokens - 1, cuda_graph=False)
+        decoder._reset(prompts)
+        for _ in range(4):
+            decoder.step()
+        out.append({"what": f"step, batch {batch}", **profile_call(decoder.step, device, top)})
+        print(json.dumps({k: out[-1][k] for k in ("what", "kernel_s", "launches", "categories")}), flush=True)
+        del decoder
+    if span:
+        decoder = BatchDecoder(base, batch=1, positions=prompt_tokens + new_tokens - 1, cuda_graph=False, span=span)
+        decoder._reset([[1] * prompt_tokens])
+        decoder.span_tokens.random_(0, base.config.vocab_size)
+        out.append({"what": f"span step of {span} tokens, batch 1", **profile_call(lambda: decoder.span_step(span), device, top)})
+        print(json.dumps({k: out[-1][k] for k in ("what", "kernel_s", "launches", "categories")}), flush=True)
+    return out
+
+
 def time_windows(base, windows: int, batch: int, prompt_tokens: int, new_tokens: int, device) -> dict:
     generator = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, base.config.vocab_size, (windows, prompt_tokens), generator=generator).tolist()
@@ -208,6 +232,8 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=0, help="time the self-generation of this many windows")
     parser.add_argument("--default-batch", type=int, default=160)
     parser.add_argument("--reference-runners", action="store_true", help="time the reference decoder's base at batch 1")
+    parser.add_argument("--profile-batches", default="", help="profile one eager step at each of these batches")
+    parser.add_argument("--profile-span", type=int, default=0, help="also profile a span step of this many tokens at batch 1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -217,11 +243,11 @@ def main() -> int:
               "model": "tiny" if args.tiny else "Qwen3.5-35B-A3B", "build_seconds": time.perf_counter() - started,
               "weights_gib": sum(p.numel() * p.element_size() for p in base.parameters()) / GIB,
               "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "decoder": [], "legacy": None, "windows": None,
-              "reference_runners": None}
+              "reference_runners": None, "profiles": None}
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):
         try:
             result["decoder"].append(time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens,
                                                   bandwidth, device))
@@ -237,6 +263,9 @@ def main() -> int:
     if args.reference_runners:
         result["reference_runners"] = time_reference_runners(base, args.prompt_tokens, device)
         print(json.dumps(result["reference_runners"]), flush=True)
+    if args.profile_batches or args.profile_span:
+        batches = [int(b) for b in args.profile_batches.split(",") if b]
+        result["profiles"] = profile_steps(base, batches, args.profile_span, args.prompt_tokens, args.new_tokens, device)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

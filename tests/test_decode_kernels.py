@@ -1,6 +1,7 @@
-"""The in-place recurrent step of the decode (`occamy_mtp.selfgen.decode_kernels`) against transformers'
-recurrent gated delta rule, and the Triton kernel (under Triton's interpreter on a CPU)
-against its PyTorch reference: outputs and the updated state."""
+"""The decode step's Gated DeltaNet kernels (`occamy_mtp.selfgen.decode_kernels`): each PyTorch
+reference against transformers' own function (its recurrent gated delta rule, its causal-conv
+update), and each Triton kernel (under Triton's interpreter on a CPU) against its reference:
+outputs and the states updated in place, one token and a span of several."""
 
 from __future__ import annotations
 
@@ -57,34 +58,112 @@ def test_the_reference_is_transformers_rule():
     assert not torch.equal(got_state, state)  # it was updated in place
 
 
-def compare_kernel_with_reference(dtype) -> None:
-    """Run in a process started with TRITON_INTERPRET=1 (the kernel's reductions are jitted library
-    functions, which Triton interprets only when the variable is set before it is imported)."""
-    q, k, v, g, beta, state = case(seed=1, dtype=dtype)
-    want_state = state.clone()
-    want = decode_kernels.recurrent_step_reference(q, k, v, g, beta, want_state)
+def transformers_conv(x, state, weight):
+    """transformers' `causal_conv1d_update` fallback: its state holds K inputs, ours the last K - 1."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    update = torch_function(qwen.causal_conv1d_update)
+    theirs = torch.cat([torch.full_like(state[..., :1], 7.0), state], dim=-1)  # its oldest input never reaches an output
+    out = update(x.transpose(1, 2), theirs, weight, None, activation="silu")
+    return out.transpose(1, 2), theirs[..., 1:]
+
+
+TAPS, CHANNELS = 4, 40  # channels not a power of two
+
+
+def conv_case(tokens: int, seed: int = 0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, tokens, CHANNELS, generator=generator).to(dtype)
+    state = torch.randn(BATCH, CHANNELS, TAPS - 1, generator=generator).to(dtype)
+    weight = (torch.randn(CHANNELS, TAPS, generator=generator) * 0.5).to(dtype)
+    return x, state, weight
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5])  # fewer, as many and more new inputs than the window holds
+def test_the_conv_reference_is_transformers_update(tokens):
+    x, state, weight = conv_case(tokens)
+    want_out, want_state = transformers_conv(x, state.clone(), weight)
     got_state = state.clone()
-    assert decode_kernels.available(got_state)
-    got = decode_kernels.recurrent_step_(q, k, v, g, beta, got_state)
-    assert got.dtype == dtype
-    # The state is float32 either way; the output is rounded once to the input dtype.
-    assert_close(got_state, want_state, rounding_bound(want_state, torch.float32, reductions=REDUCTIONS, width=KEY_DIM), "state")
-    bound = rounding_bound(want.float(), dtype, reductions=1, width=1) + rounding_bound(want.float(), torch.float32,
-                                                                                        reductions=REDUCTIONS, width=KEY_DIM)
-    assert_close(got.float(), want.float(), bound, "output")
-    for bad in (state.double(), state.transpose(-1, -2)):
-        try:
-            decode_kernels.recurrent_step_(q, k, v, g, beta, bad)
-        except ValueError as err:
-            assert "contiguous float32" in str(err)
-        else:
-            raise AssertionError("a state the kernel cannot update was taken")
+    got_out = decode_kernels.conv_steps_reference(x, got_state, weight, None)
+    assert_close(got_out, want_out, rounding_bound(want_out, torch.float32, reductions=1, width=TAPS), "output")
+    assert torch.equal(got_state, want_state)  # the window is moved, not computed
+
+
+def rule_case(tokens: int, seed: int = 0, dtype=torch.float32):
+    """q, k, v as views of one (B, T, C) conv output, as the decoder hands them; the raw a; beta."""
+    generator = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(BATCH, tokens, 2 * HEADS * KEY_DIM + VALUE_HEADS * VALUE_DIM, generator=generator).to(dtype)
+    q, k, v = torch.split(mixed, [HEADS * KEY_DIM, HEADS * KEY_DIM, VALUE_HEADS * VALUE_DIM], dim=-1)
+    q, k = q.reshape(BATCH, tokens, HEADS, KEY_DIM), k.reshape(BATCH, tokens, HEADS, KEY_DIM)
+    v = v.reshape(BATCH, tokens, VALUE_HEADS, VALUE_DIM)
+    a = torch.randn(BATCH, tokens, VALUE_HEADS, generator=generator).to(dtype)
+    beta = torch.rand(BATCH, tokens, VALUE_HEADS, generator=generator).to(dtype)
+    a[0, 0, 0] = 30.0  # past softplus' threshold, where it returns its input
+    A_log = torch.rand(VALUE_HEADS, generator=generator).log().to(dtype)
+    dt_bias = torch.randn(VALUE_HEADS, generator=generator).to(dtype)
+    state = torch.randn(BATCH, VALUE_HEADS, KEY_DIM, VALUE_DIM, generator=generator) * 0.1
+    return q, k, v, a, beta, A_log, dt_bias, state
+
+
+def test_the_span_reference_is_transformers_rule_over_the_span():
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    tokens = 3
+    q, k, v, a, beta, A_log, dt_bias, state = rule_case(tokens)
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)  # the module's decay
+    rule = torch_function(qwen.torch_recurrent_gated_delta_rule)
+    groups = VALUE_HEADS // HEADS
+    want_out, want_state = rule(q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2), v, g=g, beta=beta,
+                                initial_state=state.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+    got_state = state.clone()
+    got_out = decode_kernels.gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, got_state)
+    bound = rounding_bound(want_state, torch.float32, reductions=REDUCTIONS * tokens, width=KEY_DIM)
+    assert_close(got_state, want_state, bound, "state")
+    assert_close(got_out, want_out, rounding_bound(want_out, torch.float32, reductions=REDUCTIONS * tokens, width=KEY_DIM), "output")
+
+
+def compare_kernels_with_references(dtype) -> None:
+    """Run in a process started with TRITON_INTERPRET=1 (the kernels' reductions are jitted library
+    functions, which Triton interprets only when the variable is set before it is imported)."""
+    for tokens in (1, 3):
+        x, state, weight = conv_case(tokens, seed=tokens, dtype=dtype)
+        bias = torch.randn(CHANNELS).to(dtype)
+        want_state = state.clone()
+        want = decode_kernels.conv_steps_reference(x, want_state, weight, bias)
+        got_state = state.clone()
+        assert decode_kernels.available(got_state)
+        got = decode_kernels.conv_steps_(x, got_state, weight, bias)
+        assert got.dtype == dtype and torch.equal(got_state, want_state)
+        # Both round the conv to the dtype, then SiLU's output: one rounding each may differ.
+        bound = rounding_bound(want.float(), dtype, reductions=2, width=1) + rounding_bound(want.float(), torch.float32,
+                                                                                            reductions=1, width=TAPS)
+        assert_close(got.float(), want.float(), bound, f"conv output, {tokens} tokens")
+
+        q, k, v, a, beta, A_log, dt_bias, state = rule_case(tokens, seed=tokens, dtype=dtype)
+        want_state = state.clone()
+        want = decode_kernels.gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, want_state)
+        got_state = state.clone()
+        got = decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, got_state)
+        assert got.dtype == dtype and got.shape == want.shape
+        # The states are float32 either way; the output is rounded once to the input dtype.
+        reductions = REDUCTIONS * tokens
+        assert_close(got_state, want_state, rounding_bound(want_state, torch.float32, reductions=reductions, width=KEY_DIM), "state")
+        bound = rounding_bound(want.float(), dtype, reductions=1, width=1) + rounding_bound(want.float(), torch.float32,
+                                                                                            reductions=reductions, width=KEY_DIM)
+        assert_close(got.float(), want.float(), bound, f"rule output, {tokens} tokens")
+        for bad in (state.double(), state.transpose(-1, -2)):
+            try:
+                decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, bad)
+            except ValueError as err:
+                assert "contiguous float32" in str(err)
+            else:
+                raise AssertionError("a state the kernel cannot update was taken")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_kernel_is_the_reference_under_triton_s_interpreter(dtype):
+def test_the_kernels_are_the_references_under_triton_s_interpreter(dtype):
     pytest.importorskip("triton")
-    script = f"import torch, test_decode_kernels as t; t.compare_kernel_with_reference(torch.{dtype}); print('ok')"
+    script = f"import torch, test_decode_kernels as t; t.compare_kernels_with_references(torch.{dtype}); print('ok')"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # MAX_TOKENS positions, the widest reduction over 2 x hidden terms.
 MAX_TOKENS = 40
 REDUCTIONS = 4 * 12 + MAX_TOKENS
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +79,34 @@ def test_every_step_s_logits_are_the_full_forward_s(base):
         handle.remove()
     bound = rounding_bound(full_hidden, torch.float32, reductions=REDUCTIONS, width=2 * base.config.hidden_size)
     assert_close(step_hidden, full_hidden, bound, "hidden state of the last position")
+
+
+def decode_through_the_kernels() -> None:
+    """Run in a process started with TRITON_INTERPRET=1: the decoder's Gated DeltaNet then runs
+    `decode_kernels`' Triton kernels (interpreted) on the CPU, as it runs them on a GPU."""
+    from occamy_mtp.selfgen import decode_kernels
+    from occamy_mtp.selfgen.fastdecode import StaticRunner
+
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.float().eval().requires_grad_(False)
+    decoder = BatchDecoder(model, batch=3, positions=24, cuda_graph=False)
+    assert decode_kernels.available(decoder.recurrent_states)
+    prompts = prompts_of((1, 9, 4), seed=5)
+    expected = greedy_generate(model, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=3)
+    assert decoder.generate(prompts, max_new_tokens=8, eos_token_ids=set()) == expected
+    text = prompts[1] + expected[1]
+    runner = StaticRunner(model, positions=len(text), span=4)  # spans of 4 through the same kernels
+    logits = runner.forward(text)[1]
+    assert logits[len(prompts[1]) - 1 : -1].argmax(-1).tolist() == expected[1]
+
+
+def test_the_decoder_through_its_triton_kernels_writes_greedy_generate_s_tokens():
+    pytest.importorskip("triton")
+    script = "import test_fastdecode as t; t.decode_through_the_kernels(); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 def test_grouped_attention_is_transformers_attention(base):

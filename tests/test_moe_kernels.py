@@ -10,6 +10,10 @@ marked gpu run the compiled kernels, at real width and with more than 2**31 elem
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from occamy_mtp.targets import moe_kernels
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
+TESTS = Path(__file__).resolve().parent
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is 2**-7 of the leading bit
 
 
@@ -153,13 +158,71 @@ def test_kernels_handle_no_tokens(interpreted):
     assert interpreted.silu_mul(torch.zeros(0, 10)).shape == (0, 5)
 
 
-def test_fused_moe_block_equals_the_block_forward(interpreted):
-    """Through the whole MoE block of a tiny Qwen3.5-MoE: the module's own forward is the oracle."""
+def test_route_reference_is_transformers_router():
+    config = tiny_text_config()
+    base, _ = random_models(config, seed=0)
+    router = base.float().model.layers[0].mlp.gate
+    x = torch.randn(30, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    _, want_weights, want_experts = router(x)
+    weights, experts = moe_kernels.route_reference(torch.nn.functional.linear(x, router.weight), router.top_k)
+    assert torch.equal(experts, want_experts) and torch.equal(weights, want_weights)
+
+
+def test_align_reference_orders_the_pairs_by_expert():
+    generator = torch.Generator().manual_seed(9)
+    experts = torch.stack([torch.randperm(12, generator=generator)[:3] for _ in range(7)])  # 7 tokens, top-3 of 12
+    rows, inverse, offsets = moe_kernels.align_reference(experts, 12)
+    counts = torch.bincount(experts.reshape(-1), minlength=12)
+    assert offsets.dtype == torch.int32 and offsets.tolist() == counts.cumsum(0).tolist()
+    flat = experts.reshape(-1)
+    for pair in range(flat.numel()):  # pair n * k + j sits at inverse[pair]: token n, in its expert's group
+        slot = int(inverse[pair])
+        expert = int(flat[pair])
+        assert int(rows[slot]) == pair // 3
+        assert (offsets[expert] - counts[expert]) <= slot < offsets[expert]
+    assert sorted(inverse.tolist()) == list(range(flat.numel()))
+
+
+def compare_routing_kernels_with_references() -> None:
+    """Run in a process started with TRITON_INTERPRET=1 (`route` and `align` reduce with jitted
+    library functions, which Triton interprets only when the variable is set before it is imported)."""
+    generator = torch.Generator().manual_seed(10)
+    for tokens, num_experts, top_k in ((5, 40, 3), (9, 256, 8), (0, 16, 2)):
+        logits = torch.randn(tokens, num_experts, generator=generator) * 3
+        want_weights, want_experts = moe_kernels.route_reference(logits, top_k)
+        weights, experts = moe_kernels.route(logits, top_k)
+        assert torch.equal(experts, want_experts), (experts, want_experts)
+        if not tokens:
+            assert weights.shape == (0, top_k) and torch.equal(moe_kernels.align(experts, num_experts)[2],
+                                                               torch.zeros(num_experts, dtype=torch.int32))
+            continue
+        # float32: the softmax's two reductions over the experts, the renormalising sum over k
+        assert_close(weights, want_weights, rounding_bound(want_weights, torch.float32, reductions=3, width=num_experts), "route")
+        rounded = logits.bfloat16()  # bf16 logits tie often: any of the tied experts is the router's choice
+        weights, experts = moe_kernels.route(rounded, top_k)
+        want_weights, want_experts = moe_kernels.route_reference(rounded, top_k)
+        probs = torch.softmax(rounded, dim=-1, dtype=torch.float)
+        assert weights.dtype == torch.bfloat16
+        assert torch.equal(probs.gather(1, experts), probs.gather(1, want_experts))  # the same top k values, in order
+        assert all(len(set(row)) == top_k for row in experts.tolist())
+        assert_within_bf16_rounding(weights, want_weights.double())
+        # more pairs than one block of the kernel, and some experts never chosen
+        choices = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens * 40)]) \
+            if tokens else torch.zeros(0, top_k, dtype=torch.long)
+        got, want = moe_kernels.align(choices, num_experts), moe_kernels.align_reference(choices, num_experts)
+        for name, a, b in zip(("rows", "inverse", "offsets"), got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    try:
+        moe_kernels.align(torch.zeros(moe_kernels.ALIGN_MAX_PAIRS + 1, 1, dtype=torch.long), 4)
+    except ValueError as err:
+        assert "at most" in str(err)
+    else:
+        raise AssertionError("align took more pairs than it scans")
+    # Through the whole MoE block of a tiny Qwen3.5-MoE: the module's own forward is the oracle.
     config = tiny_text_config()
     base, _ = random_models(config, seed=0)
     block = base.float().model.layers[0].mlp
-    generator = torch.Generator().manual_seed(6)
-    x = torch.randn(1, 40, config.hidden_size, generator=generator)
+    x = torch.randn(1, 40, config.hidden_size, generator=torch.Generator().manual_seed(6))
     # float32; the block runs about 8 reductions in series (router, its softmax, expert up and
     # down, the routed sum, the shared expert's up, down and gate), none wider than hidden.
     want = block(x)
@@ -174,6 +237,15 @@ def test_fused_moe_block_equals_the_block_forward(interpreted):
     want = block(x)
     assert_close(fastbase.fused_moe_block(block, x), want, rounding_bound(want, torch.float32, reductions=8, width=config.hidden_size),
                  "fused MoE block, GELU experts")
+
+
+def test_the_routing_kernels_and_the_fused_block_under_triton_s_interpreter():
+    if not _triton_importable():
+        pytest.skip("needs triton (installed with the test extra on Linux x86-64)")
+    script = "import test_moe_kernels as t; t.compare_routing_kernels_with_references(); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
 # -- the compiled kernels on a GPU ---------------------------------------------------------

@@ -1,13 +1,25 @@
-"""A Triton kernel for the decode step: one token of the gated delta rule, the state updated in place.
+"""Triton kernels for the decode step's Gated DeltaNet: a few tokens of a row, the state updated in place.
 
-`fastdecode.BatchDecoder` keeps each Gated DeltaNet layer's recurrent state, (B, HV, K, V)
-in fp32: at real size 2 MiB a row and layer, 20 GB for 160 rows over 30 layers. fla's
-fused recurrent kernel writes the new state to a fresh tensor, which the decoder then
-copies back: a second read and write of the whole state every step (about 9 ms of a
-63 ms step at batch 160 on an H200, bench/RESULTS.md). `recurrent_step_` reads each
-state tile once and writes it back in place. `recurrent_step_reference` is the plain
-PyTorch computation it replaces (transformers' recurrent rule for one token), its oracle
-in tests/test_decode_kernels.py.
+`fastdecode.BatchDecoder` keeps each Gated DeltaNet layer's causal-conv window (B, C, K - 1)
+and recurrent state (B, HV, Kd, V) in fp32, at real size 2 MiB a row and layer: 20 GB for
+160 rows over 30 layers. A decode step (one token a row) or a verify pass (a span of a few)
+runs, per layer, the conv over the window and the new inputs, then the gated delta rule.
+In PyTorch that is about twenty small kernels a layer (concatenation, depthwise conv,
+SiLU, the decay and the gate, copies to contiguous q/k/v, the rule, the state copied back);
+at batch 1, where every kernel costs its launch, they were a quarter of the step
+(bench/RESULTS.md). Here they are two kernels:
+
+* `conv_steps_`: the depthwise causal conv and SiLU of T new inputs, the window updated in
+  place; the output in the (B, T, C) layout the projections give.
+* `gated_delta_steps_`: the log decay from the raw `a` projection, and T steps of the rule;
+  each state tile read once and written back once, whatever T. (beta = sigmoid(b) stays
+  torch's: rounded to b's dtype as the module rounds it, which Triton's interpreter, used by
+  the CPU tests, does not do the way the GPU does.)
+
+Each sits beside the plain PyTorch computation it replaces (`conv_steps_reference`,
+`gated_delta_steps_reference`: the operations of transformers' Gated DeltaNet decode, in its
+order and dtypes), which the functions run where the kernels cannot (a CPU without Triton's
+interpreter), and which is their oracle in tests/test_decode_kernels.py.
 """
 
 from __future__ import annotations
@@ -15,14 +27,38 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the reference below still works
+except ImportError:  # CPU-only installs: the references below still work
     triton = None
 
 L2NORM_EPS = 1e-6  # transformers' l2norm inside the rule: x * rsqrt(sum(x^2) + eps)
+SOFTPLUS_THRESHOLD = 20.0  # torch's softplus returns x itself above this
+
+
+# -- references ------------------------------------------------------------------------
+
+
+def conv_steps_reference(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SiLU of the depthwise causal conv over `state` followed by the T inputs `x`; `state` becomes the last K - 1 inputs.
+
+    x: (B, T, C); state: (B, C, K - 1), updated in place; weight: (C, K); bias: (C,) or None.
+    Returns (B, T, C) in x's dtype (transformers' `causal_conv1d_update` fallback: the
+    window concatenated in the state's dtype, a depthwise conv1d, then SiLU).
+    """
+    tokens = x.shape[1]
+    window = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # (B, C, K - 1 + T)
+    state.copy_(window[:, :, tokens:])
+    out = F.conv1d(window, weight[:, None], bias, groups=weight.shape[0])  # (B, C, T)
+    return F.silu(out).transpose(1, 2).to(x.dtype)
+
+
+def log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """g of transformers' Gated DeltaNet: -exp(A_log) * softplus(a + dt_bias), in fp32."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
 def recurrent_step_reference(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
@@ -42,56 +78,135 @@ def recurrent_step_reference(q, k, v, g, beta, state: torch.Tensor) -> torch.Ten
     return (state * q[..., None]).sum(-2).to(v.dtype)
 
 
+def gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) -> torch.Tensor:
+    """T tokens of the gated delta rule, one after another, `state` updated in place.
+
+    q, k: (B, T, H, K); v: (B, T, HV, V); a: (B, T, HV), the raw projection (`log_decay`);
+    beta: (B, T, HV); A_log, dt_bias: (HV,); state: (B, HV, K, V) fp32. Returns (B, T, HV, V)
+    in v's dtype.
+    """
+    g = log_decay(a, A_log, dt_bias)
+    return torch.stack([recurrent_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+                        for t in range(q.shape[1])], dim=1)
+
+
+# -- kernels ---------------------------------------------------------------------------
+
+
 def available(tensor: torch.Tensor) -> bool:
-    """Whether the kernel can run on this tensor: on CUDA, or under Triton's interpreter (`TRITON_INTERPRET=1`)."""
+    """Whether the kernels can run on this tensor: on CUDA, or under Triton's interpreter (`TRITON_INTERPRET=1`)."""
     return triton is not None and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 if triton is not None:
 
     @triton.jit
-    def _recurrent_step_kernel(q, k, v, g, beta, state, out, scale, eps,
-                               heads: tl.constexpr, value_heads: tl.constexpr, key_dim: tl.constexpr,
-                               value_dim: tl.constexpr, block: tl.constexpr):
+    def _conv_steps_kernel(x, state, weight, bias, out, tokens, channels, x_row, x_token, out_row, out_token,
+                           taps: tl.constexpr, has_bias: tl.constexpr, block: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        mask = cols < channels
+        window = state + (row * channels + cols) * (taps - 1)  # this row's K - 1 past inputs, oldest first
+        first = tl.zeros([block], dtype=tl.float32)
+        if has_bias:
+            first = first + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
+        for t in range(tokens):
+            acc = first
+            for j in tl.static_range(taps):
+                at = t + j  # index into the window followed by the new inputs
+                past = tl.full([block], 0, tl.int32) + at < taps - 1  # (a vector: a mask takes no scalar)
+                from_state = tl.load(window + at, mask=mask & past, other=0.0)
+                from_input = tl.load(x + row * x_row + (at - (taps - 1)) * x_token + cols, mask=mask & ~past, other=0.0)
+                value = tl.where(past, from_state.to(tl.float32), from_input.to(state.dtype.element_ty).to(tl.float32))
+                acc = acc + value * tl.load(weight + cols * taps + j, mask=mask, other=0.0).to(tl.float32)
+            acc = acc.to(state.dtype.element_ty).to(tl.float32)  # the conv's output dtype, then SiLU
+            tl.store(out + row * out_row + t * out_token + cols, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=mask)
+        # The window becomes the last K - 1 inputs; index i reads index i + T >= i + 1 first.
+        for i in tl.static_range(taps - 1):
+            at = tokens + i
+            past = tl.full([block], 0, tl.int32) + at < taps - 1
+            from_state = tl.load(window + at, mask=mask & past, other=0.0)
+            from_input = tl.load(x + row * x_row + (at - (taps - 1)) * x_token + cols, mask=mask & ~past, other=0.0)
+            tl.store(window + i, tl.where(past, from_state, from_input.to(state.dtype.element_ty)), mask=mask)
+
+    @triton.jit
+    def _gated_delta_kernel(q, k, v, a, beta, A_log, dt_bias, state, out, tokens, scale, eps, softplus_threshold,
+                            qk_row, qk_token, qk_head, v_row, v_token, v_head, ab_row, ab_token,
+                            heads: tl.constexpr, value_heads: tl.constexpr, key_dim: tl.constexpr,
+                            value_dim: tl.constexpr, block: tl.constexpr):
         row_head = tl.program_id(0).to(tl.int64)  # b * HV + hv
         cols = tl.program_id(1) * block + tl.arange(0, block)
         mask = cols < value_dim
-        b = row_head // value_heads
-        head = (row_head % value_heads) // (value_heads // heads)
+        row = row_head // value_heads
+        value_head = row_head % value_heads
+        head = value_head // (value_heads // heads)
         keys = tl.arange(0, key_dim)
-        q_vec = tl.load(q + (b * heads + head) * key_dim + keys).to(tl.float32)
-        k_vec = tl.load(k + (b * heads + head) * key_dim + keys).to(tl.float32)
-        q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec, axis=0) + eps) * scale
-        k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec, axis=0) + eps)
-        v_vec = tl.load(v + row_head * value_dim + cols, mask=mask, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g + row_head).to(tl.float32))
-        strength = tl.load(beta + row_head).to(tl.float32)
         tile = state + row_head * key_dim * value_dim + keys[:, None] * value_dim + cols[None, :]
-        h = tl.load(tile, mask=mask[None, :], other=0.0) * decay  # (K, block)
-        delta = (v_vec - tl.sum(h * k_vec[:, None], axis=0)) * strength
-        h = h + k_vec[:, None] * delta[None, :]
+        h = tl.load(tile, mask=mask[None, :], other=0.0)  # (K, block), fp32
+        rate = -tl.exp(tl.load(A_log + value_head).to(tl.float32))
+        shift = tl.load(dt_bias + value_head).to(tl.float32)
+        for t in range(tokens):
+            q_vec = tl.load(q + row * qk_row + t * qk_token + head * qk_head + keys).to(tl.float32)
+            k_vec = tl.load(k + row * qk_row + t * qk_token + head * qk_head + keys).to(tl.float32)
+            q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec, axis=0) + eps) * scale
+            k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec, axis=0) + eps)
+            v_vec = tl.load(v + row * v_row + t * v_token + value_head * v_head + cols, mask=mask, other=0.0).to(tl.float32)
+            x_a = tl.load(a + row * ab_row + t * ab_token + value_head).to(tl.float32) + shift
+            softplus = tl.where(x_a > softplus_threshold, x_a, tl.log(1.0 + tl.exp(tl.minimum(x_a, softplus_threshold))))
+            strength = tl.load(beta + row * ab_row + t * ab_token + value_head).to(tl.float32)
+            h = h * tl.exp(rate * softplus)
+            delta = (v_vec - tl.sum(h * k_vec[:, None], axis=0)) * strength
+            h = h + k_vec[:, None] * delta[None, :]
+            value = tl.sum(h * q_vec[:, None], axis=0)
+            tl.store(out + (row_head + (row * (tokens - 1) + t) * value_heads) * value_dim + cols,
+                     value.to(out.dtype.element_ty), mask=mask)
         tl.store(tile, h, mask=mask[None, :])
-        value = tl.sum(h * q_vec[:, None], axis=0)
-        tl.store(out + row_head * value_dim + cols, value.to(out.dtype.element_ty), mask=mask)
 
 
-def recurrent_step_(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """`recurrent_step_reference` in one Triton kernel: each state tile read once and written back in place."""
+def conv_steps_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`conv_steps_reference` in one Triton kernel (the reference where the kernel cannot run)."""
     if not available(state):
-        return recurrent_step_reference(q, k, v, g, beta, state)
-    batch, heads, key_dim = q.shape
-    value_heads, value_dim = v.shape[1], v.shape[2]
+        return conv_steps_reference(x, state, weight, bias)
+    batch, tokens, channels = x.shape
+    taps = weight.shape[1]
+    if state.shape != (batch, channels, taps - 1) or not state.is_contiguous():
+        raise ValueError(f"conv_steps_: state must be a contiguous {[batch, channels, taps - 1]}, got {list(state.shape)}")
+    if x.stride(2) != 1:
+        raise ValueError("conv_steps_: x must have unit stride over its channels")
+    weight = weight.contiguous()
+    out = x.new_empty(batch, tokens, channels)
+    block = min(256, triton.next_power_of_2(channels))
+    _conv_steps_kernel[(batch, triton.cdiv(channels, block))](
+        x, state, weight, bias if bias is not None else weight, out, tokens, channels,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        taps=taps, has_bias=bias is not None, block=block,
+    )
+    return out
+
+
+def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) -> torch.Tensor:
+    """`gated_delta_steps_reference` in one Triton kernel: each state tile read once and written back once.
+
+    q and k may be strided views (the conv output split into q, k, v) sharing their strides;
+    each needs unit stride over its last dim."""
+    if not available(state):
+        return gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state)
+    batch, tokens, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
     if state.shape != (batch, value_heads, key_dim, value_dim) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"recurrent_step_: state must be a contiguous float32 {[batch, value_heads, key_dim, value_dim]}, "
+        raise ValueError(f"gated_delta_steps_: state must be a contiguous float32 {[batch, value_heads, key_dim, value_dim]}, "
                          f"got {state.dtype} {list(state.shape)}")
     if value_heads % heads or key_dim & (key_dim - 1):
-        raise ValueError(f"recurrent_step_: {value_heads} value heads over {heads} key heads, key dim {key_dim} "
+        raise ValueError(f"gated_delta_steps_: {value_heads} value heads over {heads} key heads, key dim {key_dim} "
                          "(a power of two) expected")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = v.new_empty(batch, value_heads, value_dim)
+    if q.stride() != k.stride() or q.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError("gated_delta_steps_: q and k must share strides, and q, k, v have unit stride over their last dim")
+    a, beta = a.contiguous(), beta.contiguous()
+    out = v.new_empty(batch, tokens, value_heads, value_dim)
     block = min(64, triton.next_power_of_2(value_dim))
-    _recurrent_step_kernel[(batch * value_heads, triton.cdiv(value_dim, block))](
-        q, k, v, g, beta, state, out, key_dim**-0.5, L2NORM_EPS,
+    _gated_delta_kernel[(batch * value_heads, triton.cdiv(value_dim, block))](
+        q, k, v, a, beta, A_log, dt_bias, state, out, tokens, key_dim**-0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1),
         heads=heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, block=block,
     )
     return out

@@ -5,16 +5,18 @@ row is still reading its prompt the step feeds it the prompt's next token, after
 token it chose, so the prompt needs no padding and no separate prefill, and every
 row's attention sees the same positions (0..t). The state is allocated once for the
 batch: the full-attention layers' keys and values (`StaticKV`, handed to transformers'
-own attention module as its cache, with `gqa_decode_attention` as its attention), the Gated DeltaNet layers' conv window and
-recurrent state. The step reads and writes only those buffers, so on CUDA it is captured
-in one CUDA graph and replayed: no Python and no kernel launches per step beyond the
-replay. The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
-`fastbase.packed_hidden`; the single-token Gated DeltaNet update is
-`decode_kernels.recurrent_step_` (the state updated in place; its PyTorch reference off
-CUDA), the MoE block `fastbase.fused_moe_block` on CUDA. `span_step` runs the same layers over a
-few tokens of a row at once (the reference decoder's verify pass: the experts read once).
-`tests/test_fastdecode.py` holds both against `greedy.greedy_generate`, one step a token and the
-full forward.
+own attention module as its cache, with `gqa_decode_attention` as its attention), the Gated
+DeltaNet layers' conv windows and recurrent states (one buffer each, so that a snapshot is
+one copy). The step reads and writes only those buffers, so on CUDA it is captured in one
+CUDA graph and replayed: no Python and no kernel launches per step beyond the replay.
+The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
+`fastbase.packed_hidden`. On CUDA the kernels are the fast pass's: the residual adds and
+RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
+`fastbase.fused_moe_block`, and the Gated DeltaNet's conv and rule `decode_kernels`'
+(two kernels a layer); elsewhere the modules' own and the kernels' PyTorch references.
+`span_step` runs the same layers over a few tokens of a row at once (the reference
+decoder's verify pass: the experts read once). `tests/test_fastdecode.py` holds both
+against `greedy.greedy_generate`, one step a token and the full forward.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ import contextlib
 from collections.abc import Collection, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.selfgen.decode_kernels import recurrent_step_
+from occamy_mtp.selfgen.decode_kernels import conv_steps_, gated_delta_steps_
 from occamy_mtp.selfgen.greedy import check_prompts
+from occamy_mtp.targets.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
@@ -102,6 +104,16 @@ class StaticKV:
         return int(self.position)
 
 
+def _kernels(device: torch.device) -> Kernels:
+    """The fast pass's fused norms on CUDA where fla imports; the modules' own norms elsewhere."""
+    if device.type == "cuda":
+        try:
+            return fla_kernels(fused_norms=True)
+        except ImportError:  # the step stays correct with the modules' norms; the fast pass warns of fla once
+            pass
+    return torch_kernels()
+
+
 def _moe(device: torch.device):
     """The MoE block: `fastbase.fused_moe_block` (grouped GEMMs, Triton glue) on CUDA; the module's own elsewhere."""
     if device.type == "cuda":
@@ -135,19 +147,25 @@ class BatchDecoder:
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device
         self.moe = _moe(self.device)
+        self.kernels = _kernels(self.device)
         dtype = base.lm_head.weight.dtype
         layers = base.model.layers[: config.num_hidden_layers]
         kinds = config.layer_types[: config.num_hidden_layers]
         attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
         self.kv = StaticKV(attention, batch, positions, config.num_key_value_heads, config.head_dim, dtype, self.device)
+        # The Gated DeltaNet layers' conv windows and recurrent states, each kind one buffer
+        # (`conv_states`, `recurrent_states`) viewed per layer (`conv_state[i]`, `recurrent_state[i]`).
+        linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+        self.conv_states = self.recurrent_states = None
         self.conv_state, self.recurrent_state = {}, {}
-        for i, layer in enumerate(layers):
-            if kinds[i] == "linear_attention":
-                mixer = layer.linear_attn
-                channels = mixer.conv1d.weight.shape[0]
-                self.conv_state[i] = torch.zeros(batch, channels, mixer.conv_kernel_size - 1, dtype=dtype, device=self.device)
-                self.recurrent_state[i] = torch.zeros(batch, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim,
-                                                      dtype=torch.float32, device=self.device)
+        if linear:
+            mixer = layers[linear[0]].linear_attn
+            channels = mixer.conv1d.weight.shape[0]
+            self.conv_states = torch.zeros(len(linear), batch, channels, mixer.conv_kernel_size - 1, dtype=dtype, device=self.device)
+            self.recurrent_states = torch.zeros(len(linear), batch, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim,
+                                                dtype=torch.float32, device=self.device)
+            for n, i in enumerate(linear):
+                self.conv_state[i], self.recurrent_state[i] = self.conv_states[n], self.recurrent_states[n]
         # The step's inputs and outputs, read and written in place (so that a graph can replay them).
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # fed at this step
         self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
@@ -195,46 +213,37 @@ class BatchDecoder:
 
     def _layers(self, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor) -> torch.Tensor:
         """The decoder layers over (B, T, D) at the positions `kv.writes`, then the final norm."""
-        base = self.base
+        base, kernels = self.base, self.kernels
+        residual = None
         with _attention_implementation(base.config, DECODE_ATTENTION):
             for i, layer in enumerate(base.model.layers[: base.config.num_hidden_layers]):
-                residual = hidden
-                hidden = layer.input_layernorm(hidden)
+                normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
                 if i in self.conv_state:
-                    hidden = self._gated_deltanet(layer.linear_attn, hidden, i)
+                    hidden = self._gated_deltanet(layer.linear_attn, normed, i)
                 else:
-                    hidden, _ = layer.self_attn(hidden_states=hidden, position_embeddings=position_embeddings,
+                    hidden, _ = layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings,
                                                 attention_mask=mask, **{self._cache_kwarg: self.kv})
-                hidden = residual + hidden
-                residual = hidden
-                hidden = residual + self.moe(layer.mlp, layer.post_attention_layernorm(hidden))
-        return base.model.norm(hidden)
+                normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)
+                hidden = self.moe(layer.mlp, normed)
+        return residual_norm(base.model.norm, hidden, residual, kernels)[0]
 
     def _gated_deltanet(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
         """`Qwen3_5MoeGatedDeltaNet.forward` for T tokens in a row with this decoder's conv and
         recurrent state: one causal-conv window over the last K - 1 inputs and the T new ones,
-        then T recurrent steps (the state in place). x: (B, T, D)."""
+        then T recurrent steps (both states in place). x: (B, T, D)."""
         batch, tokens = x.shape[:2]
-        mixed_qkv = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, T)
-        z = mixer.in_proj_z(x).reshape(batch, tokens, -1, mixer.head_v_dim)
-        b = mixer.in_proj_b(x)
-        a = mixer.in_proj_a(x)
-        state = self.conv_state[layer]
-        window = torch.cat([state, mixed_qkv.to(state.dtype)], dim=-1)  # (B, C, K - 1 + T)
-        state.copy_(window[:, :, tokens:])  # the last K - 1 inputs
-        weight = mixer.conv1d.weight  # (C, 1, K)
-        mixed_qkv = F.conv1d(window, weight, mixer.conv1d.bias, groups=weight.shape[0])  # (B, C, T)
-        mixed_qkv = F.silu(mixed_qkv).transpose(1, 2)  # (B, T, C)
+        mixed_qkv = conv_steps_(mixer.in_proj_qkv(x), self.conv_state[layer], mixer.conv1d.weight[:, 0], mixer.conv1d.bias)
+        z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        query = query.reshape(batch, tokens, -1, mixer.head_k_dim)  # (B, T, H, K)
+        query = query.reshape(batch, tokens, -1, mixer.head_k_dim)  # (B, T, H, K), views of the conv's output
         key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
         value = value.reshape(batch, tokens, -1, mixer.head_v_dim)  # (B, T, HV, V)
-        beta = b.sigmoid()  # (B, T, HV)
-        g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-        recurrent = self.recurrent_state[layer]
-        core = torch.stack([recurrent_step_(query[:, t], key[:, t], value[:, t], g[:, t], beta[:, t], recurrent)
-                            for t in range(tokens)], dim=1)  # (B, T, HV, V)
-        core = mixer.norm(core.reshape(-1, mixer.head_v_dim), z.reshape(-1, mixer.head_v_dim))
+        core = gated_delta_steps_(query, key, value, mixer.in_proj_a(x), mixer.in_proj_b(x).sigmoid(), mixer.A_log, mixer.dt_bias,
+                                  self.recurrent_state[layer]).reshape(-1, mixer.head_v_dim)
+        if self.kernels.rms_norm_gated is not None:
+            core = self.kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
+        else:
+            core = mixer.norm(core, z)
         return mixer.out_proj(core.reshape(batch, tokens, -1))
 
     @torch.no_grad()
@@ -296,9 +305,9 @@ class BatchDecoder:
             self.prompt_lengths[row] = len(prompt)
         if rows < self.batch:  # spare rows decode a one-token prompt; their tokens are dropped
             self.prompt_lengths[rows:] = 1
-        for state in [*self.kv.keys.values(), *self.kv.values.values(), *self.conv_state.values(),
-                      *self.recurrent_state.values(), self.chosen]:
-            state.zero_()
+        for state in [*self.kv.keys.values(), *self.kv.values.values(), self.conv_states, self.recurrent_states, self.chosen]:
+            if state is not None:
+                state.zero_()
         self.kv.position.zero_()
         self.tokens.copy_(self.prompts[:, 0])
 
@@ -386,17 +395,16 @@ class StaticRunner:
 
     def snapshot(self) -> dict:
         decoder = self.decoder
+        states = (decoder.conv_states, decoder.recurrent_states)
         return {"seen": self.seen, "position": decoder.kv.position.clone(),
-                "conv": {i: t.clone() for i, t in decoder.conv_state.items()},
-                "recurrent": {i: t.clone() for i, t in decoder.recurrent_state.items()}}
+                "states": [None if state is None else state.clone() for state in states]}
 
     def restore(self, snapshot: dict) -> None:
         decoder = self.decoder
         decoder.kv.position.copy_(snapshot["position"])
-        for i, tensor in snapshot["conv"].items():
-            decoder.conv_state[i].copy_(tensor)
-        for i, tensor in snapshot["recurrent"].items():
-            decoder.recurrent_state[i].copy_(tensor)
+        for state, saved in zip((decoder.conv_states, decoder.recurrent_states), snapshot["states"]):
+            if state is not None:
+                state.copy_(saved)
         self.seen = snapshot["seen"]
 
 

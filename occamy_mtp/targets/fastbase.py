@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
@@ -171,6 +172,22 @@ def torch_kernels(grouped_moe: bool = False) -> Kernels:
     )
 
 
+_ONE_PLUS = WeakIdKeyDictionary()  # norm weight -> (its version, 1 + weight in fp32)
+
+
+def _one_plus(weight: torch.Tensor) -> torch.Tensor:
+    """1 + weight in fp32, the scale of a zero-centred RMSNorm: kept per weight while the weight is
+    unchanged (a decode step would otherwise spend a kernel a norm on it). Not kept when first
+    asked for inside a CUDA-graph capture, where it would hold nothing until the graph replays."""
+    kept = _ONE_PLUS.get(weight)
+    if kept is not None and kept[0] == weight._version:
+        return kept[1]
+    shifted = 1.0 + weight.detach().float()
+    if not (weight.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _ONE_PLUS[weight] = (weight._version, shifted)
+    return shifted
+
+
 def fla_kernels(
     fused_norms: bool = True,
     grouped_moe: bool = True,
@@ -210,8 +227,8 @@ def fla_kernels(
     def norm(x, weight, eps, residual):
         # Zero-centred weights: the kernel multiplies by the weight, so hand it 1 + w in fp32.
         if residual is None:
-            return rms_norm(x, 1.0 + weight.float(), None, eps=eps), x
-        return rms_norm(x, 1.0 + weight.float(), None, residual=residual, eps=eps, prenorm=True)
+            return rms_norm(x, _one_plus(weight), None, eps=eps), x
+        return rms_norm(x, _one_plus(weight), None, residual=residual, eps=eps, prenorm=True)
 
     def norm_gated(x, gate, weight, eps):
         return rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
@@ -268,7 +285,8 @@ def grouped_experts(
     routing weights, accumulating in fp32.
 
     fused_glue: SiLU * up, and the un-sort + weighted sum, each in one Triton kernel
-        (`occamy_mtp.targets.moe_kernels`); else in PyTorch (a gather and a batched matmul).
+        (`occamy_mtp.targets.moe_kernels`), and for decode-sized batches the ordering by
+        expert too (`moe_kernels.align`); else in PyTorch (a sort, a gather, a batched matmul).
     shared, shared_gate: the shared expert's (N, D) output and (N, 1) gate logits, added
         as `sigmoid(shared_gate) * shared` (inside the fused combine when fused_glue).
     """
@@ -278,20 +296,25 @@ def grouped_experts(
         raise ValueError("grouped_experts: pass both shared and shared_gate, or neither")
     tokens, top_k = top_k_index.shape
     num_experts = experts.gate_up_proj.shape[0]
-    expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k
-    sorted_ids, order = torch.sort(expert_ids)
-    # histc, not bincount: no host sync, so the pass can be captured in a CUDA graph.
-    counts = torch.histc(sorted_ids.int() if x.is_cuda else sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate_up = _grouped_mm(x[order // top_k], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
+    if fused_glue and moe_kernels.available(x) and tokens * top_k <= moe_kernels.ALIGN_MAX_PAIRS:
+        rows, inverse, offsets = moe_kernels.align(top_k_index, num_experts)  # one kernel: decode-sized batches
+    else:
+        expert_ids = top_k_index.reshape(-1)  # (S,) with S = N * k
+        # On CUDA the ids sort as 32-bit keys (half the radix passes of 64-bit ones), which histc also takes.
+        sorted_ids, order = torch.sort(expert_ids.int() if x.is_cuda else expert_ids)
+        # histc, not bincount: no host sync, so the pass can be captured in a CUDA graph.
+        counts = torch.histc(sorted_ids if x.is_cuda else sorted_ids.float(), bins=num_experts, min=0, max=num_experts - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        rows = order // top_k
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+    gate_up = _grouped_mm(x[rows], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
     if fused_glue and type(experts.act_fn).__name__ in _SILU_CLASSES:
         hidden = moe_kernels.silu_mul(gate_up)
     else:  # the kernel computes SiLU only; any other activation keeps the module's
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = experts.act_fn(gate) * up
     out = _grouped_mm(hidden, experts.down_proj.transpose(-2, -1), offs=offsets)  # (S, D) in expert order
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
     if fused_glue:
         return moe_kernels.combine(out, inverse, top_k_weights, shared, shared_gate)
     out = out[inverse].view(tokens, top_k, -1)  # (N, k, D) token-major
@@ -302,10 +325,15 @@ def grouped_experts(
 
 
 def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch.Tensor:
-    """`Qwen3_5MoeSparseMoeBlock.forward` with `grouped_experts` for the routed experts."""
+    """`Qwen3_5MoeSparseMoeBlock.forward` with `grouped_experts` for the routed experts (and with
+    fused_glue, the router after its linear in one kernel, `moe_kernels.route`)."""
     flat = x.reshape(-1, x.shape[-1])  # (N, D)
     shared = block.shared_expert(flat)
-    _, routing_weights, selected = block.gate(flat)  # softmax router in fp32, top-k renormalised
+    router = block.gate
+    if fused_glue and moe_kernels.available(flat) and hasattr(router, "top_k") and hasattr(router, "weight"):
+        routing_weights, selected = moe_kernels.route(F.linear(flat, router.weight), router.top_k)  # the router's, in one kernel
+    else:
+        _, routing_weights, selected = router(flat)  # softmax router in fp32, top-k renormalised
     out = grouped_experts(
         block.experts, flat, selected, routing_weights,
         fused_glue=fused_glue, shared=shared, shared_gate=block.shared_expert_gate(flat),
@@ -363,7 +391,7 @@ def _causal_mask(attn_implementation: str, length: int, dtype: torch.dtype, devi
     return mask[None, None]  # (1, 1, L, L), broadcast over windows and heads
 
 
-def _norm(module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels):
+def residual_norm(module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels):
     """(norm(residual + x), residual + x), as the decoder layer computes it."""
     if kernels.rms_norm is not None:
         return kernels.rms_norm(x, module.weight, module.eps, residual)
@@ -389,19 +417,19 @@ def packed_hidden(base, input_ids: torch.Tensor, layout: PackLayout, kernels: Ke
 
     residual = None
     for layer in model.layers[: config.num_hidden_layers]:
-        normed, residual = _norm(layer.input_layernorm, hidden, residual, kernels)
+        normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
         if layer.block_type == "linear_attention":
             hidden = _gated_deltanet(layer.linear_attn, normed, layout, kernels)
         else:
             hidden = _attention(layer.self_attn, normed, position_embeddings, mask, layout)
-        normed, residual = _norm(layer.post_attention_layernorm, hidden, residual, kernels)
+        normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)
         if kernels.sparse_moe is not None:
             hidden = kernels.sparse_moe(layer.mlp, normed)
         else:
             hidden = layer.mlp(normed)
             if isinstance(hidden, tuple):  # some versions also return router logits
                 hidden = hidden[0]
-    normed, _ = _norm(model.norm, hidden, residual, kernels)
+    normed, _ = residual_norm(model.norm, hidden, residual, kernels)
     return normed
 
 

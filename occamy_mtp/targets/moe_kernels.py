@@ -1,18 +1,25 @@
-"""Triton kernels for the glue around the routed-expert GEMMs of the fast base pass.
+"""Triton kernels for the MoE block around the routed-expert GEMMs of the fast base pass and the decode step.
 
 At real size (N tokens, top-8 of 256 experts, D = 2048, I = 512) the two grouped
 GEMMs of a MoE layer are surrounded by element-wise passes over (N * 8)-row tensors
-that cost about half as much as the GEMMs themselves (bench/RESULTS.md, profile). Two of
-them are fused here, each beside the plain PyTorch computation it replaces, which is
-its oracle (tests/test_moe_kernels.py):
+that cost about half as much as the GEMMs themselves (bench/RESULTS.md, profile); in a
+decode step, where N is one row or a few hundred, it is the number of kernels that costs:
+each is a launch of a few microseconds, about thirty a layer. Four kernels take their
+place, each beside the plain PyTorch computation it replaces, which is its oracle
+(tests/test_moe_kernels.py):
 
+* `route`: the router's softmax in fp32, its top-k and their renormalisation
+  (transformers' `Qwen3_5MoeTopKRouter` after its linear), one program a token.
+* `align`: the (token, choice) pairs ordered by expert, the GEMMs' group offsets and
+  the way back, one program an expert (what a sort, a histogram, a cumulative sum and
+  an inverse permutation did), for up to `ALIGN_MAX_PAIRS` pairs.
 * `silu_mul`: SiLU(gate) * up of the gate_up GEMM's output, in one read and one write
   instead of three passes.
 * `combine`: the un-sort of the expert outputs back to token order, their sum weighted
   by the routing weights, and the shared expert's sigmoid-gated output, in one read of
   each input and one write of the (N, D) result, accumulating in fp32.
 
-Both are for the frozen base's forward only (no autograd).
+All are for the frozen base's forward only (no autograd).
 """
 
 from __future__ import annotations
@@ -27,6 +34,33 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the reference functions below still work
     triton = None
+
+
+ALIGN_MAX_PAIRS = 16384  # `align` scans every pair once per expert: for decode-sized batches, not a whole pass
+
+
+def route_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (N, k) in the logits' dtype, experts (N, k) long) of transformers' Qwen3.5-MoE router
+    after its linear: softmax in fp32, the top k, renormalised to sum to one."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top, experts = torch.topk(probs, top_k, dim=-1)
+    return (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype), experts
+
+
+def align_reference(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs in expert order, for the grouped GEMMs.
+
+    experts: (N, k) chosen experts. Returns (rows, inverse, offsets): rows (S,) long, the
+    token of each pair in expert order (S = N * k; pairs of one expert in their flat
+    order); inverse (S,) long, where pair n * k + j sits in that order; offsets (E,) int32,
+    the end of each expert's group (what torch's grouped GEMM takes).
+    """
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order // experts.shape[1], inverse, torch.cumsum(counts, dim=0).to(torch.int32)
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -96,6 +130,46 @@ if triton is not None:
         tl.store(out + token * dim + cols, acc.to(out.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _route_kernel(logits, weights, experts, num_experts, top_k: tl.constexpr, width: tl.constexpr, choices: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, width)
+        x = tl.load(logits + token * num_experts + cols, mask=cols < num_experts, other=float("-inf")).to(tl.float32)
+        x = tl.exp(x - tl.max(x, axis=0))
+        probs = x / tl.sum(x, axis=0)
+        slots = tl.arange(0, choices)
+        top = tl.full([choices], 0.0, dtype=tl.float32)
+        chosen = tl.full([choices], 0, dtype=tl.int64)
+        for j in tl.static_range(top_k):  # the largest left, lowest index on a tie
+            best = tl.max(probs, axis=0)
+            where = tl.min(tl.where(probs == best, cols, width), axis=0)
+            top = tl.where(slots == j, best, top)
+            chosen = tl.where(slots == j, where.to(tl.int64), chosen)
+            probs = tl.where(cols == where, -1.0, probs)
+        top = top / tl.sum(top, axis=0)
+        tl.store(weights + token * top_k + slots, top.to(weights.dtype.element_ty), mask=slots < top_k)
+        tl.store(experts + token * top_k + slots, chosen, mask=slots < top_k)
+
+    @triton.jit
+    def _align_kernel(experts, rows, inverse, offsets, pairs, top_k, block: tl.constexpr):
+        expert = tl.program_id(0)
+        before = 0  # pairs of lower experts: where this expert's group starts
+        for start in range(0, pairs, block):
+            at = start + tl.arange(0, block)
+            ids = tl.load(experts + at, mask=at < pairs, other=0)
+            before += tl.sum(tl.where((at < pairs) & (ids < expert), 1, 0), axis=0)
+        end = before
+        for start in range(0, pairs, block):
+            at = start + tl.arange(0, block)
+            ids = tl.load(experts + at, mask=at < pairs, other=0)
+            mine = (at < pairs) & (ids == expert)
+            slot = end + tl.cumsum(tl.where(mine, 1, 0), axis=0) - 1
+            tl.store(rows + slot, (at // top_k).to(tl.int64), mask=mine)
+            tl.store(inverse + at, slot.to(tl.int64), mask=mine)
+            end += tl.sum(tl.where(mine, 1, 0), axis=0)
+        tl.store(offsets + expert, end.to(tl.int32))
+
+
 def _block(width: int) -> int:
     return min(1024, triton.next_power_of_2(width))
 
@@ -145,3 +219,34 @@ def combine(
             out, dim, top_k=top_k, block=block, has_shared=shared is not None,
         )
     return out
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_reference` in one Triton kernel (one program a token)."""
+    if not available(logits):
+        return route_reference(logits, top_k)
+    tokens, num_experts = logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"route: top_k must be 1 to {num_experts}, got {top_k}")
+    logits = logits.contiguous()
+    weights = logits.new_empty(tokens, top_k)
+    experts = torch.empty(tokens, top_k, dtype=torch.long, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](logits, weights, experts, num_experts, top_k=top_k,
+                                 width=triton.next_power_of_2(num_experts), choices=triton.next_power_of_2(top_k))
+    return weights, experts
+
+
+def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`align_reference` in one Triton kernel (one program an expert), for up to `ALIGN_MAX_PAIRS` pairs."""
+    if not available(experts):
+        return align_reference(experts, num_experts)
+    pairs = experts.numel()
+    if pairs > ALIGN_MAX_PAIRS:
+        raise ValueError(f"align: at most {ALIGN_MAX_PAIRS} (token, choice) pairs, got {pairs}")
+    flat = experts.reshape(-1).contiguous()
+    rows = torch.empty(pairs, dtype=torch.long, device=experts.device)
+    inverse = torch.empty_like(rows)
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
+    _align_kernel[(num_experts,)](flat, rows, inverse, offsets, pairs, experts.shape[1], block=1024)
+    return rows, inverse, offsets
