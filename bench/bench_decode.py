@@ -80,13 +80,25 @@ def copy_bandwidth(device) -> float:
 
 
 def touched_experts(base, decoder: BatchDecoder) -> list[int]:
-    """Distinct routed experts each layer's router picks for the batch, over one eager step."""
+    """Distinct routed experts each layer's router picks for the batch, over one eager step
+    (counted where the decode's MoE block routes: `moe_kernels.route` on CUDA, the router module elsewhere)."""
+    from occamy_mtp.targets import moe_kernels
+
     picked = []
+    route = moe_kernels.route
+
+    def counted(logits, top_k):
+        weights, experts = route(logits, top_k)
+        picked.append(experts.unique().numel())
+        return weights, experts
+
     hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: picked.append(out[-1].unique().numel()))
              for layer in base.model.layers[: base.config.num_hidden_layers]]
+    moe_kernels.route = counted
     try:
         decoder.step()
     finally:
+        moe_kernels.route = route
         for hook in hooks:
             hook.remove()
     return picked

@@ -13,22 +13,27 @@ the library's own pieces:
    them (random weights never stop early, so every continuation runs the full budget:
    the worst case); `--extra-generate-batch-sizes` times one more batch at each size given
    (the library's default, `data.self_generate_batch_size`, is 64), outside the recipe's
-   sum. Before the layers are dropped, `--decoder-check-windows` heldout
-   prompts are decoded with the reference speculative decoder at 1 and 3 draft steps
-   (export's `eval.decoder_check_windows`, per head);
+   sum;
 1. target cache: `target_cache.build_cache` runs the frozen base over all 320 windows (256 train +
    32 validation + 32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
    picks the pass: `fast` (`fastbase.FastBasePass`, 65,536 tokens a forward), `plain`
    (`target.plain_compute`: one transformers forward a window, the canonical targets) or
    `both` (two caches; the recipe time uses the fast one, and the two are compared);
 2. the base's decoder layers are dropped (a training run that reads the cache loads only
-   `embed_tokens` and `lm_head`);
+   `embed_tokens` and `lm_head`), unless export's decoder check needs them
+   (`--decoder-check-windows`): then the training phase's peak memory includes them;
 3. 512 training steps of fc + the two pre-fc norms (fp32 masters, AdamW, clipping),
    2 epochs of one window a step, reading targets from the cache (`target_cache.TargetCache`),
    the step of `occamy_mtp.train.loop.train` without accelerate, with its checkpoint selection:
    the decoder replay on the 32 validation windows before the first step and every 64;
 4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
-   steps) from the cache, and the head's tensors written to a safetensors file.
+   steps) from the cache, the reference decoder's check of each head on
+   `--decoder-check-windows` heldout prompts at 1 and 3 draft steps (export's
+   `eval.decoder_check_windows`, default 1), and the head's tensors written to a
+   safetensors file.
+
+With `--generate-windows 320` every phase is measured, none extrapolated:
+`whole_recipe_seconds` is then the recipe as one timed run (checkpoint loading excluded).
 
 Triton compilation and autotuning happen inside the timed phases, as in a user's run
 (the first forward of each new shape pays them). Windows are random tokens, so
@@ -210,16 +215,6 @@ def main() -> int:
             "windows_timed": len(contexts), "batch_size": size, "tokens": tokens, "tokens_per_second": tokens / seconds,
             "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
         }
-    if args.decoder_check_windows:
-        chosen = heldout[: args.decoder_check_windows]
-        for k in SERVED_STEPS:
-            check = phases(f"decoder_check_k{k}", lambda k=k: reference_decoder_check(base, donor.eval(), chosen, k, ANSWER_TOKENS, set()))
-            result[f"decoder_check_k{k}"] = {"windows": len(chosen), "verify_passes": check["measured"]["verify_passes"],
-                                             "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
-                                             "seconds_per_window": phases.results[f"decoder_check_k{k}"]["seconds"] / len(chosen),
-                                             "measured": check["measured"], "decisions": check["decisions"],
-                                             "decisions_equal": check["decisions_equal"]}
-
     # 1. the target cache. With both, the plain pass runs first: kernels the two share (fla's
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
     caches = {}
@@ -230,9 +225,10 @@ def main() -> int:
     targets = caches["fast" if "fast" in caches else "plain"]
 
     # 2. training from the cache needs only the embedding and lm_head of the base
-    base.model.layers = torch.nn.ModuleList()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if not args.decoder_check_windows:
+        base.model.layers = torch.nn.ModuleList()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # 3. the 512 steps: occamy_mtp.train.loop's own step, with the default settings, without accelerate
     total_steps = EPOCHS * args.steps_per_epoch
@@ -264,15 +260,28 @@ def main() -> int:
     phases("train", train)
     result["selection"] = {"measurements": len(selection_seconds), "seconds": sum(selection_seconds)}
 
-    # 4. export: donor and trained evaluated on the heldout windows, the head written out
+    # 4. export: donor and trained evaluated on the heldout windows and checked by the
+    # reference decoder (as export.py's `_measure`), the head written out
+    checks = {}
+
     def export():
-        for model in (donor, head):
+        for name, model in (("donor", donor), ("trained", head)):
             with as_served(model, dtype), head_autocast(model, device, dtype):
                 evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
+                for k in SERVED_STEPS if args.decoder_check_windows else ():
+                    sync(device)
+                    started = time.perf_counter()
+                    check = reference_decoder_check(base, model, heldout[: args.decoder_check_windows], k, ANSWER_TOKENS, set())
+                    sync(device)
+                    checks[f"{name}_k{k}"] = {"windows": args.decoder_check_windows, "seconds": time.perf_counter() - started,
+                                              "verify_passes": check["measured"]["verify_passes"],
+                                              "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
+                                              "decisions_equal": check["decisions_equal"]}
         tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
         files.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
 
     phases("export", export)
+    result["decoder_checks"] = checks
 
     result["steps"] = total_steps
     result["phases"] = phases.results
@@ -281,6 +290,8 @@ def main() -> int:
     if "self_generate" in result:
         result["recipe_seconds_with_self_generation_extrapolated"] = (
             result["recipe_seconds"] + result["self_generate"]["seconds_for_all_windows_extrapolated"])
+    if "self_generate" in result and result["self_generate"]["windows_timed"] == len(windows):
+        result["whole_recipe_seconds"] = result["recipe_seconds"] + phases.results["self_generate"]["seconds"]
     if "plain" in caches and "fast" in caches:
         result["recipe_seconds_with_plain_cache"] = result["recipe_seconds"] - phases.results["cache_fast"]["seconds"] + phases.results["cache_plain"]["seconds"]
     if device.type == "cuda":
