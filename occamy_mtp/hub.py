@@ -27,6 +27,7 @@ from urllib.parse import parse_qs
 from occamy_mtp.errors import OccamyError
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a full commit hash: a revision whose snapshot never changes
 DATASET_PREFIX = "hf:"
 # What a model snapshot needs: config, index and shards, tokenizer and chat template, generation config.
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
@@ -55,7 +56,17 @@ def snapshot(repo_id: str, revision: str | None, where: str, repo_type: str = "m
                                         HfHubHTTPError)
 
     asked = f"{repo_id}" + (f"@{revision}" if revision else "")
+    # A commit's snapshot never changes, and offline nothing else can be had: the cache is read
+    # first, without asking the Hub (huggingface_hub 1.x asks it for a commit even offline).
+    cache_first = constants.HF_HUB_OFFLINE or (revision is not None and COMMIT.fullmatch(revision) is not None)
     try:
+        if cache_first:
+            try:
+                return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns,
+                                              local_files_only=True))
+            except LocalEntryNotFoundError:
+                if constants.HF_HUB_OFFLINE:
+                    raise
         return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=allow_patterns))
     except LocalEntryNotFoundError:
         mode = "the Hub is offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else "the Hub could not be reached"

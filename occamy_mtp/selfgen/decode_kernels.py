@@ -16,7 +16,8 @@ at batch 1, where every kernel costs its launch, they were a quarter of the step
   torch's: rounded to b's dtype as the module rounds it, which Triton's interpreter, used by
   the CPU tests, does not do the way the GPU does.)
 
-Each sits beside the plain PyTorch computation it replaces (`conv_steps_reference`,
+The token count is a compile-time constant (a span is 1 to K + 1 tokens: a few variants,
+each loop unrolled). Each sits beside the plain PyTorch computation it replaces (`conv_steps_reference`,
 `gated_delta_steps_reference`: the operations of transformers' Gated DeltaNet decode, in its
 order and dtypes), which the functions run where the kernels cannot (a CPU without Triton's
 interpreter), and which is their oracle in tests/test_decode_kernels.py.
@@ -101,7 +102,7 @@ def available(tensor: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _conv_steps_kernel(x, state, weight, bias, out, tokens, channels, x_row, x_token, out_row, out_token,
+    def _conv_steps_kernel(x, state, weight, bias, out, channels, x_row, x_token, out_row, out_token, tokens: tl.constexpr,
                            taps: tl.constexpr, has_bias: tl.constexpr, block: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * block + tl.arange(0, block)
@@ -110,7 +111,7 @@ if triton is not None:
         first = tl.zeros([block], dtype=tl.float32)
         if has_bias:
             first = first + tl.load(bias + cols, mask=mask, other=0.0).to(tl.float32)
-        for t in range(tokens):
+        for t in tl.static_range(tokens):
             acc = first
             for j in tl.static_range(taps):
                 at = t + j  # index into the window followed by the new inputs
@@ -130,8 +131,8 @@ if triton is not None:
             tl.store(window + i, tl.where(past, from_state, from_input.to(state.dtype.element_ty)), mask=mask)
 
     @triton.jit
-    def _gated_delta_kernel(q, k, v, a, beta, A_log, dt_bias, state, out, tokens, scale, eps, softplus_threshold,
-                            qk_row, qk_token, qk_head, v_row, v_token, v_head, ab_row, ab_token,
+    def _gated_delta_kernel(q, k, v, a, beta, A_log, dt_bias, state, out, scale, eps, softplus_threshold,
+                            qk_row, qk_token, qk_head, v_row, v_token, v_head, ab_row, ab_token, tokens: tl.constexpr,
                             heads: tl.constexpr, value_heads: tl.constexpr, key_dim: tl.constexpr,
                             value_dim: tl.constexpr, block: tl.constexpr):
         row_head = tl.program_id(0).to(tl.int64)  # b * HV + hv
@@ -145,7 +146,7 @@ if triton is not None:
         h = tl.load(tile, mask=mask[None, :], other=0.0)  # (K, block), fp32
         rate = -tl.exp(tl.load(A_log + value_head).to(tl.float32))
         shift = tl.load(dt_bias + value_head).to(tl.float32)
-        for t in range(tokens):
+        for t in tl.static_range(tokens):
             q_vec = tl.load(q + row * qk_row + t * qk_token + head * qk_head + keys).to(tl.float32)
             k_vec = tl.load(k + row * qk_row + t * qk_token + head * qk_head + keys).to(tl.float32)
             q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec, axis=0) + eps) * scale
@@ -177,8 +178,8 @@ def conv_steps_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
     out = x.new_empty(batch, tokens, channels)
     block = min(256, triton.next_power_of_2(channels))
     _conv_steps_kernel[(batch, triton.cdiv(channels, block))](
-        x, state, weight, bias if bias is not None else weight, out, tokens, channels,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        x, state, weight, bias if bias is not None else weight, out, channels,
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1), tokens=tokens,
         taps=taps, has_bias=bias is not None, block=block,
     )
     return out
@@ -205,8 +206,8 @@ def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) ->
     out = v.new_empty(batch, tokens, value_heads, value_dim)
     block = min(64, triton.next_power_of_2(value_dim))
     _gated_delta_kernel[(batch * value_heads, triton.cdiv(value_dim, block))](
-        q, k, v, a, beta, A_log, dt_bias, state, out, tokens, key_dim**-0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
-        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1),
+        q, k, v, a, beta, A_log, dt_bias, state, out, key_dim**-0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), tokens=tokens,
         heads=heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, block=block,
     )
     return out

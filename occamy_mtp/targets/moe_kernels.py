@@ -151,16 +151,16 @@ if triton is not None:
         tl.store(experts + token * top_k + slots, chosen, mask=slots < top_k)
 
     @triton.jit
-    def _align_kernel(experts, rows, inverse, offsets, pairs, top_k, block: tl.constexpr):
+    def _align_kernel(experts, rows, inverse, offsets, pairs, top_k, chunks: tl.constexpr, block: tl.constexpr):
         expert = tl.program_id(0)
         before = 0  # pairs of lower experts: where this expert's group starts
-        for start in range(0, pairs, block):
-            at = start + tl.arange(0, block)
+        for chunk in tl.static_range(chunks):  # a constant trip count: Triton's interpreters of every version run it
+            at = chunk * block + tl.arange(0, block)
             ids = tl.load(experts + at, mask=at < pairs, other=0)
             before += tl.sum(tl.where((at < pairs) & (ids < expert), 1, 0), axis=0)
         end = before
-        for start in range(0, pairs, block):
-            at = start + tl.arange(0, block)
+        for chunk in tl.static_range(chunks):
+            at = chunk * block + tl.arange(0, block)
             ids = tl.load(experts + at, mask=at < pairs, other=0)
             mine = (at < pairs) & (ids == expert)
             slot = end + tl.cumsum(tl.where(mine, 1, 0), axis=0) - 1
@@ -248,5 +248,6 @@ def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     rows = torch.empty(pairs, dtype=torch.long, device=experts.device)
     inverse = torch.empty_like(rows)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
-    _align_kernel[(num_experts,)](flat, rows, inverse, offsets, pairs, experts.shape[1], block=1024)
+    block = 1024
+    _align_kernel[(num_experts,)](flat, rows, inverse, offsets, pairs, experts.shape[1], chunks=triton.cdiv(pairs, block), block=block)
     return rows, inverse, offsets
