@@ -247,6 +247,8 @@ def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     flat = experts.reshape(-1).contiguous()
     rows = torch.empty(pairs, dtype=torch.long, device=experts.device)
     inverse = torch.empty_like(rows)
+    if not pairs:
+        return rows, inverse, torch.zeros(num_experts, dtype=torch.int32, device=experts.device)
     offsets = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
     block = 1024
     _align_kernel[(num_experts,)](flat, rows, inverse, offsets, pairs, experts.shape[1], chunks=triton.cdiv(pairs, block), block=block)
