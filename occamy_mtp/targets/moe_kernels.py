@@ -143,6 +143,7 @@ if triton is not None:
         for j in tl.static_range(top_k):  # the largest left, lowest index on a tie
             best = tl.max(probs, axis=0)
             where = tl.min(tl.where(probs == best, cols, width), axis=0)
+            where = tl.minimum(where, num_experts - 1)  # a NaN row matches nothing: still a valid expert, as topk's
             top = tl.where(slots == j, best, top)
             chosen = tl.where(slots == j, where.to(tl.int64), chosen)
             probs = tl.where(cols == where, -1.0, probs)
