@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,9 +61,19 @@ def write_config(path: Path, models: dict, output: Path, **train) -> Path:
     return path
 
 
-def run(args: list[str], env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+def run(args: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a command of the project in its own process group; on a timeout the whole group is
+    killed (a launcher's worker processes too, which would otherwise outlive the test)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+    with subprocess.Popen([sys.executable, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -182,8 +193,13 @@ def test_two_process_cpu_run(models, tmp_path):
     config = write_config(tmp_path / "ddp.yaml", models, tmp_path / "ddp", epochs=1)
     # accelerate's distributed launcher (torchrun underneath); without a GPU (hidden here, so
     # that a machine with one GPU runs the same test) the Accelerator runs the processes over gloo.
+    # A free port for the rendezvous, not torchrun's fixed 29500, which another run on the machine may hold.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     result = run(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                  "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", "--config", str(config)],
+                  "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+                  "train.py", "--config", str(config)],
                  env={"CUDA_VISIBLE_DEVICES": ""})
     ok(result)
     summary = json.loads((tmp_path / "ddp" / "train-summary.json").read_text())
