@@ -5,22 +5,17 @@ outputs and the states updated in place, one token and a span of several."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from occamy_mtp.selfgen import decode_kernels
 from occamy_mtp.compat import torch_function
+from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 BATCH, HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM = 3, 2, 4, 16, 24  # value heads in groups of 2; V not a power of two
 # float32; the rule reduces over the key dim (L2 norms, state . k, state . q) a few times in series.
 REDUCTIONS = 4
-TESTS = Path(__file__).resolve().parent
 
 
 def case(seed: int = 0, dtype=torch.float32):
@@ -163,7 +158,4 @@ def compare_kernels_with_references(dtype) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_kernels_are_the_references_under_triton_s_interpreter(dtype):
     pytest.importorskip("triton")
-    script = f"import torch, test_decode_kernels as t; t.compare_kernels_with_references(torch.{dtype}); print('ok')"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_interpreted(__file__, f"compare_kernels_with_references(torch.{dtype})", timeout=300)

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate
 from occamy_mtp.selfgen.greedy import greedy_generate
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -23,7 +19,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 # MAX_TOKENS positions, the widest reduction over 2 x hidden terms.
 MAX_TOKENS = 40
 REDUCTIONS = 4 * 12 + MAX_TOKENS
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +97,7 @@ def decode_through_the_kernels() -> None:
 
 def test_the_decoder_through_its_triton_kernels_writes_greedy_generate_s_tokens():
     pytest.importorskip("triton")
-    script = "import test_fastdecode as t; t.decode_through_the_kernels(); print('ok')"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_interpreted(__file__, "decode_through_the_kernels()")
 
 
 def test_grouped_attention_is_transformers_attention(base):

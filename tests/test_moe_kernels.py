@@ -10,10 +10,6 @@ marked gpu run the compiled kernels, at real width and with more than 2**31 elem
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +17,9 @@ import torch
 from occamy_mtp.targets import fastbase
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 
-TESTS = Path(__file__).resolve().parent
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is 2**-7 of the leading bit
 
 
@@ -242,10 +238,7 @@ def compare_routing_kernels_with_references() -> None:
 def test_the_routing_kernels_and_the_fused_block_under_triton_s_interpreter():
     if not _triton_importable():
         pytest.skip("needs triton (installed with the test extra on Linux x86-64)")
-    script = "import test_moe_kernels as t; t.compare_routing_kernels_with_references(); print('ok')"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_interpreted(__file__, "compare_routing_kernels_with_references()")
 
 
 # -- the compiled kernels on a GPU ---------------------------------------------------------
