@@ -5,7 +5,8 @@ language-model steps) is trained with the default recipe: the base's own continu
 of the train windows, the best validation step. On the self-generated heldout windows
 the trained head must be accepted more often than the donor at 1 and at 3 draft steps,
 as the reference decoder counts it (the replayed figures are checked against the
-decoder itself by export). A head made worse on purpose is refused unless
+decoder itself by export). The same holds when the data are the same conversations cut
+before their first answer (a prompt set). A head made worse on purpose is refused unless
 `--allow-worse` is given, and the refusal leaves the run directory's files as they were.
 """
 
@@ -40,12 +41,15 @@ RECIPE = [
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recipe")
-    models = root / "models"
-    build_demo_models(models, SMALL_DEMO, log=lambda message: None)
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe-models")
+    build_demo_models(root, SMALL_DEMO, log=lambda message: None)
+    return root
+
+
+def trained_and_exported(models, root, records: list[str]) -> dict:
     data = root / "chats.jsonl"
-    data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]))
+    data.write_text("".join(records))
     overrides = [f"model.base={models / 'base'}", f"model.donor_head={models / 'donor'}", f"data.files=[{data}]",
                  f"output.dir={root / 'run'}", *RECIPE]
     config = load_config("configs/demo.yaml", overrides)
@@ -54,9 +58,36 @@ def run(tmp_path_factory):
     return {"root": root, "config": config, "overrides": overrides, "summary": summary, "record": record}
 
 
-def test_the_default_recipe_beats_the_donor_where_serving_runs_it(run):
+@pytest.fixture(scope="module")
+def run(models, tmp_path_factory):
+    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]
+    return trained_and_exported(models, tmp_path_factory.mktemp("recipe"), lines)
+
+
+def cut_before_the_first_answer(line: str) -> str:
+    messages = json.loads(line)["messages"]
+    first_answer = next(i for i, message in enumerate(messages) if message["role"] == "assistant")
+    return json.dumps({"messages": messages[:first_answer]}) + "\n"
+
+
+@pytest.fixture(scope="module")
+def prompt_run(models, tmp_path_factory):
+    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]
+    return trained_and_exported(models, tmp_path_factory.mktemp("recipe-prompts"), [cut_before_the_first_answer(x) for x in lines])
+
+
+@pytest.mark.parametrize("data", ["conversations", "prompts alone"])
+def test_the_default_recipe_beats_the_donor_where_serving_runs_it(request, data):
+    run = request.getfixturevalue("run" if data == "conversations" else "prompt_run")
     metrics = run["record"]["metrics"]
     assert run["record"]["settings"]["data"]["answers"] == "self_generated"
+    windows = run["record"]["dataset"]["windows"]
+    prompt_windows = sum(windows["prompts"].values())
+    if data == "conversations":
+        assert prompt_windows == 0 and metrics["heldout"]["trained"]["teacher_forced"] is not None
+    else:  # every window is a prompt; no recorded answer is scored
+        assert prompt_windows == sum(windows[side] for side in ("train", "validation", "heldout")) > 0
+        assert metrics["heldout"]["trained"]["teacher_forced"] is None
     for k in ("1", "3"):
         donor, trained = (metrics["heldout"][name]["served"][k] for name in ("donor", "trained"))
         assert trained["mean_accept_length"] > donor["mean_accept_length"], f"{k}-step drafts"
