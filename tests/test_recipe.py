@@ -58,10 +58,13 @@ def trained_and_exported(models, root, records: list[str]) -> dict:
     return {"root": root, "config": config, "overrides": overrides, "summary": summary, "record": record}
 
 
+def sample_conversations() -> list[str]:
+    return SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]
+
+
 @pytest.fixture(scope="module")
 def run(models, tmp_path_factory):
-    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]
-    return trained_and_exported(models, tmp_path_factory.mktemp("recipe"), lines)
+    return trained_and_exported(models, tmp_path_factory.mktemp("recipe"), sample_conversations())
 
 
 def cut_before_the_first_answer(line: str) -> str:
@@ -72,8 +75,8 @@ def cut_before_the_first_answer(line: str) -> str:
 
 @pytest.fixture(scope="module")
 def prompt_run(models, tmp_path_factory):
-    lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:CONVERSATIONS]
-    return trained_and_exported(models, tmp_path_factory.mktemp("recipe-prompts"), [cut_before_the_first_answer(x) for x in lines])
+    prompts = [cut_before_the_first_answer(line) for line in sample_conversations()]
+    return trained_and_exported(models, tmp_path_factory.mktemp("recipe-prompts"), prompts)
 
 
 @pytest.mark.parametrize("data", ["conversations", "prompts alone"])
