@@ -42,6 +42,7 @@ from bench_fullsize import profile_call, randomise  # noqa: E402
 
 from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
 from occamy_mtp.selfgen.greedy import greedy_generate  # noqa: E402
+from occamy_mtp.targets import moe_kernels  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 
 GIB = 2**30
@@ -246,6 +247,8 @@ def main() -> int:
     parser.add_argument("--reference-runners", action="store_true", help="time the reference decoder's base at batch 1")
     parser.add_argument("--profile-batches", default="", help="profile one eager step at each of these batches")
     parser.add_argument("--profile-span", type=int, default=0, help="also profile a span step of this many tokens at batch 1")
+    parser.add_argument("--expert-gemms", choices=("triton", "grouped_mm", "both"), default="triton",
+                        help="the routed experts' GEMMs of the step: moe_kernels.expert_mlp (the library's), torch's grouped GEMM, or each in turn")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -259,13 +262,18 @@ def main() -> int:
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
+    library_limit = moe_kernels.EXPERT_MAX_TOKENS
+    gemms = ("triton", "grouped_mm") if args.expert_gemms == "both" else (args.expert_gemms,)
     for batch in (int(b) for b in args.batches.split(",") if b):
-        try:
-            result["decoder"].append(time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens,
-                                                  bandwidth, device))
-        except torch.OutOfMemoryError as err:
-            result["decoder"].append({"batch": batch, "error": f"out of memory: {err}"[:300]})
-        print(json.dumps(result["decoder"][-1]), flush=True)
+        for gemm in gemms:
+            moe_kernels.EXPERT_MAX_TOKENS = library_limit if gemm == "triton" else 0  # 0: every batch takes the grouped GEMM
+            try:
+                timed = time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens, bandwidth, device)
+            except torch.OutOfMemoryError as err:
+                timed = {"batch": batch, "error": f"out of memory: {err}"[:300]}
+            result["decoder"].append({**timed, "expert_gemms": gemm})
+            print(json.dumps(result["decoder"][-1]), flush=True)
+    moe_kernels.EXPERT_MAX_TOKENS = library_limit
     if args.legacy_batch:
         result["legacy"] = time_legacy(base, args.legacy_batch, args.prompt_tokens, device)
         print(json.dumps(result["legacy"]), flush=True)

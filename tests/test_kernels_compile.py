@@ -60,11 +60,20 @@ def combine():
     return moe_kernels._combine_kernel, signature, {"top_k": 8, "block": 1024, "has_shared": True}
 
 
+def expert_gemm(gate_up: bool, m_tiles: int):
+    signature = {"a": "*bf16", "rows": "*i64", "offsets": "*i32", "weight": "*bf16", "out": "*bf16", "out_dim": "i32"}
+    block_n, block_k, _, _ = moe_kernels.EXPERT_UP_BLOCKS if gate_up else moe_kernels.EXPERT_DOWN_BLOCKS
+    return moe_kernels._expert_gemm_kernel, signature, {"k_dim": 2048 if gate_up else 512, "gate_up": gate_up, "m_tiles": m_tiles,
+                                                        "block_m": moe_kernels.EXPERT_BLOCK_M, "block_n": block_n, "block_k": block_k}
+
+
 CASES = {
     "conv, one token": conv_steps(1), "conv, a span of 4": conv_steps(4),
     "rule, one token": gated_delta(1), "rule, a span of 4": gated_delta(4),
     "align, one chunk": align(1), "align, two chunks": align(2),
     "route": route(), "silu_mul": silu_mul(), "combine": combine(),
+    "expert gate_up, one token": expert_gemm(True, 1), "expert gate_up, 160 tokens": expert_gemm(True, 10),
+    "expert down, 160 tokens": expert_gemm(False, 10),
 }
 
 

@@ -241,6 +241,73 @@ def test_the_routing_kernels_and_the_fused_block_under_triton_s_interpreter():
     run_interpreted(__file__, "compare_routing_kernels_with_references()")
 
 
+def expert_case(tokens: int, num_experts: int, top_k: int, dim: int, inter: int, seed: int, device="cpu", dtype=torch.float32):
+    """Tokens, their pairs in expert order (`align_reference`) and one layer's expert weights; expert 2
+    takes every token (more rows than one tile of `expert_mlp`) and the last expert none."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * inter, dim, generator=generator) / dim**0.5
+    down = torch.randn(num_experts, dim, inter, generator=generator) / inter**0.5
+    choices = torch.zeros(tokens, top_k, dtype=torch.long)
+    for token in range(tokens):
+        choices[token] = torch.randperm(num_experts - 1, generator=generator)[:top_k]
+    swapped = choices == 2  # expert 2 first in every row, where it was chosen already its slot takes the first's
+    choices[swapped] = choices[:, :1].expand_as(choices)[swapped]
+    choices[:, 0] = 2
+    rows, _, offsets = moe_kernels.align_reference(choices, num_experts)
+    return (x.to(device, dtype), rows.to(device), offsets.to(device), gate_up.to(device, dtype), down.to(device, dtype))
+
+
+def loop_expert_mlp(x, rows, offsets, gate_up, down):
+    """Pair by pair, in float64."""
+    inter = down.shape[2]
+    ends = offsets.tolist()
+    out = torch.zeros(rows.numel(), down.shape[1], dtype=torch.float64)
+    for pair in range(rows.numel()):
+        expert = next(e for e, end in enumerate(ends) if pair < end)
+        product = gate_up[expert].double() @ x[rows[pair]].double()
+        out[pair] = down[expert].double() @ (torch.nn.functional.silu(product[:inter]) * product[inter:])
+    return out
+
+
+def test_expert_mlp_reference_equals_a_pair_loop():
+    case = expert_case(9, 12, 3, 16, 8, seed=11, dtype=torch.float64)
+    assert torch.allclose(moe_kernels.expert_mlp_reference(*case), loop_expert_mlp(*case), rtol=1e-12, atol=1e-12)
+
+
+def test_expert_mlp_refuses_what_it_cannot_compute():
+    x, rows, offsets, gate_up, down = expert_case(5, 8, 2, 16, 8, seed=1)
+    with pytest.raises(ValueError, match=r"need gate_up_proj \(E, 2I, 16\)"):
+        moe_kernels.expert_mlp(x, rows, offsets, gate_up[:, :, :8], down)
+    with pytest.raises(ValueError, match="need gate_up_proj"):
+        moe_kernels.expert_mlp(x, rows, offsets[:-1], gate_up, down)
+    many = torch.zeros(moe_kernels.EXPERT_MAX_TOKENS + 1, 16)
+    with pytest.raises(ValueError, match=f"at most {moe_kernels.EXPERT_MAX_TOKENS} tokens"):
+        moe_kernels.expert_mlp(many, rows, offsets, gate_up, down)
+
+
+def compare_expert_mlp_with_reference() -> None:
+    """Run in a process started with TRITON_INTERPRET=1. float32 only: the interpreter's bf16 `tl.dot` is wrong (Triton 3.9)."""
+    for tokens, num_experts, top_k, dim, inter, blocks in (
+        (9, 12, 3, 48, 40, ((16, 32, 4, 3), (32, 16, 4, 3))),  # widths not a multiple of the blocks
+        (40, 8, 2, 64, 32, ((16, 32, 4, 3), (16, 64, 4, 3))),  # expert 2's 40 rows: three tiles of 16
+        (1, 16, 4, 64, 32, (None, None)),  # one token, the default blocks
+    ):
+        case = expert_case(tokens, num_experts, top_k, dim, inter, seed=tokens)
+        got = moe_kernels.expert_mlp(*case, up_blocks=blocks[0], down_blocks=blocks[1])
+        want = loop_expert_mlp(*case)
+        # float32: gate_up's sum over dim, SiLU and the product, down's sum over inter
+        assert_close(got, want, rounding_bound(want, torch.float32, reductions=4, width=dim), f"expert_mlp, {tokens} tokens")
+    empty = expert_case(0, 8, 2, 16, 16, seed=0)
+    assert moe_kernels.expert_mlp(*empty).shape == (0, 16)
+
+
+def test_expert_mlp_under_triton_s_interpreter():
+    if not _triton_importable():
+        pytest.skip("needs triton (installed with the test extra on Linux x86-64)")
+    run_interpreted(__file__, "compare_expert_mlp_with_reference()")
+
+
 # -- the compiled kernels on a GPU ---------------------------------------------------------
 
 
@@ -276,3 +343,29 @@ def test_compiled_combine_beyond_int32_offsets():
     got = moe_kernels.combine(expert_out, inverse, weights)[:, -1].float()
     expected = marks[tokens * top_k - 1 - torch.arange(tokens, device="cuda") * top_k]
     assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 160])
+def test_compiled_expert_mlp_at_real_width(tokens):
+    """Qwen3.5-35B-A3B widths, bf16: each pair's output against float64 from the same bf16 inputs,
+    rounded where the kernels round (gate and up, the hidden row, the output). A bf16 rounding of
+    gate or up may fall the other way after fp32 sums in another order: one unit of the hidden
+    row, which moves the output by at most 2**-8 of the sum of |down| * |hidden|."""
+    x, rows, offsets, gate_up, down = expert_case(tokens, 256, 8, 2048, 512, seed=tokens, device="cuda", dtype=torch.bfloat16)
+    got = moe_kernels.expert_mlp(x, rows, offsets, gate_up, down).double()
+    starts = torch.cat([offsets.new_zeros(1), offsets[:-1]]).long()
+    expert = torch.searchsorted(offsets.long(), torch.arange(rows.numel(), device="cuda"), right=True)
+    assert torch.all(torch.arange(rows.numel(), device="cuda") >= starts[expert])
+    product = torch.einsum("sod,sd->so", gate_up[expert].double(), x[rows].double()).bfloat16().double()
+    hidden = (torch.nn.functional.silu(product[:, :512]) * product[:, 512:]).bfloat16().double()
+    exact = torch.einsum("sdi,si->sd", down[expert].double(), hidden)
+    spread = torch.einsum("sdi,si->sd", down[expert].double().abs(), hidden.abs())
+    allowed = BF16_ULP * exact.abs() + 2.0**-8 * spread + 2.0**-20 * exact.abs().max()
+    worst = ((got - exact).abs() / allowed).max()
+    assert worst <= 1.0, f"error up to {worst:.2f} of the allowed bound"
+    from transformers.integrations.moe import _grouped_mm  # the path it replaces, to the same bound
+    grouped = _grouped_mm(moe_kernels.silu_mul(_grouped_mm(x[rows], gate_up.transpose(-2, -1), offs=offsets)),
+                          down.transpose(-2, -1), offs=offsets).double()
+    assert ((grouped - exact).abs() / allowed).max() <= 1.0

@@ -286,7 +286,9 @@ def grouped_experts(
 
     fused_glue: SiLU * up, and the un-sort + weighted sum, each in one Triton kernel
         (`occamy_mtp.targets.moe_kernels`), and for decode-sized batches the ordering by
-        expert too (`moe_kernels.align`); else in PyTorch (a sort, a gather, a batched matmul).
+        expert too (`moe_kernels.align`), and for up to `moe_kernels.EXPERT_MAX_TOKENS` bf16
+        tokens the two GEMMs with it (`moe_kernels.expert_mlp`); else in PyTorch (a sort, a
+        gather, a batched matmul).
     shared, shared_gate: the shared expert's (N, D) output and (N, 1) gate logits, added
         as `sigmoid(shared_gate) * shared` (inside the fused combine when fused_glue).
     """
@@ -308,8 +310,12 @@ def grouped_experts(
         rows = order // top_k
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
+    silu = type(experts.act_fn).__name__ in _SILU_CLASSES
+    if fused_glue and silu and tokens <= moe_kernels.EXPERT_MAX_TOKENS and expert_kernels_apply(x, experts):
+        out = moe_kernels.expert_mlp(x, rows, offsets, experts.gate_up_proj, experts.down_proj)  # (S, D) in expert order
+        return moe_kernels.combine(out, inverse, top_k_weights, shared, shared_gate)
     gate_up = _grouped_mm(x[rows], experts.gate_up_proj.transpose(-2, -1), offs=offsets)  # (S, 2I)
-    if fused_glue and type(experts.act_fn).__name__ in _SILU_CLASSES:
+    if fused_glue and silu:
         hidden = moe_kernels.silu_mul(gate_up)
     else:  # the kernel computes SiLU only; any other activation keeps the module's
         gate, up = gate_up.chunk(2, dim=-1)
@@ -322,6 +328,14 @@ def grouped_experts(
     if shared is not None:
         routed = routed + torch.sigmoid(shared_gate) * shared
     return routed
+
+
+def expert_kernels_apply(x: torch.Tensor, experts) -> bool:
+    """Whether `moe_kernels.expert_mlp` computes these experts: bf16 on CUDA (its products are
+    exact there, where fp32 would be TF32), or any dtype under Triton's interpreter."""
+    if not moe_kernels.available(x):
+        return False
+    return not x.is_cuda or (x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16)
 
 
 def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch.Tensor:

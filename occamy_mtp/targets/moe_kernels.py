@@ -18,6 +18,10 @@ place, each beside the plain PyTorch computation it replaces, which is its oracl
 * `combine`: the un-sort of the expert outputs back to token order, their sum weighted
   by the routing weights, and the shared expert's sigmoid-gated output, in one read of
   each input and one write of the (N, D) result, accumulating in fp32.
+* `expert_mlp`: for decode-sized batches (a few rows an expert), the routed experts'
+  two GEMMs themselves, each program streaming one slice of one expert's weights past all
+  of that expert's rows: the gather of the rows, gate_up and SiLU(gate) * up in one kernel,
+  down in another, where a gather, two grouped GEMMs and `silu_mul` were.
 
 All are for the frozen base's forward only (no autograd).
 """
@@ -37,6 +41,9 @@ except ImportError:  # CPU-only installs: the reference functions below still wo
 
 
 ALIGN_MAX_PAIRS = 16384  # `align` scans every pair once per expert: for decode-sized batches, not a whole pass
+# `expert_mlp` walks an expert's rows in tiles of EXPERT_BLOCK_M, as many tiles as the batch has
+# tokens (an expert sees each token at most once), unrolled: for decode-sized batches only.
+EXPERT_BLOCK_M, EXPERT_MAX_TOKENS = 16, 256
 
 
 def route_reference(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +96,26 @@ def combine_reference(
     if shared is not None:
         out = out + torch.sigmoid(shared_gate.to(wide)) * shared.to(wide)
     return out.to(expert_out.dtype)
+
+
+def expert_mlp_reference(
+    x: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor
+) -> torch.Tensor:
+    """(S, D) expert outputs in expert order: pair s, of expert e (its group ends at offsets[e]),
+    is `down_proj[e] @ (SiLU(gate) * up)` with `gate, up = gate_up_proj[e] @ x[rows[s]]` split in halves.
+
+    x: (N, D) tokens; rows: (S,) the token of each pair in expert order (`align`); offsets:
+    (E,) int32 group ends; gate_up_proj: (E, 2I, D); down_proj: (E, D, I), transformers' layout.
+    An expert at a time, in the inputs' dtype between the two GEMMs (as the grouped GEMMs round).
+    """
+    out = x.new_empty(rows.numel(), down_proj.shape[1])
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            hidden = silu_mul_reference(x[rows[start:end]] @ gate_up_proj[expert].T)
+            out[start:end] = hidden @ down_proj[expert].T
+        start = end
+    return out
 
 
 def available(tensor: torch.Tensor) -> bool:
@@ -169,6 +196,56 @@ if triton is not None:
             tl.store(inverse + at, slot.to(tl.int64), mask=mine)
             end += tl.sum(tl.where(mine, 1, 0), axis=0)
         tl.store(offsets + expert, end.to(tl.int32))
+
+
+    @triton.jit
+    def _expert_gemm_kernel(
+        a, rows, offsets, weight, out, out_dim,
+        k_dim: tl.constexpr, gate_up: tl.constexpr, m_tiles: tl.constexpr,
+        block_m: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr,
+    ):
+        """out[s, cols] for every pair s of one expert (program_id 0) and one slice of output
+        columns (program_id 1). gate_up: SiLU(a[rows[s]] . gate rows) * (a[rows[s]] . up rows), the
+        gate rows the expert's first out_dim, the up rows its next out_dim; else a[s] . weight rows."""
+        expert = tl.program_id(0)
+        cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+        col_mask = cols < out_dim
+        end = tl.load(offsets + expert)
+        start = tl.where(expert > 0, tl.load(offsets + tl.maximum(expert - 1, 0)), 0)
+        weight_rows = 2 * out_dim if gate_up else out_dim
+        first_weight = weight + expert.to(tl.int64) * weight_rows * k_dim
+        for tile in tl.static_range(m_tiles):  # a constant trip count (the interpreters of every Triton)
+            first = start + tile * block_m
+            if first < end:  # the expert's rows ran out: nothing to read
+                m = first + tl.arange(0, block_m)
+                m_mask = m < end
+                if gate_up:
+                    source = tl.load(rows + m, mask=m_mask, other=0).to(tl.int64)
+                else:
+                    source = m.to(tl.int64)
+                acc = tl.full([block_m, block_n], 0.0, dtype=tl.float32)
+                acc_up = tl.full([block_m, block_n], 0.0, dtype=tl.float32)
+                for k0 in range(0, k_dim, block_k):
+                    ks = k0 + tl.arange(0, block_k)
+                    k_mask = ks < k_dim
+                    a_tile = tl.load(a + source[:, None] * k_dim + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    w_mask = k_mask[:, None] & col_mask[None, :]
+                    w_tile = tl.load(first_weight + cols[None, :].to(tl.int64) * k_dim + ks[:, None], mask=w_mask, other=0.0)
+                    acc += tl.dot(a_tile, w_tile)
+                    if gate_up:
+                        up_rows = (out_dim + cols[None, :]).to(tl.int64)
+                        acc_up += tl.dot(a_tile, tl.load(first_weight + up_rows * k_dim + ks[:, None], mask=w_mask, other=0.0))
+                if gate_up:
+                    acc = acc.to(out.dtype.element_ty).to(tl.float32)  # rounded where the grouped GEMM rounds
+                    acc_up = acc_up.to(out.dtype.element_ty).to(tl.float32)
+                    acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+                tl.store(out + m[:, None].to(tl.int64) * out_dim + cols[None, :], acc.to(out.dtype.element_ty),
+                         mask=m_mask[:, None] & col_mask[None, :])
+
+
+# (block_n, block_k, num_warps, num_stages) of expert_mlp's two kernels; bench/bench_expert_gemms.py measures them.
+EXPERT_UP_BLOCKS = (64, 128, 4, 3)
+EXPERT_DOWN_BLOCKS = (64, 128, 4, 3)
 
 
 def _block(width: int) -> int:
@@ -254,3 +331,52 @@ def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     block = 1024
     _align_kernel[(num_experts,)](flat, rows, inverse, offsets, pairs, experts.shape[1], chunks=triton.cdiv(pairs, block), block=block)
     return rows, inverse, offsets
+
+
+def expert_mlp(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    up_blocks: tuple[int, int, int, int] | None = None,
+    down_blocks: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`expert_mlp_reference` in two Triton kernels, for up to `EXPERT_MAX_TOKENS` tokens.
+
+    On CUDA the products are Triton's `tl.dot` with fp32 accumulation: exact products of bf16
+    inputs (TF32 for fp32 inputs, so the library calls it for bf16 only). Triton's interpreter
+    multiplies fp32 correctly and bf16 not at all (3.9), so the CPU tests use fp32.
+    """
+    tokens, dim = x.shape
+    num_experts, double_inter, weight_dim = gate_up_proj.shape
+    inter = double_inter // 2
+    if tokens > EXPERT_MAX_TOKENS:
+        raise ValueError(f"expert_mlp: at most {EXPERT_MAX_TOKENS} tokens, got {tokens}")
+    if weight_dim != dim or down_proj.shape != (num_experts, dim, inter) or offsets.numel() != num_experts:
+        raise ValueError(
+            f"expert_mlp: tokens of width {dim} need gate_up_proj (E, 2I, {dim}), down_proj (E, {dim}, I) and E offsets; "
+            f"got {tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)} and {offsets.numel()}"
+        )
+    if not available(x):
+        return expert_mlp_reference(x, rows, offsets, gate_up_proj, down_proj)
+    pairs = rows.numel()
+    hidden = x.new_empty(pairs, inter)
+    out = x.new_empty(pairs, dim)
+    if not pairs:
+        return out
+    x, rows, offsets = x.contiguous(), rows.contiguous(), offsets.contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    m_tiles = triton.cdiv(tokens, EXPERT_BLOCK_M)
+    for a, width, weight, k_dim, result, gate_up, blocks in (
+        (x, inter, gate_up_proj, dim, hidden, True, up_blocks or EXPERT_UP_BLOCKS),
+        (hidden, dim, down_proj, inter, out, False, down_blocks or EXPERT_DOWN_BLOCKS),
+    ):
+        block_n, block_k, warps, stages = blocks
+        block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
+        _expert_gemm_kernel[(num_experts, triton.cdiv(width, block_n))](
+            a, rows, offsets, weight, result, width, k_dim=k_dim, gate_up=gate_up, m_tiles=m_tiles,
+            block_m=EXPERT_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+        )
+    return out
