@@ -71,8 +71,8 @@ class DataSettings:
     self_generate_batch_size: int = 160
     """Contexts per batch when the base in this process writes the continuations. At real size
     on one H200 (`fastdecode`, bench/RESULTS.md) 160 is the largest batch measured under
-    78 GiB: the 320 windows of the default recipe in 35-36 s, a batch of 160 peaking at
-    77.7 GiB with the base and a training run's head resident (192: 79.6 GiB without the head).
+    78 GiB: the 320 windows of the default recipe in 28 s, a batch of 160 peaking at
+    77.5 GiB with the base and a training run's head resident (192: 79.6 GiB without the head).
     The decoder's state grows with it (63 MiB a row); lower it on a GPU with less memory."""
     self_generate_endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)

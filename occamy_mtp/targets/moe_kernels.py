@@ -1,12 +1,13 @@
-"""Triton kernels for the MoE block around the routed-expert GEMMs of the fast base pass and the decode step.
+"""Triton kernels for the MoE block of the fast base pass and the decode step.
 
 At real size (N tokens, top-8 of 256 experts, D = 2048, I = 512) the two grouped
 GEMMs of a MoE layer are surrounded by element-wise passes over (N * 8)-row tensors
 that cost about half as much as the GEMMs themselves (bench/RESULTS.md, profile); in a
-decode step, where N is one row or a few hundred, it is the number of kernels that costs:
-each is a launch of a few microseconds, about thirty a layer. Four kernels take their
-place, each beside the plain PyTorch computation it replaces, which is its oracle
-(tests/test_moe_kernels.py):
+decode step, where N is one row or a few hundred, it is the number of kernels that costs
+(each is a launch of a few microseconds, about thirty a layer), and torch's grouped GEMM
+reads the experts at two thirds of the memory bandwidth with 2 to 5 rows an expert. These
+kernels take their place, each beside the plain PyTorch computation it replaces, which is
+its oracle (tests/test_moe_kernels.py):
 
 * `route`: the router's softmax in fp32, its top-k and their renormalisation
   (transformers' `Qwen3_5MoeTopKRouter` after its linear), one program a token.
