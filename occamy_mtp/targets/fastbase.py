@@ -332,10 +332,11 @@ def grouped_experts(
 
 def expert_kernels_apply(x: torch.Tensor, experts) -> bool:
     """Whether `moe_kernels.expert_mlp` computes these experts: bf16 on CUDA (its products are
-    exact there, where fp32 would be TF32), or any dtype under Triton's interpreter."""
+    exact there, where fp32 would be TF32), fp32 under Triton's interpreter (whose bf16 products are wrong)."""
     if not moe_kernels.available(x):
         return False
-    return not x.is_cuda or (x.dtype == torch.bfloat16 and experts.gate_up_proj.dtype == torch.bfloat16)
+    dtype = torch.bfloat16 if x.is_cuda else torch.float32
+    return x.dtype == dtype and experts.gate_up_proj.dtype == dtype
 
 
 def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch.Tensor:
