@@ -12,8 +12,9 @@ CUDA graph and replayed: no Python and no kernel launches per step beyond the re
 The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
 `fastbase.packed_hidden`. On CUDA the kernels are the fast pass's: the residual adds and
 RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
-`fastbase.fused_moe_block` (its experts' GEMMs `moe_kernels.expert_mlp` up to 256 tokens), and the Gated DeltaNet's conv and rule `decode_kernels`'
-(two kernels a layer); elsewhere the modules' own and the kernels' PyTorch references.
+`fastbase.fused_moe_block` (its experts' GEMMs `moe_kernels.expert_mlp` up to 256 tokens),
+and the Gated DeltaNet's conv and rule `decode_kernels`' (two kernels a layer); elsewhere
+the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once). `tests/test_fastdecode.py` holds both
 against `greedy.greedy_generate`, one step a token and the full forward.

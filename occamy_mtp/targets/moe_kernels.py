@@ -42,8 +42,8 @@ except ImportError:  # CPU-only installs: the reference functions below still wo
 
 
 ALIGN_MAX_PAIRS = 16384  # `align` scans every pair once per expert: for decode-sized batches, not a whole pass
-# `expert_mlp` walks an expert's rows in tiles of EXPERT_BLOCK_M, as many tiles as the batch has
-# tokens (an expert sees each token at most once), unrolled: for decode-sized batches only.
+# `expert_mlp` walks an expert's rows in tiles of EXPERT_BLOCK_M, unrolled, enough tiles for every
+# token of the batch (an expert sees a token at most once): for decode-sized batches only.
 EXPERT_BLOCK_M, EXPERT_MAX_TOKENS = 16, 256
 
 
