@@ -19,7 +19,7 @@ import time
 os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())
 import torch  # noqa: E402
 import triton  # noqa: E402
-sys.path.insert(0, "bench")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_expert_gemms import seconds_per_sweep  # noqa: E402
 
 from occamy_mtp.targets import moe_kernels as mk  # noqa: E402

@@ -22,26 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from occamy_mtp.targets import moe_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import copy_bandwidth  # noqa: E402
 
-GIB = 2**30
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes per second of a device-to-device copy of 4 GiB (read + write counted)."""
-    src = torch.empty(GIB, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(5):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    return 2 * 4 * GIB * 5 / (time.perf_counter() - started)
+from occamy_mtp.targets import moe_kernels  # noqa: E402
 
 
 def grouped_mm_mlp(x, rows, offsets, gate_up_proj, down_proj):
@@ -94,7 +84,7 @@ def main() -> int:
     generator = torch.Generator(device=device).manual_seed(0)
     weights = [((torch.randn(experts, 2 * inter, dim, device=device, generator=generator) * 0.02).bfloat16(),
                 (torch.randn(experts, dim, inter, device=device, generator=generator) * 0.02).bfloat16()) for _ in range(layers)]
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    bandwidth = copy_bandwidth(device)  # nan without a GPU
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "layers": layers, "experts": experts, "dim": dim, "inter": inter, "top_k": top_k,
               "copy_bandwidth_bytes_per_second": bandwidth, "rows": []}
