@@ -15,6 +15,20 @@ generated greedily, every decision the decoder makes equals the offline chain's 
 same anchor, so the replay gives the decoder's counts exactly (tests/test_metrics.py
 checks it against the decoder itself) at the cost of one batched offline pass for any
 number of draft steps, instead of one token-by-token decode per head and step count.
+
+Sampled serving (`occamy_mtp.sampling`). The decoder's walk is random, but given the text it
+wrote it is a Markov chain over the anchors with known odds: the emitted token is drawn
+from p whether or not the draft was accepted, so given the text, step k of a round is
+accepted with probability beta = min(p, q)(x) / p(x) at the text's token x, independently
+of every other draw. `expected_acceptance` walks that chain exactly (`expected_rounds`:
+the probability that a round lands at each anchor, and the expected counts from there).
+An accepted draft is counted with alpha = sum_x min(p, q), its expectation given the text
+before the drafted position, rather than with beta: the same expectation, with the draw
+of that token averaged out. On a text the base wrote under the same sampling settings,
+the figures are the decoder's expected counts given the text, and their mean over texts
+is the served expectation (docs/CONTRACT.md section 4). With beta and alpha in {0, 1}
+(greedy serving on the base's greedy text) the walk is `decoder_rounds`' and the counts
+are the same numbers.
 """
 
 from __future__ import annotations
@@ -102,18 +116,85 @@ def decoder_rounds(
 
 
 @dataclass(frozen=True)
+class ExpectedCounts:
+    """The decoder's expected counts over one text (`expected_rounds`)."""
+
+    proposed: list[float]
+    accepted: list[float]
+    drafted: float
+    passes: float
+    """Base passes after the prefill: rounds and plain steps."""
+
+
+def expected_rounds(
+    accept_given: Sequence[Sequence[float]],
+    accept_expected: Sequence[Sequence[float]],
+    prompt_length: int,
+    max_new_tokens: int,
+    draft_steps: int,
+) -> ExpectedCounts:
+    """The expected counts of `decode.speculative_decode` that wrote this text under sampling (module docstring).
+
+    Args:
+        accept_given: per anchor a = 0..L-1 of the whole text and chain step k (0-based,
+            at least `draft_steps` of them): P(step k accepted | steps before it accepted,
+            the text), beta. Read only where step k's position a+k+1 lies inside the text.
+        accept_expected: alpha, the same step's expected acceptance given the text before
+            the drafted position: what an accepted draft counts.
+        prompt_length, max_new_tokens, draft_steps: as for `decoder_rounds`, whose walk this
+            is: from e emitted tokens a round drafts min(K, budget left - 1) steps at anchor
+            P + e - 2 (a plain base step when that is 0), accepts j of them with probability
+            beta_1 ... beta_j (1 - beta_{j+1}), and emits j + 1 tokens.
+    """
+    length = len(accept_given)
+    generated = length - prompt_length
+    if prompt_length < 1 or generated < 1:
+        raise ValueError(f"a text of {length} tokens with a {prompt_length}-token prompt has no generated token")
+    if generated > max_new_tokens:
+        raise ValueError(f"the text holds {generated} generated tokens, more than max_new_tokens={max_new_tokens}")
+    arrive = [0.0] * (generated + 1)  # arrive[e]: P(a round starts with e tokens emitted)
+    arrive[1] = 1.0  # the prefill emits the first token
+    proposed, accepted = [0.0] * draft_steps, [0.0] * draft_steps
+    drafted = passes = 0.0
+    for emitted in range(1, generated):
+        weight = arrive[emitted]
+        if weight == 0.0:
+            continue
+        passes += weight
+        steps = min(draft_steps, max_new_tokens - emitted - 1)
+        if steps == 0:  # one token left: a plain base step
+            arrive[emitted + 1] += weight
+            continue
+        anchor = prompt_length + emitted - 2
+        in_text = min(steps, length - 2 - anchor)
+        drafted += weight * in_text
+        reached = 1.0  # P(steps before this one all accepted)
+        for k in range(in_text):
+            proposed[k] += weight * reached
+            accepted[k] += weight * reached * accept_expected[anchor][k]
+            kept = reached * accept_given[anchor][k]
+            if emitted + k + 1 < generated:  # k drafts accepted, then a rejection: k + 1 tokens
+                arrive[emitted + k + 1] += weight * (reached - kept)
+            reached = kept
+        if emitted + in_text + 1 < generated:  # every draft accepted, then the bonus token
+            arrive[emitted + in_text + 1] += weight * reached
+    return ExpectedCounts(proposed, accepted, drafted, passes)
+
+
+@dataclass(frozen=True)
 class Acceptance:
-    """What a speculative decoder measures over a set of texts at `draft_steps` steps."""
+    """What a speculative decoder measures over a set of texts at `draft_steps` steps: counts
+    under greedy serving, expected counts (fractional) under sampled serving."""
 
     draft_steps: int
     texts: int
-    proposed: list[int]
-    accepted: list[int]
-    drafted: int
+    proposed: list[float]
+    accepted: list[float]
+    drafted: float
     acceptance: list[float]
     mean_accept_length: float
     accept_rate: float
-    verify_passes: int
+    verify_passes: float
     """Base passes after the prefills (draft rounds + plain steps)."""
     tokens_per_verify_pass: float
     """Generated tokens after each prompt's first, per base pass: the measured speed-up over
@@ -124,8 +205,8 @@ class Acceptance:
 
 
 def acceptance_from_counts(
-    draft_steps: int, texts: int, proposed: Sequence[int], accepted: Sequence[int], drafted: int,
-    verify_passes: int, generated_after_first: int,
+    draft_steps: int, texts: int, proposed: Sequence[float], accepted: Sequence[float], drafted: float,
+    verify_passes: float, generated_after_first: int,
 ) -> Acceptance:
     """The figures of summed counts."""
     acceptance, length, rate = acceptance_summary(proposed, accepted, drafted)
@@ -156,4 +237,24 @@ def replayed_acceptance(
         passes += text_passes
         generated_after_first += len(accepted_at) - prompt_length - 1
     proposed, accepted, drafted = counts_from_outcomes(scorable, hits, draft_steps)
+    return acceptance_from_counts(draft_steps, len(texts), proposed, accepted, drafted, passes, generated_after_first)
+
+
+def expected_acceptance(
+    texts: Sequence[tuple[Sequence[Sequence[float]], Sequence[Sequence[float]], int]], max_new_tokens: int,
+    draft_steps: int,
+) -> Acceptance:
+    """The decoder's expected figures over texts given as (accept_given, accept_expected,
+    prompt_length) triples (`expected_rounds`): expected counts summed over the texts, and
+    the figures of those sums, as an engine's counters sum them."""
+    proposed, accepted = [0.0] * draft_steps, [0.0] * draft_steps
+    drafted = passes = 0.0
+    generated_after_first = 0
+    for given, expected, prompt_length in texts:
+        counts = expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
+        proposed = [a + b for a, b in zip(proposed, counts.proposed)]
+        accepted = [a + b for a, b in zip(accepted, counts.accepted)]
+        drafted += counts.drafted
+        passes += counts.passes
+        generated_after_first += len(given) - prompt_length - 1
     return acceptance_from_counts(draft_steps, len(texts), proposed, accepted, drafted, passes, generated_after_first)

@@ -1,0 +1,132 @@
+"""Sampled serving: the distributions an engine draws from, and how it accepts a draft.
+
+An engine serving a request with temperature T, top_p and top_k draws every token of the
+base from the *processed* distribution p: the logits divided by T, the top-k largest
+kept (ties at the k-th kept too), then, of what is left, the most probable tokens kept
+while the tokens more probable than them hold less than top_p of the mass (the most
+probable one always), renormalised. T = 0 is greedy: p is one-hot at the argmax (the
+lowest id on a tie). This is vLLM's order and boundary (`apply_top_k_top_p`); SGLang
+applies top-k then top-p to the same probabilities.
+
+A draft token d is drawn from the head's distribution q and accepted with probability
+min(1, p(d) / q(d)); on rejection the emitted token is drawn from norm(max(p - q, 0)),
+and after K accepted drafts a bonus token from p. Two draft rules are served:
+
+* greedy drafts (SGLang's NEXTN with `--speculative-eagle-topk 1`, vLLM's default
+  `draft_sample_method="greedy"`): d is the head's argmax and q is one-hot there, so d is
+  accepted with probability p(d) and a rejection draws from p without d;
+* sampled drafts (vLLM's `draft_sample_method="probabilistic"`): d is drawn from
+  q = softmax(head logits / T) (temperature only: the engine leaves top-k and top-p out
+  of the draft) and the ratio test uses that q.
+
+Either way the emitted text is distributed as p, and the expected acceptance of one
+drafted position is sum_x min(p(x), q(x)) (`acceptance`); docs/CONTRACT.md section 4
+sets out the chain's expectation. Random draws here are inverse-CDF draws from given
+uniforms (`draw`), so a seeded stream (`uniform_stream`) fixes every token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+GREEDY_DRAFTS = "greedy"
+SAMPLED_DRAFTS = "sampled"
+DRAFT_RULES = (GREEDY_DRAFTS, SAMPLED_DRAFTS)
+
+
+def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The distribution an engine samples the base from: (..., V) logits -> (..., V) float32 probabilities.
+
+    temperature 0: one-hot at the argmax. top_k 0 (or >= V) and top_p 1 leave the
+    softmax whole (module docstring for the order and boundaries).
+    """
+    if temperature == 0:
+        return one_hot_argmax(logits)
+    scaled = logits.float() / temperature
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]  # (..., 1) the k-th largest logit
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = scaled.sort(dim=-1)
+        below = ascending.softmax(dim=-1).cumsum(dim=-1)  # mass of each token and every less probable one
+        drop = below <= 1.0 - top_p  # the more probable tokens hold >= top_p without it
+        drop[..., -1] = False  # the most probable token always stays
+        scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
+    return scaled.softmax(dim=-1)
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> float32 one-hot at the argmax (the lowest id on a tie, as torch.argmax)."""
+    out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float, draft: str) -> torch.Tensor:
+    """The head's q under a draft rule (module docstring): one-hot at its argmax for greedy
+    drafts (and at temperature 0), softmax(logits / T) for sampled ones."""
+    if draft not in DRAFT_RULES:
+        raise ValueError(f"draft rule must be one of {DRAFT_RULES}, got {draft!r}")
+    if draft == GREEDY_DRAFTS or temperature == 0:
+        return one_hot_argmax(logits)
+    return (logits.float() / temperature).softmax(dim=-1)
+
+
+def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Expected acceptance of a draft drawn from q and checked against p: sum_x min(p, q) over the last axis."""
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def acceptance_given(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """P(the draft was accepted | the emitted token is `tokens`) = min(p, q)(x) / p(x), per row.
+
+    The emitted token is distributed as p whether the draft was accepted or not, so this
+    is the acceptance conditioned on the text. Where p(x) = 0 (a token the processed p
+    excludes, which the text should never hold: see `outside_support`) the draft is taken
+    as accepted when q(x) > 0, so that a text from a slightly different p still counts.
+    """
+    px = p.gather(-1, tokens[..., None])[..., 0]
+    qx = q.gather(-1, tokens[..., None])[..., 0]
+    both = torch.minimum(px, qx)
+    return torch.where(px > 0, both / px.clamp_min(torch.finfo(px.dtype).tiny), (qx > 0).to(px.dtype))
+
+
+def outside_support(p: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows whose token has probability 0 under p (bool): text p could not have written."""
+    return p.gather(-1, tokens[..., None])[..., 0] <= 0
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a rejection draws from: norm(max(p - q, 0)); p itself where p <= q everywhere."""
+    rest = (p - q).clamp_min(0)
+    total = rest.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, rest / total.clamp_min(torch.finfo(rest.dtype).tiny), p)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: (..., V) probabilities (any scale) and (...) uniforms in [0, 1) -> (...) token ids.
+
+    Token x is drawn for u in [c(x-1), c(x)) of the cumulative mass c in id order, so its
+    probability is p(x) exactly up to the rounding of the cumulative sum (in float64). A
+    token of zero probability is never drawn. No branch on values: a CUDA graph can hold it.
+    """
+    cumulative = probs.double().cumsum(dim=-1)  # (..., V)
+    total = cumulative[..., -1:]
+    index = torch.searchsorted(cumulative, uniforms.double()[..., None] * total, right=True)[..., 0]
+    index = index.clamp_max(probs.shape[-1] - 1)
+    # u * total rounded up to the total itself lands past the last token of nonzero mass:
+    # take that token instead.
+    positive = probs > 0
+    last = probs.shape[-1] - 1 - positive.flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.where(positive.gather(-1, index[..., None])[..., 0], index, last)
+
+
+def uniform_stream(seed: int, key: str, count: int) -> torch.Tensor:
+    """`count` float64 uniforms in [0, 1), a pure function of (seed, key): the same on every
+    machine and in every batch (torch's CPU generator), so that a sampled continuation keyed
+    by its context is the same whichever batch writes it, and after a resume."""
+    digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.rand(count, dtype=torch.float64, generator=generator)
