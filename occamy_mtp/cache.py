@@ -27,7 +27,7 @@ from occamy_mtp.run import (
     continuation_writer,
     load_tokenizer,
     log_stderr,
-    open_store,
+    open_stores,
     prepare_data,
     quiet,
     run_windows,
@@ -102,17 +102,19 @@ def build_for_config(
     """
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
-    store = open_store(config, tokenizer)
+    needed = self_generated_needed(config, data)
+    stores = open_stores(config, tokenizer, needed)
     directory = Path(directory)
-    check_store_writable(config, store, self_generated_needed(config, data))
+    check_store_writable(config, stores, needed)
     complete = (directory / MANIFEST_NAME).is_file() and read_manifest(directory).get("complete")
     problem = None if complete else files.unwritable(directory)
     if problem:  # before the base loads
         raise ConfigError(f"data.target_cache: {directory} cannot be written: {problem}")
     base = None
-    if store.missing(self_generated_needed(config, data)) and not config.data.self_generate_endpoints:
+    lacking = any(stores[sampling].missing(windows) for sampling, windows in needed.items())
+    if lacking and not config.data.self_generate_endpoints:
         base = _load_base(config)  # it writes the continuations (servers write them when named)
-    windows = run_windows(config, data, store, continuation_writer(config, tokenizer, base), log).all()
+    windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, base), log).all()
     identity = cache_identity(Path(config.model.base), windows, data.settings, config.model.dtype, config.model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)

@@ -98,6 +98,18 @@ class DataSettings:
     served (a concatenated corpus, a log dump)."""
     target_cache: str = ""
     """Directory of the offline target cache (`python -m occamy_mtp.cache`); empty runs the base online."""
+    self_generate_temperature: float = 0.0
+    """Temperature at which the base writes the train windows' continuations: 0 is greedy; above 0 each
+    token is drawn from the base's distribution processed with `self_generate_top_p` and
+    `self_generate_top_k` (`occamy_mtp.sampling`), from a uniform stream seeded by
+    `self_generate_seed` and the context, so that a continuation is the same in any batch and after a
+    resume. The heldout and validation windows are written under each `eval.serving` configuration."""
+    self_generate_top_p: float = 1.0
+    """Nucleus of the sampled continuations (1: every token)."""
+    self_generate_top_k: int = 0
+    """Top-k of the sampled continuations (0: every token)."""
+    self_generate_seed: int = 0
+    """Seed of every sampled continuation (train, validation and heldout)."""
 
 
 TURN_CHOICES = ("last", "first", "every")
@@ -114,6 +126,47 @@ def window_settings(data: DataSettings) -> dict:
     """`prepare_windows` keyword arguments of a run's data settings (its split, exactly): and
     `prompts`, whether records without an answer are used (the base writes the answers)."""
     return {**{name: getattr(data, name) for name in WINDOW_SETTINGS}, "prompts": data.answers != "data"}
+
+
+DRAFT_RULES = ("greedy", "sampled")
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How an engine serves: how it samples the base and draws and accepts drafts (`occamy_mtp.sampling`)."""
+
+    temperature: float = 0.0
+    """The requests' temperature; 0 is greedy decoding (a draft is accepted when it is the base's argmax)."""
+    top_p: float = 1.0
+    """The requests' top_p: the most probable tokens are kept while the tokens before them hold less
+    than this share of the mass (1: every token)."""
+    top_k: int = 0
+    """The requests' top_k: the k largest logits are kept (0: every token)."""
+    draft: str = "greedy"
+    """How the engine draws a draft token: greedy (the head's argmax, accepted with probability p(d):
+    SGLang's NEXTN with --speculative-eagle-topk 1, and vLLM's default draft_sample_method) or
+    sampled (drawn from the head's softmax at the temperature and accepted with probability
+    min(1, p/q): vLLM's draft_sample_method=probabilistic)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def label(self) -> str:
+        """The configuration's name in reports and directory names: greedy, t0.7-p0.8, t0.6-k20-sampled-drafts."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"t{self.temperature:g}"]
+        if self.top_p < 1:
+            parts.append(f"p{self.top_p:g}")
+        if self.top_k:
+            parts.append(f"k{self.top_k}")
+        if self.draft == "sampled":
+            parts.append("sampled-drafts")
+        return "-".join(parts)
+
+
+LOSSES = ("top1", "kl", "tv")
 
 
 @dataclass(frozen=True)
@@ -145,6 +198,13 @@ class TrainSettings:
     """Loss weight of each step 1..draft_steps; empty means equal weights."""
     detach_chain: bool = False
     """Stop gradients between chained steps (cheaper; the default trains the full unroll)."""
+    loss: str = "top1"
+    """What the head is fitted to at each scored position: top1 (cross-entropy towards the base's greedy
+    token), kl (KL(p || q)) or tv (the total variation 1 - sum_x min(p(x), q(x)), one minus the
+    expected acceptance of a draft drawn from q). p is the base's distribution processed as the
+    selected serving configuration serves it (`eval.serving[eval.select_serving]`: temperature,
+    top_p, top_k), computed exactly from the base's hidden state; q is the head's softmax at that
+    temperature (1 for greedy serving)."""
     checkpoint_every_steps: int = 64
     """Write a resumable checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
@@ -174,6 +234,15 @@ class EvalSettings:
     when every draft is rejected, the worst case), so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
+    serving: tuple[Serving, ...] = (Serving(), Serving(temperature=0.7, top_p=0.8))
+    """The serving configurations every served figure is measured for, e.g.
+    [{temperature: 0}, {temperature: 0.7, top_p: 0.8}]: greedy, and the sampling the Qwen3.5/3.6 model
+    cards recommend for chat. For each, the base writes its own continuation of every heldout
+    context under that sampling (seeded: `data.self_generate_seed`) and the decoder's acceptance is
+    the exact expectation over its draws given that text (docs/CONTRACT.md section 4)."""
+    select_serving: int = 0
+    """Which of `serving` (0: the first) checkpoint selection scores, export's refusal compares, and a
+    kl or tv loss (`train.loss`) fits."""
 
 
 @dataclass(frozen=True)
@@ -214,7 +283,14 @@ class RunConfig:
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
+        if "train" in sections and (self.train.select_every_steps or self.train.loss != "top1"):
+            parts["eval.selected_serving"] = d["eval"]["serving"][self.eval.select_serving]  # selection scores it, the loss fits it
         return parts
+
+    @property
+    def selected_serving(self) -> Serving:
+        """The serving configuration selection, the refusal and a distribution loss use."""
+        return self.eval.serving[self.eval.select_serving]
 
 
 def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
@@ -260,6 +336,8 @@ def _coerce(value, annotation, path: str):
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, path)
     if annotation is type(None):
         if value is not None:
             raise ConfigError(f"{path}: expected null, got {value!r}")
@@ -423,13 +501,34 @@ def check(config: RunConfig) -> None:
         ),
         (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
+        (config.train.loss in LOSSES, "train.loss", ", ".join(LOSSES[:-1]) + " or " + LOSSES[-1]),
+        (len(config.eval.serving) >= 1, "eval.serving", "one or more serving configurations"),
+        (0 <= config.eval.select_serving < max(1, len(config.eval.serving)), "eval.select_serving",
+         f"an index into eval.serving, 0 to {len(config.eval.serving) - 1}"),
+        (len({s.label() for s in config.eval.serving}) == len(config.eval.serving), "eval.serving",
+         "distinct configurations (two entries serve the same way)"),
     ]
-    for ok, option, expected in checks:
+    data = config.data
+    sampling = [("data.self_generate_", data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k)]
+    sampling += [(f"eval.serving[{i}].", s.temperature, s.top_p, s.top_k) for i, s in enumerate(config.eval.serving)]
+    for prefix, temperature, top_p, top_k in sampling:
+        checks += [
+            (math.isfinite(temperature) and temperature >= 0, f"{prefix}temperature", "a finite number >= 0", temperature),
+            (0 < top_p <= 1, f"{prefix}top_p", "a number in (0, 1]", top_p),
+            (top_k >= 0, f"{prefix}top_k", "0 (every token) or more", top_k),
+        ]
+    checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", " or ".join(DRAFT_RULES), s.draft)
+               for i, s in enumerate(config.eval.serving)]
+    for ok, option, expected, *given in checks:
         if not ok:
-            value = config.to_dict()
-            for part in option.split("."):
-                value = value[part]
+            value = given[0] if given else _dotted(config.to_dict(), option)
             raise ConfigError(f"{option}: expected {expected}, got {value!r}")
+
+
+def _dotted(tree: dict, option: str):
+    for part in option.split("."):
+        tree = tree[part]
+    return tree
 
 
 def step_loss_weights(train: TrainSettings) -> tuple[float, ...]:

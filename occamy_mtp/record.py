@@ -22,7 +22,7 @@ from occamy_mtp.files import hash_cache_key, sha256_file
 from occamy_mtp import __version__
 from occamy_mtp.model import checkpoint as ckpt_io
 
-RECORD_FORMAT = 2
+RECORD_FORMAT = 3  # 3: metrics and self-generated stores per serving configuration
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
 def load_hash_cache(path: Path) -> dict:
     try:
@@ -132,8 +132,10 @@ def training_record(config, identities: dict, dataset: dict, summary: dict, self
         "timings": {
             "train_seconds": summary["train_seconds"],
             "base_forward_seconds": summary["base_forward_seconds"],
-            # the continuations are usually written by train.py; export writes any it lacks
-            "self_generation_seconds": summary["self_generated"]["generation_seconds"] + self_generated["generation_seconds"],
+            # the continuations are usually written by train.py; export writes any it lacks (the
+            # heldout ones of every serving configuration)
+            "self_generation_seconds": sum(store["generation_seconds"] for store in summary["self_generated"].values())
+            + sum(store["generation_seconds"] for store in self_generated.values()),
             **seconds,
         },
         "training": {
@@ -153,17 +155,22 @@ def training_record(config, identities: dict, dataset: dict, summary: dict, self
 # Schema
 # ----------------------------------------------------------------------------------
 
+# Counts are numbers: integers under greedy serving, expected counts (fractional) under sampled.
 _METRICS = {
     "windows": int, "scored_positions": int, "agreement": float, "data_nll": float, "draft_steps": int,
-    "proposed": [int], "accepted": [int], "acceptance": [float], "mean_accept_length": float,
+    "proposed": [float], "accepted": [float], "acceptance": [float], "mean_accept_length": float,
     "accept_rate": float, "text": str, "exact": bool,
 }
 _SERVED = {
-    "draft_steps": int, "texts": int, "proposed": [int], "accepted": [int], "drafted": int, "acceptance": [float],
-    "mean_accept_length": float, "accept_rate": float, "verify_passes": int, "tokens_per_verify_pass": float,
+    "draft_steps": int, "texts": int, "proposed": [float], "accepted": [float], "drafted": float, "acceptance": [float],
+    "mean_accept_length": float, "accept_rate": float, "verify_passes": float, "tokens_per_verify_pass": float,
 }
-# "served" maps each served step count ("1", "3") to _SERVED; checked in validate_record.
-_HEAD_REPORT = {"served": dict, "self_generated": _METRICS, "teacher_forced": (_METRICS, None)}  # None: prompts only
+_SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "draft": str}
+# "serving" maps each serving configuration's label to _SERVING_REPORT, whose "served" maps each
+# served step count ("1", "3") to _SERVED; both checked in validate_record.
+_SERVING_REPORT = {"settings": _SETTINGS, "served": dict, "every_anchor": _METRICS}
+_HEAD_REPORT = {"serving": dict, "teacher_forced": (_METRICS, None)}  # None: prompts only
+_STORE = {"identity": dict, "windows": int, "finished": int, "generated_tokens": int, "generation_seconds": float}
 _IDENTITY = {
     "path": str, "revision": (str, None), "config_sha256": (str, None),
     "files": [{"name": str, "bytes": int, "sha256": str}],
@@ -187,11 +194,13 @@ SCHEMA = {
                 "export_seconds": float},
     "training": {"final_loss": (float, None), "loss_first_steps": [float], "loss_last_steps": [float],
                  "selection": {"enabled": bool, "written_step": (int, None)}},
-    "self_generated": {"identity": dict, "windows": int, "finished": int, "generated_tokens": int},
+    "self_generated": dict,  # label of each way the text was written -> _STORE; checked in validate_record
     "metrics": {
-        "format": int, "headline": str, "served_steps": [int], "max_new_tokens": int,
+        "format": int, "headline": str, "serving": [{"label": str, **_SETTINGS}], "selected_serving": str,
+        "served_steps": [int], "max_new_tokens": int,
         "heldout": {"donor": _HEAD_REPORT, "trained": _HEAD_REPORT},
-        "comparison": {"criterion": str, "steps": dict, "trained_not_worse": bool, "allow_worse": bool, "written": bool},
+        "comparison": {"criterion": str, "serving": str, "steps": dict, "trained_not_worse": bool, "allow_worse": bool,
+                       "written": bool},
         "decoder_check": {"donor": dict, "trained": dict},
     },
     "export": {"tensors": int, "replaced": [str], "bit_identical_to_donor": int, "max_abs_rounding_error": float},
@@ -244,13 +253,27 @@ def validate_record(record: dict) -> list[str]:
     """Every way `record` departs from SCHEMA (empty when it conforms)."""
     errors: list[str] = []
     _check(record, SCHEMA, "TRAINING", errors)
-    if not errors:
-        steps = [str(k) for k in record["metrics"]["served_steps"]]
-        for name, report in record["metrics"]["heldout"].items():
+    if errors:
+        return errors
+    if not record["self_generated"]:
+        errors.append("TRAINING.self_generated: no store of self-generated text")
+    for label, store in record["self_generated"].items():
+        _check(store, _STORE, f"TRAINING.self_generated.{label}", errors)
+    metrics = record["metrics"]
+    labels = [s["label"] for s in metrics["serving"]]
+    if metrics["selected_serving"] not in labels:
+        errors.append(f"TRAINING.metrics.selected_serving: {metrics['selected_serving']!r} is none of {labels}")
+    steps = [str(k) for k in metrics["served_steps"]]
+    for name, report in metrics["heldout"].items():
+        for label in labels:
+            where = f"TRAINING.metrics.heldout.{name}.serving.{label}"
+            if label not in report["serving"]:
+                errors.append(f"{where}: missing")
+                continue
+            _check(report["serving"][label], _SERVING_REPORT, where, errors)
             for k in steps:
-                where = f"TRAINING.metrics.heldout.{name}.served.{k}"
-                if k not in report["served"]:
-                    errors.append(f"{where}: missing")
+                if k not in report["serving"][label].get("served", {}):
+                    errors.append(f"{where}.served.{k}: missing")
                 else:
-                    _check(report["served"][k], _SERVED, where, errors)
+                    _check(report["serving"][label]["served"][k], _SERVED, f"{where}.served.{k}", errors)
     return errors

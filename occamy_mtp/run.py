@@ -30,6 +30,7 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
 from occamy_mtp.data.windows import PreparedData, Window, load_tokenizer, prepare_windows
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
@@ -96,8 +97,23 @@ class RunDir:
         return found[-1] if found else None
 
 
-def self_generated_dir(config: RunConfig) -> Path:
-    return Path(config.data.self_generated_dir) if config.data.self_generated_dir else RunDir.of(config).self_generated
+def self_generated_dir(config: RunConfig, sampling: TextSampling = GREEDY_TEXT) -> Path:
+    """Where the continuations written under `sampling` are stored: the greedy ones in the store
+    directory itself, sampled ones in a folder of it named after their settings."""
+    root = Path(config.data.self_generated_dir) if config.data.self_generated_dir else RunDir.of(config).self_generated
+    return root if sampling.greedy else root / f"sampled-{sampling.label()}"
+
+
+def train_text(config: RunConfig) -> TextSampling:
+    """How the base writes the train windows' continuations (`data.self_generate_*`)."""
+    data = config.data
+    return TextSampling(data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k,
+                        data.self_generate_seed)
+
+
+def serving_text(config: RunConfig, serving) -> TextSampling:
+    """How the base writes the text a serving configuration is measured on."""
+    return text_sampling(serving, config.data.self_generate_seed)
 
 
 # ----------------------------------------------------------------------------------
@@ -230,9 +246,9 @@ def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
     return default_eos_token_ids(tokenizer, config.model.base)
 
 
-def open_store(config: RunConfig, tokenizer) -> SelfGeneratedStore:
-    """The run's store of continuations (refused when written for another base, other settings
-    or by another writer)."""
+def open_store(config: RunConfig, tokenizer, sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
+    """The run's store of continuations written under `sampling` (refused when written for another
+    base, other settings or by another writer)."""
     identity = store_identity(
         config.model.base,
         config.model.dtype,
@@ -240,17 +256,28 @@ def open_store(config: RunConfig, tokenizer) -> SelfGeneratedStore:
         max_new_tokens=config.data.answer_tokens,
         stop_token_ids=stop_token_ids(config, tokenizer),
         writer=ENGINE if config.data.self_generate_endpoints else EMBEDDED,
+        sampling=sampling,
     )
-    return SelfGeneratedStore.open(self_generated_dir(config), identity)
+    return SelfGeneratedStore.open(self_generated_dir(config, sampling), identity)
 
 
-def check_store_writable(config: RunConfig, store: SelfGeneratedStore, needed: list[Window]) -> None:
+Stores = dict[TextSampling, SelfGeneratedStore]
+"""The run's stores, one per way the base writes its text (`self_generated_needed`)."""
+
+
+def open_stores(config: RunConfig, tokenizer, needed: dict[TextSampling, list[Window]]) -> Stores:
+    return {sampling: open_store(config, tokenizer, sampling) for sampling in needed}
+
+
+def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSampling, list[Window]]) -> None:
     """A store that lacks continuations must take them: found before the base loads, not after."""
-    lacking = len(store.missing(needed))
-    problem = files.unwritable(store.directory) if lacking else None
-    if problem:
-        raise ConfigError(f"data.self_generated_dir: {store.directory} lacks {lacking} of the run's {len(needed)} "
-                          f"continuations and cannot be written: {problem}")
+    for sampling, windows in needed.items():
+        store = stores[sampling]
+        lacking = len(store.missing(windows))
+        problem = files.unwritable(store.directory) if lacking else None
+        if problem:
+            raise ConfigError(f"data.self_generated_dir: {store.directory} lacks {lacking} of the run's {len(windows)} "
+                              f"continuations and cannot be written: {problem}")
 
 
 def continuation_writer(config: RunConfig, tokenizer, base=None) -> Writer | None:
@@ -274,71 +301,89 @@ class RunWindows:
     train: list[Window]
     """What the head trains on: recorded answers, self-generated ones, or both (`data.answers`)."""
     validation: list[Window]
-    """Self-generated validation windows: what checkpoint selection scores."""
-    heldout: list[Window]
-    """Self-generated heldout windows: the headline figures (exact; the decoder replay)."""
+    """Self-generated validation windows, written under the selected serving configuration: what
+    checkpoint selection scores."""
+    heldout: dict[str, list[Window]]
+    """Self-generated heldout windows per serving configuration (its label, in `eval.serving`'s
+    order), each written under that configuration's sampling: the headline figures."""
     heldout_data: list[Window]
     """The recorded heldout answers: teacher-forced agreement and NLL (approximate acceptance);
     prompts' windows, which record none, are not among them."""
     self_generated: dict
-    """Provenance of the continuations (`SelfGeneratedStore.provenance`)."""
+    """Provenance of the continuations, per way of writing them (`TextSampling.label`:
+    `SelfGeneratedStore.provenance`)."""
 
     def all(self) -> list[Window]:
         """Every distinct window the run reads targets for, in a fixed order (what a target cache covers)."""
         seen: set[tuple[int, ...]] = set()
         out = []
-        for window in [*self.train, *self.validation, *self.heldout, *self.heldout_data]:
+        heldout = [w for windows in self.heldout.values() for w in windows]
+        for window in [*self.train, *self.validation, *heldout, *self.heldout_data]:
             if window.input_ids not in seen:
                 seen.add(window.input_ids)
                 out.append(window)
         return out
 
 
-def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> list[Window]:
-    """The windows of `splits` whose self-generated twins the run uses: validation, heldout, and
-    train unless the head trains on the recorded answers only."""
-    train = data.train if TRAIN in splits and config.data.answers != "data" else []
-    return [*(data.validation if VALIDATION in splits else []), *(data.heldout if HELDOUT in splits else []), *train]
+def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> dict[TextSampling, list[Window]]:
+    """The windows of `splits` whose self-generated twins the run uses, by how the base writes them:
+    validation under the selected serving configuration, heldout under each one, and train under
+    `data.self_generate_*` unless the head trains on the recorded answers only."""
+    needed: dict[TextSampling, list[Window]] = {}
+    if VALIDATION in splits:
+        needed.setdefault(serving_text(config, config.selected_serving), []).extend(data.validation)
+    if HELDOUT in splits:
+        for sampling in dict.fromkeys(serving_text(config, serving) for serving in config.eval.serving):
+            needed.setdefault(sampling, []).extend(data.heldout)
+    if TRAIN in splits and config.data.answers != "data":
+        needed.setdefault(train_text(config), []).extend(data.train)
+    return needed
 
 
-def run_windows(config: RunConfig, data: PreparedData, store: SelfGeneratedStore | None, writer: Writer | None = None,
+def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, writer: Writer | None = None,
                 log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
-    """The windows of `splits`; `writer` (`continuation_writer`) first writes the continuations the store lacks.
+    """The windows of `splits`; `writer` (`continuation_writer`) first writes the continuations the stores lack.
 
     Without a writer (the targets are cached and no servers are named) every continuation
-    must be in the store already: the cache pass writes them. Without a store, the
+    must be in its store already: the cache pass writes them. Without stores, the
     recorded answers only (train and the teacher-forced heldout windows).
     """
     recorded_heldout = [w for w in data.heldout if w.has_answer] if HELDOUT in splits else []  # prompts have none
-    if store is None:
+    if stores is None:
         return RunWindows(train=[w for w in data.train if w.has_answer] if TRAIN in splits else [], validation=[],
-                          heldout=[], heldout_data=recorded_heldout, self_generated={})
+                          heldout={}, heldout_data=recorded_heldout, self_generated={})
     needed = self_generated_needed(config, data, splits)
-    missing = store.missing(needed)
-    if missing:
+    for sampling, windows in needed.items():
+        store = stores[sampling]
+        missing = store.missing(windows)
+        if not missing:
+            continue
         if writer is None:
             raise SelfGenError(
-                f"{store.directory}: {len(missing)} of the run's {len(needed)} windows have no self-generated continuation, "
+                f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
                 "and the base is not loaded to write them (data.target_cache is set); run "
                 "`python -m occamy_mtp.cache --config CONFIG` first, which writes them with the target cache, or name "
                 "servers that write them (data.self_generate_endpoints)"
             )
-        store.generate(writer, needed, log)
+        store.generate(writer.for_text(sampling), windows, log)
     train: list[Window] = []
     if TRAIN in splits:
         answers = config.data.answers
         if answers == "data":
             train = list(data.train)
         else:
-            generated = store.windows(data.train)
+            generated = stores[train_text(config)].windows(data.train)
             train = generated if answers == "self_generated" else [
                 w for pair in zip(data.train, generated) for w in pair if w.has_answer]  # a prompt's recorded half is empty
+    heldout = {}
+    if HELDOUT in splits:
+        heldout = {serving.label(): stores[serving_text(config, serving)].windows(data.heldout) for serving in config.eval.serving}
     return RunWindows(
         train=train,
-        validation=store.windows(data.validation) if VALIDATION in splits else [],
-        heldout=store.windows(data.heldout) if HELDOUT in splits else [],
+        validation=stores[serving_text(config, config.selected_serving)].windows(data.validation) if VALIDATION in splits else [],
+        heldout=heldout,
         heldout_data=recorded_heldout,
-        self_generated=store.provenance(needed),
+        self_generated={sampling.label(): stores[sampling].provenance(windows) for sampling, windows in needed.items()},
     )
 
 
@@ -445,13 +490,14 @@ def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT,
         check_data(data)
     if max_heldout is not None:
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
-    store = open_store(config, tokenizer) if self_generated else None
-    if store is not None:
-        check_store_writable(config, store, self_generated_needed(config, data, splits))
+    needed = self_generated_needed(config, data, splits)
+    stores = open_stores(config, tokenizer, needed) if self_generated else None
+    if stores is not None:
+        check_store_writable(config, stores, needed)
     models = load_models(config, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
-        if store is not None:
+        for store in (stores or {}).values():
             store.reread()  # what the main process (or another run) wrote meanwhile
-        windows = run_windows(config, data, store, continuation_writer(config, tokenizer, models.base), log=log, splits=splits)
+        windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, models.base), log=log, splits=splits)
     targets = open_targets(config, windows.all(), data.settings, base=models.base)
     return Run(config, RunDir.of(config), tokenizer, data, models, windows, targets, stop_token_ids(config, tokenizer))

@@ -28,12 +28,13 @@ uniforms (`draw`), so a seeded stream (`uniform_stream`) fixes every token.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 
-GREEDY_DRAFTS = "greedy"
-SAMPLED_DRAFTS = "sampled"
-DRAFT_RULES = (GREEDY_DRAFTS, SAMPLED_DRAFTS)
+from occamy_mtp.config import DRAFT_RULES, Serving
+
+GREEDY_DRAFTS, SAMPLED_DRAFTS = DRAFT_RULES
 
 
 def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
@@ -56,6 +57,16 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
         drop[..., -1] = False  # the most probable token always stays
         scaled = scaled.scatter(-1, order, ascending.masked_fill(drop, float("-inf")))
     return scaled.softmax(dim=-1)
+
+
+def base_probs(logits: torch.Tensor, serving: Serving) -> torch.Tensor:
+    """p: the base's distribution as `serving` samples it (`processed_probs`)."""
+    return processed_probs(logits, serving.temperature, serving.top_p, serving.top_k)
+
+
+def head_probs(logits: torch.Tensor, serving: Serving) -> torch.Tensor:
+    """q: the head's distribution under `serving`'s draft rule (`draft_probs`)."""
+    return draft_probs(logits, serving.temperature, serving.draft)
 
 
 def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -130,3 +141,52 @@ def uniform_stream(seed: int, key: str, count: int) -> torch.Tensor:
     digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     return torch.rand(count, dtype=torch.float64, generator=generator)
+
+
+@dataclass(frozen=True)
+class TextSampling:
+    """How the base writes a text: greedy (temperature 0), or sampled from its processed
+    distribution with a seeded uniform stream per context (`uniform_stream`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def label(self) -> str:
+        """greedy, or e.g. t0.7-p0.8-seed0 (the settings that fix the text)."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"t{self.temperature:g}"] + ([f"p{self.top_p:g}"] if self.top_p < 1 else [])
+        return "-".join(parts + ([f"k{self.top_k}"] if self.top_k else []) + [f"seed{self.seed}"])
+
+    def to_dict(self) -> dict | None:
+        """The text's part of a store's identity: None for greedy text (as stores before sampling)."""
+        if self.greedy:
+            return None
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return processed_probs(logits, self.temperature, self.top_p, self.top_k)
+
+    def request_seed(self, context_key: str) -> int:
+        """The seed a serving engine is asked to sample the continuation of this context with."""
+        digest = hashlib.sha256(f"{int(self.seed)}:{context_key}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") & (2**31 - 1)
+
+    def uniforms(self, context_key: str, count: int) -> torch.Tensor:
+        """The uniforms of the continuation of the context whose digest is `context_key`: the
+        j-th draws its j-th token."""
+        return uniform_stream(self.seed, context_key, count)
+
+
+def text_sampling(serving: Serving, seed: int) -> TextSampling:
+    """How the base writes the text a serving configuration is measured on (its draft rule aside)."""
+    return TextSampling(serving.temperature, serving.top_p, serving.top_k, seed) if not serving.greedy else GREEDY_TEXT
+
+
+GREEDY_TEXT = TextSampling()

@@ -172,21 +172,31 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
             assert len(metrics["acceptance"]) == 2 and metrics["windows"] == 2 and not metrics["exact"]
         assert "approximate" in printed and "acceptance step 2" in printed
         return
-    assert report["self_generated"]["max_new_tokens"] == 8
-    assert 0 < report["self_generated"]["generated_tokens"] <= 16
+    # the default serving configurations: greedy, and temperature 0.7 with top-p 0.8 (its own sampled text)
+    assert report["selected_serving"] == "greedy" and [s["label"] for s in report["serving"]] == ["greedy", "t0.7-p0.8"]
+    stores = report["self_generated"]["stores"]
+    assert set(stores) == {"greedy", "t0.7-p0.8-seed0"} and report["self_generated"]["max_new_tokens"] == 8
+    assert all(0 < store["generated_tokens"] <= 16 for store in stores.values())
     for head_report in report["heads"].values():
-        assert set(head_report["served"]) == {"1", "2"}
-        assert head_report["self_generated"]["exact"] and head_report["self_generated"]["data_matches_target"] == 1.0
+        assert list(head_report["serving"]) == ["greedy", "t0.7-p0.8"]
+        for label, by_serving in head_report["serving"].items():
+            assert set(by_serving["served"]) == {"1", "2"} and by_serving["every_anchor"]["exact"]
+            assert by_serving["every_anchor"]["outside_support"] == 0  # each text was written under its own settings
+        assert head_report["serving"]["greedy"]["every_anchor"]["data_matches_target"] == 1.0
         assert not head_report["teacher_forced"]["exact"] and head_report["teacher_forced"]["windows"] == 2
     assert "served acceptance (exact)" in printed and "2-step drafts: step 2 acceptance" in printed
-    for name, checks in report["reference_decoder"].items():
-        for k, check in checks.items():
+    assert "t0.7-p0.8: temperature 0.7, top_p 0.8" in printed
+    for name, by_serving in report["reference_decoder"].items():
+        for k, check in by_serving["greedy"].items():
             assert check["decisions"] > 0 and check["decisions_equal"] == check["decisions"]
             assert check["texts_equal"] == check["windows"] == 2
             for key in ("proposed", "accepted", "drafted", "verify_passes"):
                 # the decoder's own counts, the replay on its text, and the headline on the stored text agree
-                assert check["measured"][key] == check["replayed"][key] == report["heads"][name]["served"][k][key]
-    assert "reference decoder (trained, 2-step)" in printed
+                assert check["measured"][key] == check["replayed"][key] == report["heads"][name]["serving"]["greedy"]["served"][k][key]
+        for k, check in by_serving["t0.7-p0.8"].items():
+            # sampled: 4 seeds a prompt; the z-scores' bounds are tested with many decodes in test_decode
+            assert check["decodes"] == 8 and all(abs(z) < 1e6 for z in check["z"].values())
+    assert "reference decoder (trained, greedy, 2-step)" in printed and "reference decoder (trained, t0.7-p0.8, 2-step)" in printed
 
 
 def test_cli_refuses_missing_inputs(tmp_path, capsys):
@@ -284,12 +294,15 @@ def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_p
     out = tmp_path / "eval"
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     report = json.loads((out / "evaluation.json").read_text())
-    assert batch_sizes == [1] and report["self_generated"]["batch_size"] == 1
-    assert report["served_steps"] == [2] and set(report["heads"]["trained"]["served"]) == {"2"}
+    # one store a serving configuration (greedy, and the default sampled one), each written at the config's batch
+    assert batch_sizes == [1, 1] and report["self_generated"]["batch_size"] == 1
+    trained = report["heads"]["trained"]["serving"]
+    assert report["served_steps"] == [2] and all(set(s["served"]) == {"2"} for s in trained.values())
     assert report["heads"]["trained"]["teacher_forced"]["draft_steps"] == 2
-    # The continuations are the run's own store: a second evaluation writes none.
+    # The continuations are the run's own stores: a second evaluation writes none.
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
-    assert batch_sizes == [1] and json.loads((out / "evaluation.json").read_text())["self_generated"]["generated_now"] == 0
+    stores = json.loads((out / "evaluation.json").read_text())["self_generated"]["stores"]
+    assert batch_sizes == [1, 1] and all(store["generated_now"] == 0 for store in stores.values())
 
 
 def test_cli_refuses_a_head_export_would_refuse(checkpoints, tmp_path, capsys):

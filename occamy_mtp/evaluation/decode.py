@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
+from occamy_mtp import sampling
+from occamy_mtp.config import Serving
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.selfgen.fastdecode import StaticRunner, static_decoding
@@ -210,14 +212,15 @@ class HeadRunner:
         return out
 
     def chain(
-        self, first: torch.Tensor, steps: int, override: Callable[[int, int], int] | None = None
+        self, first: torch.Tensor, steps: int, override: Callable[[int, int], int] | None = None,
+        pick: Callable[[torch.Tensor], int] | None = None,
     ) -> tuple[list[int], torch.Tensor]:
         """Draft `steps` tokens from step 1's output `first` (D,) at the last anchor.
 
         Step k >= 2 embeds the token drafted at step k-1, feeds back step k-1's post-norm
-        output and sits at rotary position anchor + k - 1. The chain's keys/values are
-        rolled back afterwards. Returns the drafted tokens and the post-norm outputs
-        g1..gk (k, D).
+        output and sits at rotary position anchor + k - 1. `pick` chooses each draft from
+        the step's logits (V,) (default: the argmax). The chain's keys/values are rolled
+        back afterwards. Returns the drafted tokens and the post-norm outputs g1..gk (k, D).
         """
         anchor = self.anchors - 1
         drafted: list[int] = []
@@ -229,7 +232,8 @@ class HeadRunner:
                 position = torch.tensor([[anchor + step - 1]], device=first.device)
                 mask = _prefix_mask(1, self.kv.get_seq_length(), projected.dtype, first.device)
                 outputs.append(self.head.backbone(projected, position, mask, self.kv)[0, 0])
-            token = int(self.head.logits(outputs[-1]).argmax(-1))
+            logits = self.head.logits(outputs[-1])
+            token = int(logits.argmax(-1)) if pick is None else pick(logits)
             drafted.append(override(step, token) if override is not None else token)
         self.kv.rollback()
         return drafted, torch.stack(outputs)
@@ -265,6 +269,25 @@ class _Round:
     accepted: int
 
 
+class _Draws:
+    """The sampled decoder's random draws, all from one seeded generator, in the order they are made."""
+
+    def __init__(self, serving: Serving, seed: int):
+        self.serving = serving
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), dtype=torch.float64, generator=self.generator))
+
+    def token(self, probs: torch.Tensor) -> int:
+        """One draw from `probs` (V,) (`sampling.draw`)."""
+        return int(sampling.draw(probs, torch.tensor(self.uniform(), dtype=torch.float64, device=probs.device)))
+
+    def base_token(self, logits: torch.Tensor) -> int:
+        """The base's next token from its logits (V,), as the engine samples it (a bonus or plain token)."""
+        return self.token(sampling.base_probs(logits, self.serving))
+
+
 @torch.no_grad()
 def speculative_decode(
     base,
@@ -274,27 +297,38 @@ def speculative_decode(
     draft_steps: int = 3,
     stop_token_ids: Collection[int] = (),
     draft_override: DraftOverride | None = None,
+    serving: Serving | None = None,
+    seed: int = 0,
 ) -> DecodeResult:
-    """Greedy decoding of the base, accelerated by drafting `draft_steps` tokens with the head.
+    """The base's decoding under `serving` (None or temperature 0: greedy), accelerated by drafting
+    `draft_steps` tokens with the head.
 
-    The output is token-identical to `greedy_decode` by construction: every emitted token
-    is the base's argmax given the accepted text. "Identical" holds up to floating
+    Greedy: the output is token-identical to `greedy_decode` by construction: every emitted
+    token is the base's argmax given the accepted text. "Identical" holds up to floating
     point: a multi-token verify pass sums in another order than one-token steps (chunked
     vs recurrent delta rule), so a near-tie between the top two logits could resolve
     differently; the logprobs differ by rounding (~1e-6 in fp32). See the module
     docstring for the round, the cache rollback and how acceptance is counted.
+
+    Sampled (temperature > 0): the engines' rejection sampling (`occamy_mtp.sampling`),
+    every draw from a generator seeded with `seed`: the draft is the head's argmax or a
+    draw from its softmax (`serving.draft`), accepted with probability min(1, p(d) / q(d))
+    against the base's processed p; the first rejection emits a draw from
+    norm(max(p - q, 0)) and ends the round, and after every draft accepted a bonus token is
+    drawn from p. The output is then a sample of the base's processed distribution.
     `draft_override` replaces drafted tokens (tests force rejections with it).
     """
     check_prompts([prompt_ids], max_new_tokens)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
+    draws = None if serving is None or serving.greedy else _Draws(serving, seed)
     prompt = list(prompt_ids)
     base_runner = base_runner_for(base, len(prompt) + max_new_tokens + draft_steps, span=draft_steps + 1)
     head_runner = HeadRunner(head)
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
     hidden, logits = base_runner.forward(prompt)
-    first_token = int(logits[-1].argmax())
+    first_token = int(logits[-1].argmax()) if draws is None else draws.base_token(logits[-1])
     output = [first_token]
     logprobs = [float(F.log_softmax(logits[-1], dim=-1)[first_token])]
     rounds: list[_Round] = []
@@ -309,7 +343,7 @@ def speculative_decode(
         if steps == 0:  # one token left: a plain base step, no draft
             plain_steps += 1
             hidden, logits = base_runner.forward([output[-1]])
-            token = int(logits[-1].argmax())
+            token = int(logits[-1].argmax()) if draws is None else draws.base_token(logits[-1])
             output.append(token)
             logprobs.append(float(F.log_softmax(logits[-1], dim=-1)[token]))
             finish = "stop" if token in stop_token_ids else None
@@ -317,16 +351,21 @@ def speculative_decode(
 
         anchor = text_length - 2
         override = None if draft_override is None else (lambda step, token: draft_override(anchor, step, token))
-        drafted, _ = head_runner.chain(step1, steps, override)
+        drafts_from: list[torch.Tensor] = []  # q of each step, sampled serving only
+        pick = None if draws is None else (lambda step_logits: _draft(step_logits, draws, drafts_from))
+        drafted, _ = head_runner.chain(step1, steps, override, pick)
 
         # Verify all drafts in one base pass; keep a snapshot for the rollback.
         snapshot = base_runner.snapshot()
         hidden, logits = base_runner.forward([output[-1]] + drafted)  # (1+k, D), (1+k, V)
-        greedy = logits.argmax(-1).tolist()  # y_0..y_k
-        accepted = 0
-        while accepted < steps and drafted[accepted] == greedy[accepted]:
-            accepted += 1
-        emitted = drafted[:accepted] + [greedy[accepted]]
+        if draws is None:
+            greedy = logits.argmax(-1).tolist()  # y_0..y_k
+            accepted = 0
+            while accepted < steps and drafted[accepted] == greedy[accepted]:
+                accepted += 1
+            emitted = drafted[:accepted] + [greedy[accepted]]
+        else:
+            accepted, emitted = _rejection_sample(logits, drafted, drafts_from, draws)
         for j, token in enumerate(emitted):  # a stop token ends the text there
             if token in stop_token_ids:
                 emitted, accepted, finish = emitted[: j + 1], min(accepted, j + 1), "stop"
@@ -346,6 +385,33 @@ def speculative_decode(
 
     finish = finish or "length"
     return _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds, plain_steps)
+
+
+def _draft(logits: torch.Tensor, draws: _Draws, drafts_from: list[torch.Tensor]) -> int:
+    """A draft under sampled serving: q from the head's logits (V,) by the draft rule, kept for
+    the ratio test; the argmax for greedy drafts, a draw from q for sampled ones."""
+    q = sampling.head_probs(logits, draws.serving)
+    drafts_from.append(q)
+    return int(q.argmax()) if draws.serving.draft == sampling.GREEDY_DRAFTS else draws.token(q)
+
+
+def _rejection_sample(logits: torch.Tensor, drafted: list[int], drafts_from: list[torch.Tensor],
+                      draws: _Draws) -> tuple[int, list[int]]:
+    """The engines' verification of one round (`speculative_decode`): (accepted drafts, emitted tokens).
+
+    Draft j is accepted when a uniform u <= p_j(d_j) / q_j(d_j) (vLLM's test), q_j being the
+    distribution the draft was drawn from (one-hot for greedy drafts, or a draft forced by
+    `draft_override`, whose q is then taken as one-hot at it).
+    """
+    p = sampling.base_probs(logits, draws.serving)  # (1+k, V): p_j predicts the token after drafts 1..j
+    for j, token in enumerate(drafted):
+        q = drafts_from[j]
+        if q[token] == 0:  # a forced draft: one-hot there
+            q = torch.zeros_like(q).index_fill_(0, torch.tensor(token, device=q.device), 1.0)
+        if float(q[token]) > 0 and draws.uniform() <= float(p[j, token] / q[token]):
+            continue
+        return j, drafted[:j] + [draws.token(sampling.residual(p[j], q))]
+    return len(drafted), drafted + [draws.token(p[len(drafted)])]
 
 
 def _speculative_result(prompt, output, logprobs, finish, draft_steps, rounds: list[_Round], plain_steps: int) -> DecodeResult:

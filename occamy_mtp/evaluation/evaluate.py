@@ -5,6 +5,7 @@ docs/EVALUATION.md sets out the details.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -12,19 +13,31 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from occamy_mtp import sampling
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
-from occamy_mtp.config import ConfigError, RunConfig
+from occamy_mtp.config import ConfigError, RunConfig, Serving
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.run import HELDOUT, RunDir, log_stderr, open_run
-from occamy_mtp.evaluation.metrics import Acceptance, acceptance_from_counts, acceptance_summary, decoder_rounds, replayed_acceptance
+from occamy_mtp.evaluation.metrics import (
+    Acceptance,
+    acceptance_from_counts,
+    acceptance_summary,
+    decoder_rounds,
+    expected_acceptance,
+    replayed_acceptance,
+)
 from occamy_mtp.targets.base import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
 
 TEACHER_FORCED = "teacher_forced"
 SELF_GENERATED = "self_generated"
 EVALUATION_FILE = "evaluation.json"
 PLOT_FILE = "acceptance.png"
-EVALUATION_FORMAT = 2
+EVALUATION_FORMAT = 3  # 3: served figures per serving configuration
+# Rows of vocabulary-wide probabilities at a time under sampled serving: p, q, their minimum
+# and top-p's sort are each (rows x V) of 4 to 12 bytes; 512 rows at V = 248,320 are
+# 0.5 to 1.5 GiB each.
+SAMPLED_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -34,18 +47,22 @@ class Metrics:
     agreement: float
     data_nll: float
     draft_steps: int
-    proposed: list[int]
-    accepted: list[int]
+    proposed: list[float]
+    accepted: list[float]
     acceptance: list[float]
     mean_accept_length: float
     accept_rate: float
     text: str
     exact: bool
-    drafted: int = 0
+    drafted: float = 0
     """Drafted tokens (step k counted wherever its predicted position is scored): the accept-rate denominator."""
     data_matches_target: float = 0.0
     """Fraction of scored positions whose data token x_{i+2} equals the base's greedy token:
-    1.0 on self-generated text; where it is below 1 the acceptance figure is an approximation."""
+    1.0 on greedy self-generated text; where it is below 1 on teacher-forced data the
+    acceptance figure is an approximation (on sampled text it is exact regardless)."""
+    outside_support: int = 0
+    """Sampled serving: scored (step, anchor) pairs whose text token the base's processed
+    distribution excludes, i.e. text not written under these settings (0 when it was)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,18 +95,34 @@ class _BatchChain:
     lengths: list[int]
 
 
-@torch.no_grad()
-def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
+@dataclass(frozen=True)
+class _BatchOdds:
+    """One batch under sampled serving: per (step, anchor), the acceptance odds given the text."""
+
+    scored: torch.Tensor  # (K, B, T) bool
+    given: torch.Tensor  # (K, B, T) float64: P(step k accepted | steps before accepted, the text), beta
+    expected: torch.Tensor  # (K, B, T) float64: sum_x min(p, q), alpha
+    agree: int
+    nll_sum: float
+    data_matches: int
+    outside: int
+    lengths: list[int]
+
+
+def _pass(base, head, windows, draft_steps: int, device, embed_text: bool = False):
+    """The base's targets and the head's chain over one batch: (batch, targets, chain, hidden (K, B, T, D))."""
     batch = collate(windows, device)
     if hasattr(base, "outputs"):  # a target source (the offline cache) instead of the base
         targets = base.outputs(batch.input_ids, batch.attention_mask)
     else:
         targets = base_outputs(base, batch.input_ids, batch.attention_mask)
-    chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps)
-    hidden = head(chain.step_token_ids, targets.hidden)  # (K, B, T, D)
+    chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps, embed_text)
+    return batch, targets, chain, head(chain.step_token_ids, targets.hidden)
 
-    valid = chain.labels != IGNORE  # (K, B, T)
-    first = valid[0]
+
+def _step1_figures(head, hidden: torch.Tensor, chain) -> tuple[int, float, int]:
+    """(argmax agreements with the greedy target, summed data-answer NLL, data tokens equal to the target) at step 1."""
+    first = chain.labels[0] != IGNORE
     h1 = hidden[0][first]  # (N, D)
     target1 = chain.labels[0][first]
     data1 = chain.data_labels[first]
@@ -99,7 +132,15 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
         logits = head.logits(h1[start:stop]).float()
         agree += int((logits.argmax(-1) == target1[start:stop]).sum())
         nll_sum += float(F.cross_entropy(logits, data1[start:stop], reduction="sum"))
+    return agree, nll_sum, int((data1 == target1).sum())
 
+
+@torch.no_grad()
+def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
+    batch, targets, chain, hidden = _pass(base, head, windows, draft_steps, device)
+    valid = chain.labels != IGNORE  # (K, B, T)
+    first = valid[0]
+    agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
     scored = valid & first
     hits = torch.zeros_like(scored)
     alive = first.clone()  # anchors whose chain is still accepted
@@ -114,18 +155,58 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> _BatchChain:
         hits=hits,
         agree=agree,
         nll_sum=nll_sum,
-        data_matches=int((data1 == target1).sum()),
+        data_matches=data_matches,
         lengths=batch.lengths.tolist(),
     )
 
 
-def _batches(base, head, windows, draft_steps: int, windows_per_batch: int):
+@torch.no_grad()
+def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: Serving) -> _BatchOdds:
+    """`_run_batch` under sampled serving: each scored (step, anchor) pair's odds given the text.
+
+    Step k at anchor i predicts x_{i+k+1}: p is the base's processed distribution from
+    H_{i+k}, q the head's under the draft rule; alpha = sum_x min(p, q), beta = min(p, q)(x) / p(x)
+    at the text's token x = x_{i+k+1} (`occamy_mtp.sampling`). Steps k >= 2 embed the text's tokens.
+    """
+    batch, targets, chain, hidden = _pass(base, head, windows, draft_steps, device, embed_text=True)
+    valid = chain.labels != IGNORE
+    scored = valid & valid[0]
+    agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
+    given = torch.zeros(scored.shape, dtype=torch.float64)
+    expected = torch.zeros(scored.shape, dtype=torch.float64)
+    outside = 0
+    for k in range(draft_steps):
+        rows, anchors = scored[k].nonzero(as_tuple=True)  # (N,), (N,)
+        base_hidden = targets.hidden[rows, anchors + k]  # (N, D): H_{i+k} predicts x_{i+k+1}
+        tokens = batch.input_ids[rows, anchors + k + 1]
+        head_hidden = hidden[k][rows, anchors]
+        alpha, beta = [], []
+        for start in range(0, len(rows), SAMPLED_CHUNK_TOKENS):
+            chunk = slice(start, start + SAMPLED_CHUNK_TOKENS)
+            p = sampling.base_probs(head.logits(base_hidden[chunk]), serving)  # the head's logits are the base's lm_head
+            q = sampling.head_probs(head.logits(head_hidden[chunk]), serving)
+            alpha.append(sampling.acceptance(p, q).double().cpu())
+            beta.append(sampling.acceptance_given(p, q, tokens[chunk]).double().cpu())
+            outside += int(sampling.outside_support(p, tokens[chunk]).sum())
+        if len(rows):
+            where = (rows.cpu(), anchors.cpu())
+            expected[k][where] = torch.cat(alpha)
+            given[k][where] = torch.cat(beta)
+    return _BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist())
+
+
+def _batches(base, head, windows, draft_steps: int, windows_per_batch: int, serving: Serving | None = None):
+    """The batches' chains: `_BatchChain`s for greedy serving (None too), `_BatchOdds` for sampled."""
     device = head.fc.weight.device
     was_training = head.training
     head.eval()
     try:
         for start in range(0, len(windows), windows_per_batch):
-            yield _run_batch(base, head, windows[start : start + windows_per_batch], draft_steps, device)
+            part = windows[start : start + windows_per_batch]
+            if serving is None or serving.greedy:
+                yield _run_batch(base, head, part, draft_steps, device)
+            else:
+                yield _run_batch_sampled(base, head, part, draft_steps, device, serving)
     finally:
         head.train(was_training)
 
@@ -146,8 +227,10 @@ def evaluate_head(
     return _metrics(list(_batches(base, head, windows, draft_steps, windows_per_batch)), len(windows), draft_steps, text)
 
 
-def _metrics(results: list[_BatchChain], windows: int, draft_steps: int, text: str) -> Metrics:
-    scored_positions = agree = data_matches = drafted = 0
+def _metrics(results: list[_BatchChain | _BatchOdds], windows: int, draft_steps: int, text: str) -> Metrics:
+    """The figures of every anchor: counts for greedy serving; expected counts given the text
+    for sampled (step k proposed with P(steps before accepted), accepted with that times alpha)."""
+    scored_positions = agree = data_matches = drafted = outside = 0
     nll_sum = 0.0
     proposed = [0] * draft_steps
     accepted = [0] * draft_steps
@@ -157,6 +240,15 @@ def _metrics(results: list[_BatchChain], windows: int, draft_steps: int, text: s
         nll_sum += result.nll_sum
         data_matches += result.data_matches
         drafted += int(result.scored[:draft_steps].sum())
+        if isinstance(result, _BatchOdds):
+            outside += result.outside
+            reached = result.scored[0].double()  # P(steps before k accepted), where step k is scored
+            for k in range(draft_steps):
+                reached = reached * result.scored[k]
+                proposed[k] += float(reached.sum())
+                accepted[k] += float((reached * result.expected[k]).sum())
+                reached = reached * result.given[k]
+            continue
         previous = result.scored[0]  # step 1 is proposed wherever it is scored
         for k in range(draft_steps):
             proposing = previous & result.scored[k]
@@ -179,6 +271,7 @@ def _metrics(results: list[_BatchChain], windows: int, draft_steps: int, text: s
         exact=text == SELF_GENERATED,
         drafted=drafted,
         data_matches_target=data_matches / scored_positions if scored_positions else 0.0,
+        outside_support=outside,
     )
 
 
@@ -201,41 +294,67 @@ def chain_outcomes(base, head, windows, draft_steps: int = 3, windows_per_batch:
     return _outcomes(list(_batches(base, head, windows, draft_steps, windows_per_batch)))
 
 
-def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4) -> dict[int, Acceptance]:
-    """What the reference speculative decoder measures at each served step count, on self-generated windows.
+def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
+                      serving: Serving | None = None) -> dict[int, Acceptance]:
+    """What the reference speculative decoder measures at each served step count, on self-generated
+    windows written under `serving` (None: greedy).
 
-    One offline chain pass gives every anchor's outcome (`chain_outcomes`); the decoder's
-    walk is replayed from them (`metrics.decoder_rounds`), which on the base's own
-    greedy text equals decoding every window's context with
-    `decode.speculative_decode` under a budget of `max_new_tokens` (the one the
-    continuations were written with). On any other text the figure means nothing.
+    Greedy: one offline chain pass gives every anchor's outcome (`chain_outcomes`); the
+    decoder's walk is replayed from them (`metrics.decoder_rounds`), which on the base's own
+    greedy text equals decoding every window's context with `decode.speculative_decode`
+    under a budget of `max_new_tokens` (the one the continuations were written with).
+    Sampled: the same pass gives each (step, anchor)'s odds given the text, and the figures
+    are the decoder's expected counts on those texts (`metrics.expected_acceptance`). On
+    text written any other way the figure means nothing.
     """
-    return _served(chain_outcomes(base, head, windows, max(served_steps), windows_per_batch), windows, served_steps, max_new_tokens)
+    results = list(_batches(base, head, windows, max(served_steps), windows_per_batch, serving))
+    return _served(results, windows, served_steps, max_new_tokens)
 
 
-def _served(outcomes: list[ChainOutcome], windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
-    texts = [(outcome.accepted, window.answer_start) for window, outcome in zip(windows, outcomes)]
+def _served(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
+    if results and isinstance(results[0], _BatchOdds):
+        texts = [(given, expected, window.answer_start) for window, (given, expected) in zip(windows, _odds(results))]
+        return {k: expected_acceptance(texts, max_new_tokens, k) for k in served_steps}
+    texts = [(outcome.accepted, window.answer_start) for window, outcome in zip(windows, _outcomes(results))]
     return {k: replayed_acceptance(texts, max_new_tokens, k) for k in served_steps}
 
 
-def heldout_report(targets, head, self_generated, recorded, served_steps, draft_steps: int, max_new_tokens: int,
-                   windows_per_batch: int = 4) -> dict:
+def _odds(results: list[_BatchOdds]) -> list[tuple[list[list[float]], list[list[float]]]]:
+    """Per window: (given, expected), each a list over anchors of the K steps' odds."""
+    out = []
+    for result in results:
+        for row, length in enumerate(result.lengths):
+            out.append((result.given[:, row, :length].T.tolist(), result.expected[:, row, :length].T.tolist()))
+    return out
+
+
+def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, served_steps, draft_steps: int,
+                   max_new_tokens: int, windows_per_batch: int = 4) -> dict:
     """Every heldout figure of one head, from one pass over each set of windows.
 
-    * `served`: per served step count, what the reference speculative decoder measures on
-      the self-generated windows (decoder replay; exact): the headline;
-    * `self_generated`: the per-anchor chain over every anchor of the same text (exact,
-      but another sample than the decoder's anchors);
-    * `teacher_forced`: agreement, NLL and the chain on the recorded answers (`recorded`);
-      the acceptance there is an approximation, and has pointed the wrong way. None when
-      no heldout window has a recorded answer (a prompt set).
+    * `serving`: per serving configuration (its label; `heldout` holds the windows the base
+      wrote under each):
+      * `served`: per served step count, what the reference speculative decoder measures
+        there (decoder replay, or its expectation under sampling; exact): the headline;
+      * `every_anchor`: the chain over every anchor of the same text (exact, but another
+        sample than the decoder's anchors);
+    * `teacher_forced`: agreement, NLL and the greedy chain on the recorded answers
+      (`recorded`); the acceptance there is an approximation, and has pointed the wrong
+      way. None when no heldout window has a recorded answer (a prompt set).
     """
     steps = max(draft_steps, *served_steps)
-    results = list(_batches(targets, head, self_generated, steps, windows_per_batch))
-    served = _served(_outcomes(results), self_generated, served_steps, max_new_tokens)
+    by_serving = {}
+    for serving in servings:
+        windows = heldout[serving.label()]
+        results = list(_batches(targets, head, windows, steps, windows_per_batch, serving))
+        served = _served(results, windows, served_steps, max_new_tokens)
+        by_serving[serving.label()] = {
+            "settings": asdict(serving),
+            "served": {str(k): a.to_dict() for k, a in served.items()},
+            "every_anchor": _metrics(results, len(windows), steps, SELF_GENERATED).to_dict(),
+        }
     return {
-        "served": {str(k): a.to_dict() for k, a in served.items()},
-        "self_generated": _metrics(results, len(self_generated), steps, SELF_GENERATED).to_dict(),
+        "serving": by_serving,
         "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict()
         if recorded else None,
     }
@@ -299,6 +418,63 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     }
 
 
+def sampled_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
+                          seeds, windows_per_batch: int = 4) -> dict:
+    """Decode each window's context once per seed with the reference decoder under sampled `serving`,
+    and set its counts beside their expectation given each text it wrote.
+
+    Given the text, the decoder's counts are random with the expectation `metrics.expected_rounds`
+    computes from the offline pass over that text, so over the decodes the differences
+    (measured - expected) are independent with mean 0: their mean over its standard error is a
+    z-score. `z` holds it for the accepted drafts and for the verify passes; |z| beyond about 4
+    says that the decoder and the library's arithmetic disagree (a chance of 6e-5 when they agree).
+    """
+    from occamy_mtp.evaluation.decode import speculative_decode
+    from occamy_mtp.evaluation.metrics import expected_rounds
+
+    started = time.perf_counter()
+    results, decoded = [], []
+    for window in windows:
+        prompt = list(window.input_ids[: window.answer_start])
+        for seed in seeds:
+            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed)
+            results.append(result)
+            decoded.append(replace(window, input_ids=result.text_ids))
+    odds = _odds(list(_batches(base, head, decoded, draft_steps, windows_per_batch, serving)))
+    differences: dict[str, list[float]] = {"accepted": [], "verify_passes": []}
+    for result, (given, expected) in zip(results, odds):
+        counts = expected_rounds(given, expected, len(result.prompt_ids), max_new_tokens, draft_steps)
+        differences["accepted"].append(sum(result.accepted) - sum(counts.accepted))
+        differences["verify_passes"].append(result.base_passes - counts.passes)
+    measured = acceptance_from_counts(
+        draft_steps, len(results),
+        [sum(values) for values in zip(*(r.proposed for r in results))],
+        [sum(values) for values in zip(*(r.accepted for r in results))],
+        sum(r.drafted for r in results), sum(r.base_passes for r in results), sum(len(r.output_ids) - 1 for r in results),
+    )
+    texts = [(given, expected, len(r.prompt_ids)) for r, (given, expected) in zip(results, odds)]
+    return {
+        "serving": serving.label(),
+        "windows": len(windows),
+        "seeds": len(seeds),
+        "decodes": len(results),
+        "draft_steps": draft_steps,
+        "max_new_tokens": max_new_tokens,
+        "measured": measured.to_dict(),
+        "expected": expected_acceptance(texts, max_new_tokens, draft_steps).to_dict(),
+        "z": {name: _z_score(values) for name, values in differences.items()},
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _z_score(differences: list[float]) -> float:
+    """The mean of independent mean-0 differences over its standard error (0 when they are all 0)."""
+    count = len(differences)
+    mean = sum(differences) / count
+    variance = sum((d - mean) ** 2 for d in differences) / max(1, count - 1)
+    return 0.0 if variance == 0 else mean / math.sqrt(variance / count)
+
+
 # ----------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------
@@ -333,23 +509,32 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -> str:
-    """The headline of `heldout_report`s side by side, one column per head: per served step
-    count, each step's acceptance, the mean accept length and the tokens per verify pass."""
+def format_served(reports: dict[str, dict], servings, served_steps, max_new_tokens: int, selected: str | None = None) -> str:
+    """The headline of `heldout_report`s side by side, one column per head: per serving
+    configuration and served step count, each step's acceptance, the mean accept length and
+    the tokens per verify pass; `selected` (a configuration's label) is marked."""
     names = list(reports)
-    first = reports[names[0]]["served"][str(served_steps[0])]
+    first = reports[names[0]]["serving"][servings[0].label()]["served"][str(served_steps[0])]
     width = 18
     lines = [
-        "served acceptance (exact): the reference speculative decoder on the base's own greedy continuation of "
-        f"{first['texts']} heldout prompts (<= {max_new_tokens} new tokens each; decoder replay)",
-        f"  {'':<40}" + "".join(f"{name:>{width}}" for name in names),
+        "served acceptance (exact): the reference speculative decoder on the base's own continuation of "
+        f"{first['texts']} heldout prompts (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
+        "(decoder replay), sampled (the decoder's expected counts given the base's sampled text)",
+        f"  {'':<48}" + "".join(f"{name:>{width}}" for name in names),
     ]
-    for k in served_steps:
-        figures = [reports[name]["served"][str(k)] for name in names]
-        for j in range(k):
-            lines.append(f"  {f'{k}-step drafts: step {j + 1} acceptance':<40}" + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
-        for label, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
-            lines.append(f"  {f'{k}-step drafts: {label}':<40}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+    for serving in servings:
+        label = serving.label()
+        mark = " (selected)" if label == selected and len(servings) > 1 else ""
+        lines.append(f"  {label}{mark}: temperature {serving.temperature:g}, top_p {serving.top_p:g}, top_k {serving.top_k}, "
+                     f"{serving.draft} drafts")
+        for k in served_steps:
+            figures = [reports[name]["serving"][label]["served"][str(k)] for name in names]
+            for j in range(k):
+                lines.append(f"    {f'{k}-step drafts: step {j + 1} acceptance':<46}"
+                             + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
+            for text, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
+                lines.append(f"    {f'{k}-step drafts: {text}':<46}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+
     def recorded(field: str, form: str):
         return lambda r: "absent" if r["teacher_forced"] is None else format(r["teacher_forced"][field], form)
 
@@ -357,17 +542,20 @@ def format_served(reports: dict[str, dict], served_steps, max_new_tokens: int) -
         ("target top-1 agreement (recorded answers)", recorded("agreement", ".2%")),
         ("data-answer NLL (recorded answers)", recorded("data_nll", ".4f")),
         ("accept length, teacher-forced (approx.)", recorded("mean_accept_length", ".3f")),
-        ("accept length, every self-gen. anchor", lambda r: f"{r['self_generated']['mean_accept_length']:.3f}"),
     ]
+    rows += [(f"accept length, every anchor ({serving.label()})",
+              lambda r, label=serving.label(): f"{r['serving'][label]['every_anchor']['mean_accept_length']:.3f}")
+             for serving in servings]
     lines.append("secondary: the recorded answers, teacher forced (acceptance approximate), and every anchor of the self-generated text")
-    lines += [f"  {label:<40}" + "".join(f"{cell(reports[name]):>{width}}" for name in names) for label, cell in rows]
+    lines += [f"  {label:<46}" + "".join(f"{cell(reports[name]):>{width}}" for name in names) for label, cell in rows]
     return "\n".join(lines)
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
     cli = command_line("python -m occamy_mtp.evaluate",
-                       "Served acceptance (exact, on the base's own greedy text), agreement and NLL of MTP heads, side by side.",
+                       "Served acceptance (exact, on the base's own text, per serving configuration), agreement and NLL of "
+                       "MTP heads, side by side.",
                        config_required=False)
     cli.add_argument("--head", type=Path, help="trained head: safetensors file or checkpoint directory "
                                                "(default: the run's output.dir/mtp-trained.safetensors)")
@@ -376,7 +564,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="skip the base's own continuations: only the approximate figures on the recorded answers")
     cli.add_argument("--reference-decoder", action="store_true",
                      help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
-                          "each of eval.served_steps and check the served figures against it")
+                          "each of eval.served_steps and check the served figures against it: equal counts under greedy "
+                          "serving, a z-score of the counts against their expectation under sampled serving")
+    cli.add_argument("--decoder-seeds", type=int, default=4,
+                     help="sampled serving: decodes of each prompt by --reference-decoder, seeds 0..N-1 (default 4)")
     cli.add_argument("--max-windows", type=int,
                      help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
                           "`occamy_mtp.serve.validate --prompt-source windows --prompts N` sends to a server")
@@ -384,18 +575,21 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse(cli, argv)
     if args.max_windows is not None and args.max_windows < 1:
         raise ConfigError(f"--max-windows: expected 1 or more windows, got {args.max_windows}")
+    if args.decoder_seeds < 2:
+        raise ConfigError(f"--decoder-seeds: expected 2 or more (a z-score needs a spread), got {args.decoder_seeds}")
     head_path = args.head or RunDir.of(config).head
     if not head_path.exists():
         raise ConfigError(f"--head {head_path}: no such file or directory (export the run first, or name a head)")
     report, printed = evaluate_run(config, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
-                                   reference_decoder=args.reference_decoder, max_windows=args.max_windows)
+                                   reference_decoder=args.reference_decoder, max_windows=args.max_windows,
+                                   decoder_seeds=args.decoder_seeds)
     print(printed)
     print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
     return 0
 
 
 def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
-                 reference_decoder: bool = False, max_windows: int | None = None) -> tuple[dict, str]:
+                 reference_decoder: bool = False, max_windows: int | None = None, decoder_seeds: int = 4) -> tuple[dict, str]:
     """Donor (`model.donor_head`) and the head at `head_path` on the run's heldout windows; writes
     evaluation.json and the plot into `out`, returns the report and its printed table."""
     from occamy_mtp.model import checkpoint as ckpt_io
@@ -438,24 +632,24 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
         plot_acceptance(results, out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
         printed = format_table(results)
     else:
-        results = {name: heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, served_steps, steps,
-                                        budget, per_batch)
+        servings, selected = config.eval.serving, config.selected_serving.label()
+        results = {name: heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
+                                        served_steps, steps, budget, per_batch)
                    for name, head in heads.items()}
         report.update(
-            text=SELF_GENERATED, exact=True, headline="served", served_steps=list(served_steps), max_new_tokens=budget,
-            heads=results,
-            self_generated={**run.windows.self_generated, "max_new_tokens": budget,
+            text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
+            selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results,
+            self_generated={"stores": run.windows.self_generated, "max_new_tokens": budget,
                             "stop_token_ids": sorted(run.stop_token_ids), "batch_size": config.data.self_generate_batch_size},
         )
         largest = str(max(served_steps))
-        plot_acceptance({name: r["served"][largest] for name, r in results.items()}, out / PLOT_FILE,
-                        title=f"served acceptance, {largest}-step drafts (self-generated heldout, exact)")
-        printed = format_served(results, served_steps, budget)
+        plot_acceptance({name: r["serving"][selected]["served"][largest] for name, r in results.items()}, out / PLOT_FILE,
+                        title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)")
+        printed = format_served(results, servings, served_steps, budget, selected)
         if reference_decoder:
             report["reference_decoder"] = {
-                name: {str(k): reference_decoder_check(run.models.base, head, run.windows.heldout, k, budget, run.stop_token_ids,
-                                                       per_batch)
-                       for k in served_steps}
+                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds)) for k in served_steps}
+                       for serving in servings}
                 for name, head in heads.items()
             }
             printed += _format_decoder_checks(report["reference_decoder"])
@@ -464,15 +658,33 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     return report, printed
 
 
+def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds) -> dict:
+    """The reference decoder on the run's heldout prompts under one serving configuration."""
+    config = run.config
+    windows = run.windows.heldout[serving.label()]
+    if serving.greedy:
+        return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
+                                       run.stop_token_ids, config.eval.windows_per_batch)
+    return sampled_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
+                                 serving, list(seeds), config.eval.windows_per_batch)
+
+
 def _format_decoder_checks(checks_by_head: dict) -> str:
     lines = []
-    for name, checks in checks_by_head.items():
-        for k, check in checks.items():
-            equal = all(check["measured"][f] == check["replayed"][f] for f in ("proposed", "accepted", "drafted", "verify_passes"))
-            lines.append(f"\nreference decoder ({name}, {k}-step): accept length {check['measured']['mean_accept_length']:.3f}, "
-                         f"{check['measured']['tokens_per_verify_pass']:.3f} tokens per verify pass; replayed counts "
-                         f"{'equal' if equal else 'DIFFER'}; {check['decisions_equal']}/{check['decisions']} decisions equal; "
-                         f"{check['texts_equal']}/{check['windows']} texts equal")
+    for name, by_serving in checks_by_head.items():
+        for label, checks in by_serving.items():
+            for k, check in checks.items():
+                measured = check["measured"]
+                head = (f"\nreference decoder ({name}, {label}, {k}-step): accept length {measured['mean_accept_length']:.3f}, "
+                        f"{measured['tokens_per_verify_pass']:.3f} tokens per verify pass; ")
+                if "replayed" in check:
+                    equal = all(measured[f] == check["replayed"][f] for f in ("proposed", "accepted", "drafted", "verify_passes"))
+                    lines.append(head + f"replayed counts {'equal' if equal else 'DIFFER'}; {check['decisions_equal']}/"
+                                 f"{check['decisions']} decisions equal; {check['texts_equal']}/{check['windows']} texts equal")
+                else:
+                    lines.append(head + f"expected {check['expected']['mean_accept_length']:.3f} over its {check['decodes']} "
+                                 f"decodes; z of accepted drafts {check['z']['accepted']:+.2f}, of verify passes "
+                                 f"{check['z']['verify_passes']:+.2f}")
     return "".join(lines)
 
 

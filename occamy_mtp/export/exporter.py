@@ -4,9 +4,11 @@ The file holds every `mtp.*` tensor in bf16, in the donor's expert layout unless
 `output.expert_layout` says otherwise: the trained fp32 masters rounded to bf16, every
 other tensor read back and checked bit-identical to the donor's. Donor and trained head
 are measured side by side on the same heldout windows, led by what serving will see
-(the decoder replay on the base's own greedy text, checked against the reference
-decoder on `eval.decoder_check_windows` prompts). A head worse than the donor there is
-refused unless `--allow-worse`. Outputs are written to temporaries and renamed together,
+(the decoder replay on the base's own text, per serving configuration of `eval.serving`:
+greedy, or the decoder's expected counts under sampling; the greedy replay checked against
+the reference decoder on `eval.decoder_check_windows` prompts). A head worse than the
+donor under the selected configuration (`eval.select_serving`) is refused unless
+`--allow-worse`. Outputs are written to temporaries and renamed together,
 TRAINING.json last, with `.export-incomplete` beside them from the first rename to the
 last: a kill in between leaves it, and every reader of the head refuses the directory
 until an export completes (`checkpoint.check_export_set`, which also checks the head's
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,19 +31,21 @@ from occamy_mtp import files
 from occamy_mtp import record as rec
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
-from occamy_mtp.config import RunConfig, differing_settings
+from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
 
-METRICS_FORMAT = 2
+METRICS_FORMAT = 3  # 3: served figures per serving configuration
 HEADLINE = (
-    "served acceptance: the reference speculative decoder on the base's own greedy continuation of each heldout "
-    "prompt (self-generated heldout windows; decoder replay, exact)"
+    "served acceptance: the reference speculative decoder on the base's own continuation of each heldout prompt, "
+    "written under each serving configuration (self-generated heldout windows; greedy: decoder replay; sampled: the "
+    "decoder's expected counts given the text; exact)"
 )
-CRITERION = "the trained head's mean accept length is not below the donor's at any served step count (headline figures)"
+CRITERION = ("the trained head's mean accept length is not below the donor's at any served step count, under the selected "
+             "serving configuration (headline figures)")
 
 
 class ExportError(OccamyError, RuntimeError):
@@ -104,22 +109,24 @@ def verify_export(path: Path, donor: dict[str, torch.Tensor], trained_disk: dict
     return {"tensors": len(written), "bit_identical_to_donor": identical}
 
 
-def compare_heads(heldout: dict, served_steps, allow_worse: bool) -> dict:
-    """Donor against trained on the headline: the mean accept length at each served step count."""
+def compare_heads(heldout: dict, served_steps, allow_worse: bool, serving: str) -> dict:
+    """Donor against trained on the headline under the serving configuration labelled `serving`:
+    the mean accept length at each served step count."""
     steps = {}
     for k in served_steps:
-        donor = heldout["donor"]["served"][str(k)]["mean_accept_length"]
-        trained = heldout["trained"]["served"][str(k)]["mean_accept_length"]
+        donor = heldout["donor"]["serving"][serving]["served"][str(k)]["mean_accept_length"]
+        trained = heldout["trained"]["serving"][serving]["served"][str(k)]["mean_accept_length"]
         steps[str(k)] = {"donor": donor, "trained": trained, "difference": trained - donor}
     not_worse = all(s["difference"] >= 0 for s in steps.values())
-    return {"criterion": CRITERION, "steps": steps, "trained_not_worse": not_worse, "allow_worse": allow_worse,
-            "written": not_worse or allow_worse}
+    return {"criterion": CRITERION, "serving": serving, "steps": steps, "trained_not_worse": not_worse,
+            "allow_worse": allow_worse, "written": not_worse or allow_worse}
 
 
 def decoder_check(run: Run, head) -> dict:
-    """The reference decoder on the first `eval.decoder_check_windows` heldout prompts, per served step count."""
+    """The reference decoder on the first `eval.decoder_check_windows` heldout prompts of greedy serving,
+    per served step count (the replay's counts must equal its own)."""
     config = run.config
-    chosen = run.windows.heldout[: config.eval.decoder_check_windows]
+    chosen = run.windows.heldout["greedy"][: config.eval.decoder_check_windows]
     out = {}
     for k in config.eval.served_steps:
         check = reference_decoder_check(run.models.base, head, chosen, k, config.data.answer_tokens, run.stop_token_ids,
@@ -171,10 +178,13 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
-    comparison = compare_heads(heldout, config.eval.served_steps, allow_worse)
+    selected = config.selected_serving.label()
+    comparison = compare_heads(heldout, config.eval.served_steps, allow_worse, selected)
     metrics = {
         "format": METRICS_FORMAT,
         "headline": HEADLINE,
+        "serving": [{"label": s.label(), **asdict(s)} for s in config.eval.serving],
+        "selected_serving": selected,
         "served_steps": list(config.eval.served_steps),
         "max_new_tokens": config.data.answer_tokens,
         "heldout": heldout,
@@ -207,8 +217,8 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
         tmp[run_dir.head_config].write_text(files.json_text(head_config))
         tmp[run_dir.metrics].write_text(files.json_text(metrics))
         plot_acceptance(
-            {name: heldout[name]["served"][str(largest)] for name in heldout}, tmp[run_dir.plot],
-            title=f"served acceptance, {largest}-step drafts (self-generated heldout, exact)", image_format="png",
+            {name: heldout[name]["serving"][selected]["served"][str(largest)] for name in heldout}, tmp[run_dir.plot],
+            title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)", image_format="png",
         )
         record = rec.training_record(
             config, identities, run.data.provenance(), summary, run.windows.self_generated, metrics,
@@ -229,13 +239,21 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
 def _measure(run: Run, head, name: str, log) -> tuple[dict, dict]:
     """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
     config, windows = run.config, run.windows
-    log(f"export: measuring the {name} head on {len(windows.heldout)} heldout windows")
-    report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.served_steps,
-                            config.eval.draft_steps, config.data.answer_tokens, config.eval.windows_per_batch)
-    if run.models.base is None or not config.eval.decoder_check_windows:
-        reason = "data.target_cache is set (no base loaded)" if run.models.base is None else "eval.decoder_check_windows is 0"
+    count = len(next(iter(windows.heldout.values())))
+    log(f"export: measuring the {name} head on {count} heldout windows under {len(config.eval.serving)} serving configuration(s)")
+    report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.serving,
+                            config.eval.served_steps, config.eval.draft_steps, config.data.answer_tokens,
+                            config.eval.windows_per_batch)
+    reason = None
+    if run.models.base is None:
+        reason = "data.target_cache is set (no base loaded)"
+    elif not config.eval.decoder_check_windows:
+        reason = "eval.decoder_check_windows is 0"
+    elif "greedy" not in windows.heldout:
+        reason = "no greedy serving configuration in eval.serving (the check compares the decoder's counts with the greedy replay)"
+    if reason is not None:
         return report, {"skipped": reason}
-    log(f"export: reference decoder on {min(len(windows.heldout), config.eval.decoder_check_windows)} heldout prompts ({name})")
+    log(f"export: reference decoder on {min(count, config.eval.decoder_check_windows)} heldout prompts ({name})")
     return report, decoder_check(run, head)
 
 
@@ -262,9 +280,11 @@ def _donor_disk(config: RunConfig, layout: str, donor_layout: str, donor_state: 
 
 def format_metrics(metrics: dict) -> str:
     """Donor beside trained (`evaluate.format_served`), the verdict, and the reference decoder's checks."""
-    lines = [format_served(metrics["heldout"], metrics["served_steps"], metrics["max_new_tokens"])]
+    servings = [Serving(**{k: v for k, v in s.items() if k != "label"}) for s in metrics["serving"]]
+    lines = [format_served(metrics["heldout"], servings, metrics["served_steps"], metrics["max_new_tokens"],
+                           metrics["selected_serving"])]
     verdict = "not worse than the donor" if metrics["comparison"]["trained_not_worse"] else "WORSE than the donor"
-    lines.append(f"trained head: {verdict} ({metrics['comparison']['criterion']})")
+    lines.append(f"trained head: {verdict} under {metrics['selected_serving']} ({metrics['comparison']['criterion']})")
     for name, checks in metrics["decoder_check"].items():
         if "skipped" in checks:
             lines.append(f"reference decoder check ({name}): skipped, {checks['skipped']}")

@@ -5,10 +5,17 @@ choices greedy_t = argmax(W @ H_t) (the base's prediction for position t+1):
 
 * step 1 at anchor i embeds x_{i+1} and is trained towards greedy_{i+1} (position i+2);
 * step k >= 2 at anchor i embeds t_k = greedy_{i+k-1}, the token step k-1 drafts when it
-  is accepted, and is trained towards greedy_{i+k} (position i+k+1).
+  is accepted under greedy serving, and is trained towards greedy_{i+k} (position i+k+1).
+  Under sampled serving the token accepted at step k-1 is the one the text holds there
+  (the emitted token is the accepted draft), so a chain on sampled text embeds
+  t_k = x_{i+k} (`embed_text`).
 
 A (step, anchor) pair is scored only when its predicted position lies inside the
 window and inside the assistant span.
+
+The distribution losses (`train.loss` kl and tv) fit the head's softmax at each scored
+pair to the base's processed distribution there (`occamy_mtp.sampling`), computed from the
+base's hidden state H_{i+k} through the shared lm_head, exactly, one chunk at a time.
 """
 
 from __future__ import annotations
@@ -19,9 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from occamy_mtp import sampling
+from occamy_mtp.config import Serving
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 IGNORE = -100  # label of an unscored (step, anchor) pair
+# Scored pairs per chunk of a distribution loss: the base's p (and top-p's sort of it), the
+# head's logits and q are each (pairs x V) of 4 to 12 bytes; 1024 pairs at V = 248,320 are
+# 1 to 3 GiB each.
+SOFT_CHUNK_TOKENS = 1024
+TOP1, KL, TV = "top1", "kl", "tv"
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,8 @@ class ChainBatch:
 
 
 def chain_batch(
-    input_ids: torch.Tensor, greedy: torch.Tensor, assistant: torch.Tensor, lengths: torch.Tensor, steps: int
+    input_ids: torch.Tensor, greedy: torch.Tensor, assistant: torch.Tensor, lengths: torch.Tensor, steps: int,
+    embed_text: bool = False,
 ) -> ChainBatch:
     """Build step inputs and labels.
 
@@ -73,6 +88,8 @@ def chain_batch(
         assistant: (B, T) bool, True on assistant-span positions.
         lengths: (B,) real length of each row.
         steps: K, the chained steps.
+        embed_text: steps k >= 2 embed the text's token x_{i+k} (sampled serving) instead of
+            the base's greedy greedy_{i+k-1} (module docstring).
     """
     batch, length = input_ids.shape
     device = input_ids.device
@@ -88,7 +105,7 @@ def chain_batch(
     real = positions < lengths[:, None]
     step_tokens, labels = [], []
     for k in range(1, steps + 1):
-        embedded = shifted(input_ids, 1, 0) if k == 1 else shifted(greedy, k - 1, 0)
+        embedded = shifted(input_ids, k, 0) if k == 1 or embed_text else shifted(greedy, k - 1, 0)
         predicted_position = positions + k + 1
         scored = (predicted_position < lengths[:, None]) & shifted(assistant & real, k + 1, 0).bool()
         target = shifted(greedy, k, IGNORE)
@@ -108,10 +125,46 @@ class StepStats:
     agree: int
 
 
-def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed cross-entropy and argmax hits of one chunk of scored pairs: (N, D) -> scalars."""
+@dataclass(frozen=True)
+class Objective:
+    """What the head is fitted to (`train.loss`), and how its chain is fed."""
+
+    loss: str = TOP1
+    """top1: cross-entropy towards the base's greedy token; kl: KL(p || q); tv: 1 - sum_x min(p, q)."""
+    serving: Serving = Serving()
+    """Whose processed distribution p a kl or tv loss fits, and at whose temperature q is taken."""
+    embed_text: bool = False
+    """Steps k >= 2 embed the text's tokens (the train text was sampled; `chain_batch`)."""
+
+
+def distribution_loss(kind: str, head_logits: torch.Tensor, p: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Summed kl or tv of (N, V) head logits against the base's processed (N, V) p (no gradient through p).
+
+    q = softmax(logits / T), T the serving temperature (1 when serving is greedy: p is then
+    one-hot and T only shapes how q approaches it). kl sums p (log p - log q) with 0 log 0 = 0;
+    tv sums 1 - sum_x min(p, q), one minus the expected acceptance of a draft drawn from q.
+    """
+    scaled = head_logits.float() / (temperature if temperature > 0 else 1.0)
+    if kind == KL:
+        return (torch.xlogy(p, p) - p * scaled.log_softmax(dim=-1)).sum()
+    if kind == TV:
+        return (1.0 - torch.minimum(p, scaled.softmax(dim=-1)).sum(dim=-1)).sum()
+    raise ValueError(f"loss must be {KL} or {TV} here, got {kind!r}")
+
+
+def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor, base_hidden: torch.Tensor | None = None,
+                    objective: Objective = Objective()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss and argmax hits (against the greedy target) of one chunk of scored pairs: (N, D) -> scalars.
+
+    For a distribution loss, `base_hidden` (N, D) are the base's hidden states whose logits
+    give p at the same pairs (the head's logits function is the base's lm_head)."""
     logits = head.logits(hidden).float()  # (N, V)
-    return F.cross_entropy(logits, target, reduction="sum"), (logits.argmax(-1) == target).sum()
+    hits = (logits.argmax(-1) == target).sum()
+    if objective.loss == TOP1:
+        return F.cross_entropy(logits, target, reduction="sum"), hits
+    with torch.no_grad():
+        p = sampling.base_probs(head.logits(base_hidden), objective.serving)
+    return distribution_loss(objective.loss, logits, p, objective.serving.temperature), hits
 
 
 def chain_loss(
@@ -120,14 +173,23 @@ def chain_loss(
     labels: torch.Tensor,
     weights: tuple[float, ...],
     chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    objective: Objective = Objective(),
+    base_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[StepStats]]:
-    """Weighted mean over steps of the per-step mean cross-entropy against the greedy targets.
+    """Weighted mean over steps of the per-step mean loss: cross-entropy against the greedy
+    targets, or a distribution loss against the base's processed distribution (`objective`).
 
-    Logits are computed only at scored pairs, `chunk_tokens` pairs at a time, and each
-    chunk's logits are recomputed in the backward pass instead of kept: at real size
-    (vocabulary 248,320) the fp32 logits of one 4x510-token, 3-step batch would be 6 GiB.
-    `head_hidden` is (K, B, T, D) from `MTPHead.forward`; `labels` is (K, B, T).
+    Logits are computed only at scored pairs, `chunk_tokens` pairs at a time (at most
+    `SOFT_CHUNK_TOKENS` for a distribution loss), and each chunk's logits are recomputed in
+    the backward pass instead of kept: at real size (vocabulary 248,320) the fp32 logits of
+    one 4x510-token, 3-step batch would be 6 GiB. `head_hidden` is (K, B, T, D) from
+    `MTPHead.forward`; `labels` is (K, B, T); `base_hidden` (B, T, D), the base's post-norm
+    hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k}.
     """
+    if objective.loss != TOP1:
+        if base_hidden is None:
+            raise ValueError(f"a {objective.loss} loss needs the base's hidden states (base_hidden)")
+        chunk_tokens = min(chunk_tokens, SOFT_CHUNK_TOKENS)
     # Zero that still depends on the head, so a batch without scored pairs yields a
     # gradient of zeros (all data-parallel processes must run the same backward).
     total = head_hidden.float().sum() * 0.0
@@ -139,14 +201,19 @@ def chain_loss(
             stats.append(StepStats(0, 0.0, 0))
             continue
         hidden, target = head_hidden[k][scored], labels[k][scored]
+        parents = None
+        if objective.loss != TOP1:
+            rows, anchors = scored.nonzero(as_tuple=True)
+            parents = base_hidden[rows, anchors + k]  # (N, D): H_{i+k} gives p for position i+k+1
         loss_sum = head_hidden.new_zeros((), dtype=torch.float32)
         agree = 0
         for start in range(0, count, chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
+            inputs = (head, hidden[chunk], target[chunk], None if parents is None else parents[chunk], objective)
             if torch.is_grad_enabled():
-                part, hits = checkpoint(_chunk_loss_sum, head, hidden[chunk], target[chunk], use_reentrant=False)
+                part, hits = checkpoint(_chunk_loss_sum, *inputs, use_reentrant=False)
             else:
-                part, hits = _chunk_loss_sum(head, hidden[chunk], target[chunk])
+                part, hits = _chunk_loss_sum(*inputs)
             loss_sum = loss_sum + part
             agree += int(hits)
         loss = loss_sum / count

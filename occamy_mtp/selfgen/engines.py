@@ -1,7 +1,9 @@
 """The base's continuations written by serving engines: OpenAI-compatible servers, many requests in flight.
 
 Each context goes to `/v1/completions` as token ids (no template is rendered again),
-greedy, at most the window's answer budget, stopping at the base's stop tokens, with
+greedy or sampled (temperature, top_p, top_k, and a seed per context derived from the
+run's seed and the context, `TextSampling.request_seed`; the engine's own generator then
+draws the tokens), at most the window's answer budget, stopping at the base's stop tokens, with
 `return_token_ids` (vLLM and SGLang return `choices[0].token_ids`, docs/ENGINES.md).
 Where a server returns only text, the text is tokenized and the continuations whose
 tokens do not decode back to it are counted. `connect` checks every server first (it
@@ -17,11 +19,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from occamy_mtp.selfgen.engine_client import COMPLETIONS, RequestFailed, parse_response, post_json, server_identity
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.selfgen.store import ENGINE, Continuation
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
+from occamy_mtp.selfgen.store import ENGINE, Continuation, context_digest
 
 PROBE_TOKENS = 2  # new tokens of the probe request: enough to see token ids come back
 BACKOFF_SECONDS = 1.0  # the first retry's wait; each next one doubles, up to MAX_BACKOFF_SECONDS
@@ -67,19 +70,26 @@ class Request:
     vocab_size: int
     timeout_seconds: float
     retries: int
+    sampling: TextSampling = GREEDY_TEXT
 
 
-def request_body(model: str, prompt_ids: Sequence[int], request: Request, max_tokens: int | None = None) -> dict:
-    return {
+def request_body(model: str, prompt_ids: Sequence[int], request: Request, max_tokens: int | None = None,
+                 greedy: bool = False) -> dict:
+    """The completions request of one context (`greedy` forces temperature 0: the probe)."""
+    sampling = GREEDY_TEXT if greedy else request.sampling
+    body = {
         "model": model,
         "prompt": list(prompt_ids),
         "max_tokens": max_tokens or request.max_new_tokens,
-        "temperature": 0,
+        "temperature": sampling.temperature,
         "n": 1,
         "stop_token_ids": sorted(request.stop_token_ids),
         "skip_special_tokens": False,
         "return_token_ids": True,
     }
+    if not sampling.greedy:
+        body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=sampling.request_seed(context_digest(prompt_ids)))
+    return body
 
 
 def read_answer(response: dict, tokenizer, request: Request, max_tokens: int | None = None) -> Answer:
@@ -126,10 +136,10 @@ def _stop_token(choice: dict, stop: Collection[int], tokenizer) -> int | None:
 
 
 def _completion(url: str, model: str, prompt_ids: Sequence[int], tokenizer, request: Request,
-                max_tokens: int | None = None, stopped: threading.Event | None = None) -> Answer:
+                max_tokens: int | None = None, stopped: threading.Event | None = None, greedy: bool = False) -> Answer:
     """One context's continuation from one server, retried on a connection error, a timeout,
     an HTTP 5xx or a malformed answer; RequestFailed after the last try."""
-    body = request_body(model, prompt_ids, request, max_tokens)
+    body = request_body(model, prompt_ids, request, max_tokens, greedy)
     for attempt in range(request.retries + 1):
         try:
             return read_answer(post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds), tokenizer,
@@ -162,7 +172,7 @@ def connect(urls: Sequence[str], expected_model: str, probe_prompt: Sequence[int
             raise EngineError(f"data.self_generate_endpoints: {url} serves {model!r} and {servers[0].url} serves "
                               f"{servers[0].model!r}; every server must serve the same base")
         try:
-            probe = _completion(url, model, probe_prompt, tokenizer, request, PROBE_TOKENS)
+            probe = _completion(url, model, probe_prompt, tokenizer, request, PROBE_TOKENS, greedy=True)
         except RequestFailed as err:
             raise EngineError(f"data.self_generate_endpoints: {url}: a {PROBE_TOKENS}-token greedy probe failed ({err})") from None
         servers.append(Server(url, model, identity["engine"], identity["version"], probe.source == "token_ids"))
@@ -227,9 +237,17 @@ class EngineWriter:
     def __init__(self, urls: Sequence[str], expected_model: str, tokenizer, request: Request, concurrency: int):
         self.urls, self.expected_model = list(urls), expected_model
         self.tokenizer, self.request, self.concurrency = tokenizer, request, concurrency
+        self.sampling = request.sampling
         self._servers: list[Server] | None = None
         self.sources: dict[str, int] = {}
         """How the answers' tokens were read: "token_ids", "text", "text_lossy" -> count."""
+
+    def for_text(self, sampling: TextSampling) -> "EngineWriter":
+        """The same servers (checked once) writing under other sampling settings."""
+        writer = EngineWriter(self.urls, self.expected_model, self.tokenizer, replace(self.request, sampling=sampling),
+                              self.concurrency)
+        writer._servers = self._servers
+        return writer
 
     @property
     def servers(self) -> list[Server]:

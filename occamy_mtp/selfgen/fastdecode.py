@@ -29,7 +29,8 @@ import torch
 
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.selfgen.decode_kernels import conv_steps_, gated_delta_steps_
-from occamy_mtp.selfgen.greedy import check_prompts
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
+from occamy_mtp.selfgen.greedy import check_prompts, check_uniforms
 from occamy_mtp.targets.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
@@ -141,7 +142,8 @@ class BatchDecoder:
     decoder's verify passes, `StaticRunner`).
     """
 
-    def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0):
+    def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0,
+                 sampling: TextSampling = GREEDY_TEXT):
         if base.config.model_type != "qwen3_5_moe_text":
             raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
         config = base.config
@@ -171,7 +173,11 @@ class BatchDecoder:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # fed at this step
         self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
         self.prompt_lengths = torch.ones(batch, dtype=torch.long, device=self.device)
-        self.chosen = torch.zeros(batch, positions, dtype=torch.long, device=self.device)  # argmax at each position
+        self.chosen = torch.zeros(batch, positions, dtype=torch.long, device=self.device)  # the choice at each position
+        # Sampled decoding: the uniform each position's choice is drawn with (a row's j-th new token is
+        # drawn at position len(prompt) - 1 + j with its stream's j-th value), and the settings.
+        self.sampling = sampling
+        self.uniforms = torch.zeros(0 if sampling.greedy else batch, positions, dtype=torch.float64, device=self.device)
         self.hidden = torch.zeros(batch, config.hidden_size, dtype=dtype, device=self.device)  # last step's, post-norm
         self.logits = torch.zeros(batch, config.vocab_size, dtype=dtype, device=self.device)  # last step's
         self._arange = torch.arange(positions, device=self.device)
@@ -205,7 +211,10 @@ class BatchDecoder:
         self.hidden.copy_(self._layers(hidden, position_embeddings, mask)[:, -1])
         logits = base.lm_head(self.hidden)  # (B, V)
         self.logits.copy_(logits)
-        chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
+        if self.sampling.greedy:
+            chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
+        else:
+            chosen = draw(self.sampling.probs(logits), self.uniforms.index_select(1, position)[:, 0])
         self.chosen.index_copy_(1, position, chosen[:, None])
         following = position + 1
         from_prompt = following < self.prompt_lengths  # (B,) still reading its prompt
@@ -297,13 +306,17 @@ class BatchDecoder:
 
     # -- a batch ----------------------------------------------------------------------
 
-    def _reset(self, prompts: Sequence[Sequence[int]]) -> None:
+    def _reset(self, prompts: Sequence[Sequence[int]], uniforms: Sequence[torch.Tensor] | None = None) -> None:
         rows = len(prompts)
         self.prompts.zero_()
         self.prompt_lengths.fill_(1)
+        self.uniforms.zero_()
         for row, prompt in enumerate(prompts):
             self.prompts[row, : len(prompt)] = torch.as_tensor(prompt, dtype=torch.long)
             self.prompt_lengths[row] = len(prompt)
+            if uniforms is not None:
+                stream = uniforms[row][: self.positions - len(prompt) + 1]
+                self.uniforms[row, len(prompt) - 1 : len(prompt) - 1 + len(stream)] = stream.to(self.device)
         if rows < self.batch:  # spare rows decode a one-token prompt; their tokens are dropped
             self.prompt_lengths[rows:] = 1
         for state in [*self.kv.keys.values(), *self.kv.values.values(), self.conv_states, self.recurrent_states, self.chosen]:
@@ -313,21 +326,24 @@ class BatchDecoder:
         self.tokens.copy_(self.prompts[:, 0])
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int]) -> list[list[int]]:
-        """Greedy continuations of `prompts` (at most `batch`): up to `max_new_tokens` ids each, ending
-        with the first token of `eos_token_ids` when one is generated (as `greedy.greedy_generate`)."""
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
+                 uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
+        """Continuations of `prompts` (at most `batch`), greedy or drawn as the decoder's `sampling`
+        says with one stream of `uniforms` per prompt: up to `max_new_tokens` ids each, ending with
+        the first token of `eos_token_ids` when one is generated (as `greedy.greedy_generate`)."""
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"1 to {self.batch} prompts a batch, got {len(prompts)}")
         check_prompts(prompts, max_new_tokens)
+        check_uniforms(prompts, self.sampling, uniforms, max_new_tokens)
         steps = max(len(p) for p in prompts) + max_new_tokens - 1
         if steps > self.positions:
             raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens and {max_new_tokens} new ones need "
                              f"{steps} positions; this decoder holds {self.positions}")
         eos = frozenset(int(t) for t in eos_token_ids)
         if self.cuda_graph and self._graph is None:
-            self._reset(prompts)
+            self._reset(prompts, uniforms)
             self._capture()
-        self._reset(prompts)
+        self._reset(prompts, uniforms)
         stops = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
         first = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # position of the first new token
         for done in range(1, steps + 1):
@@ -416,7 +432,8 @@ def static_decoding(base) -> bool:
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
-                         batch_size: int, cuda_graph: bool | None = None) -> list[list[int]]:
+                         batch_size: int, cuda_graph: bool | None = None, sampling: TextSampling = GREEDY_TEXT,
+                         uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
     """`greedy.greedy_generate` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -424,8 +441,10 @@ def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_toke
         return []
     longest = max(len(p) for p in prompts)
     decoder = BatchDecoder(base, batch=min(batch_size, len(prompts)), positions=max(1, longest + max_new_tokens - 1),
-                           cuda_graph=cuda_graph)
+                           cuda_graph=cuda_graph, sampling=sampling)
     out: list[list[int]] = []
     for start in range(0, len(prompts), decoder.batch):
-        out += decoder.generate(prompts[start : start + decoder.batch], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
+        streams = None if uniforms is None else uniforms[start : start + decoder.batch]
+        out += decoder.generate(prompts[start : start + decoder.batch], max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                                uniforms=streams)
     return out

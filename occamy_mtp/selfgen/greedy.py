@@ -1,7 +1,8 @@
-"""Batched greedy decoding with the frozen base: how the base writes its own text.
+"""Batched decoding with the frozen base: how the base writes its own text.
 
 `greedy_generate` is what the self-generated store (`occamy_mtp.selfgen.store`) and the
-answer-regeneration tool (`occamy_mtp.generate`) decode with; `default_eos_token_ids`
+answer-regeneration tool (`occamy_mtp.generate`) decode with: greedy, or sampled under a
+`sampling.TextSampling` from one seeded uniform stream per prompt; `default_eos_token_ids`
 is where a continuation ends.
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from occamy_mtp.data import windows as D
 from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 
 # Any id works for padding: padded positions are masked out of every layer (see _greedy_batch).
 PAD_INPUT_ID = 0
@@ -29,6 +31,18 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None
         raise ValueError(f"prompt {empty[0]} is empty: greedy decoding needs at least one token")
 
 
+def check_uniforms(prompts: Sequence[Sequence[int]], sampling: TextSampling, uniforms, max_new_tokens: int) -> None:
+    """Sampled decoding needs one stream of at least `max_new_tokens` uniforms per prompt."""
+    if sampling.greedy:
+        return
+    if uniforms is None or len(uniforms) != len(prompts):
+        raise ValueError(f"sampled decoding needs one uniform stream per prompt ({len(prompts)}), got "
+                         f"{'none' if uniforms is None else len(uniforms)}")
+    short = [i for i, stream in enumerate(uniforms) if len(stream) < max_new_tokens]
+    if short:
+        raise ValueError(f"uniform stream {short[0]} holds {len(uniforms[short[0]])} values, fewer than max_new_tokens={max_new_tokens}")
+
+
 @torch.no_grad()
 def greedy_generate(
     base,
@@ -37,8 +51,12 @@ def greedy_generate(
     max_new_tokens: int,
     eos_token_ids: Collection[int],
     batch_size: int,
+    sampling: TextSampling = GREEDY_TEXT,
+    uniforms: Sequence[torch.Tensor] | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of `prompts` by the frozen base, `batch_size` prompts at a time.
+    """Greedy continuations of `prompts` by the frozen base, `batch_size` prompts at a time; under a
+    sampled `sampling`, the j-th new token of prompt r is `sampling.draw(p, uniforms[r][j])`, p the
+    base's processed distribution there, so a continuation depends on its own stream only.
 
     `base` is a transformers Qwen3.5-MoE / Qwen3-Next causal LM (`checkpoint.load_base`)
     on any device. Returns, per prompt and in order, the generated token ids: up to
@@ -66,16 +84,20 @@ def greedy_generate(
     its first real token), and position ids count from each row's first real token.
     """
     check_prompts(prompts, max_new_tokens)
+    check_uniforms(prompts, sampling, uniforms, max_new_tokens)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     eos = frozenset(int(token) for token in eos_token_ids)
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        out.extend(_greedy_batch(base, [list(p) for p in prompts[start : start + batch_size]], max_new_tokens, eos))
+        streams = None if sampling.greedy else torch.stack([u[:max_new_tokens] for u in uniforms[start : start + batch_size]])
+        out.extend(_greedy_batch(base, [list(p) for p in prompts[start : start + batch_size]], max_new_tokens, eos,
+                                 sampling, streams))
     return out
 
 
-def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
+def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int],
+                  sampling: TextSampling = GREEDY_TEXT, uniforms: torch.Tensor | None = None) -> list[list[int]]:
     from transformers import DynamicCache
 
     device = base.lm_head.weight.device
@@ -93,7 +115,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * rows
     step_ids, step_positions = input_ids, position_ids
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits = base(
             input_ids=step_ids,
             attention_mask=attention_mask,
@@ -102,7 +124,10 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
             logits_to_keep=1,
             **cache_argument,
         ).logits[:, -1]  # (B, V)
-        next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
+        if sampling.greedy:
+            next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
+        else:
+            next_ids = draw(sampling.probs(logits), uniforms[:, step].to(logits.device))
         for row, token in enumerate(next_ids.tolist()):
             if not finished[row]:
                 generated[row].append(token)

@@ -1,4 +1,4 @@
-"""Self-generated windows: each window's answer replaced by the frozen base's own greedy continuation.
+"""Self-generated windows: each window's answer replaced by the frozen base's own continuation (greedy, or sampled).
 
 docs/SELF_GENERATED.md sets out the details.
 """
@@ -23,6 +23,7 @@ from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.selfgen.greedy import greedy_generate
 from occamy_mtp.data.windows import Window
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 
 STORE_FILE = "self-generated.jsonl"
 META_FILE = "self-generated.meta.json"
@@ -31,7 +32,10 @@ STORE_FORMAT = 2  # 2: every line carries its store's identity digest and a dige
 SYNC_SECONDS = 1.0  # lines written since the last fsync at most this old: a kill loses about this much
 # What the continuations are a function of: a store that differs in any is refused.
 COMPARED_FIELDS = ("format", "base_config_sha256", "base_weights_sample_sha256", "vocab_size", "dtype",
-                   "attn_implementation", "max_new_tokens", "stop_token_ids", "writer")
+                   "attn_implementation", "max_new_tokens", "stop_token_ids", "writer", "sampling")
+# Fields a store holds only when they are set: a greedy store has no "sampling", as before
+# sampling existed, so that its identity and its lines' digests stay what they were.
+OPTIONAL_FIELDS = ("sampling",)
 EMBEDDED = "embedded"  # the base in this process (`EmbeddedWriter`)
 ENGINE = "engine"  # serving engines (`engine_generate.EngineWriter`)
 
@@ -45,10 +49,15 @@ def context_digest(context_ids: Sequence[int]) -> str:
     return token_ids_sha256(context_ids)
 
 
+def compared(identity: dict) -> dict:
+    """The fields of an identity that decide its continuations (COMPARED_FIELDS; an optional one only when set)."""
+    return {name: identity.get(name) for name in COMPARED_FIELDS
+            if name not in OPTIONAL_FIELDS or identity.get(name) is not None}
+
+
 def identity_digest(identity: dict) -> str:
     """What every line of a store carries of its identity: a line written under another is found when read."""
-    compared = {name: identity[name] for name in COMPARED_FIELDS}
-    return hashlib.sha256(json.dumps(compared, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(compared(identity), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def line_digest(context_sha256: str, tokens: Sequence[int], finished: bool) -> str:
@@ -67,14 +76,23 @@ class Continuation:
     """True when the last token is a stop token (else the budget ran out)."""
 
 
+def context_uniforms(sampling: TextSampling, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list | None:
+    """The uniform stream of each context's sampled continuation, keyed by its digest (None for greedy text)."""
+    if sampling.greedy:
+        return None
+    return [sampling.uniforms(context_digest(c), max_new_tokens) for c in contexts]
+
+
 def self_generate(
-    base, contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Collection[int], batch_size: int
+    base, contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Collection[int], batch_size: int,
+    sampling: TextSampling = GREEDY_TEXT,
 ) -> list[Continuation]:
-    """The base's greedy continuations of `contexts`, batched: `fastdecode` where it runs
-    (`static_decoding`), else `greedy.greedy_generate`."""
+    """The base's continuations of `contexts` (greedy, or sampled with each context's own stream),
+    batched: `fastdecode` where it runs (`static_decoding`), else `greedy.greedy_generate`."""
     stop = frozenset(int(t) for t in stop_token_ids)
     generate = fast_greedy_generate if static_decoding(base) else greedy_generate
-    generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size)
+    generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size,
+                         sampling=sampling, uniforms=context_uniforms(sampling, contexts, max_new_tokens))
     return [Continuation(tuple(ids), bool(ids) and ids[-1] in stop) for ids in generated]
 
 
@@ -88,6 +106,8 @@ class Writer(Protocol):
 
     source: str
     """EMBEDDED or ENGINE: part of the store's identity."""
+    sampling: TextSampling
+    """How it writes (greedy, or sampled): part of the store's identity."""
 
     def details(self) -> dict:
         """What identifies the writer beyond its source (the served model, the decoder)."""
@@ -101,20 +121,25 @@ class Writer(Protocol):
 
 
 class EmbeddedWriter:
-    """The base in this process, `batch_size` contexts a batch.
+    """The base in this process, `batch_size` contexts a batch, greedy or under `sampling`.
 
     On CUDA a Qwen3.5-MoE base decodes through `fastdecode.BatchDecoder` (static state,
     one CUDA graph a step); elsewhere through `greedy.greedy_generate`. Batches are fixed
     chunks of the sorted contexts, and a batch with any context missing is generated
     whole, so a resumed run computes every continuation in the same batch as an
-    uninterrupted one.
+    uninterrupted one. A sampled continuation draws from its context's own uniform
+    stream, so it is the same in whichever batch it is written.
     """
 
     source = EMBEDDED
 
-    def __init__(self, base, batch_size: int):
-        self.base, self.batch_size = base, batch_size
+    def __init__(self, base, batch_size: int, sampling: TextSampling = GREEDY_TEXT):
+        self.base, self.batch_size, self.sampling = base, batch_size, sampling
         self.static = static_decoding(base)
+
+    def for_text(self, sampling: TextSampling) -> "EmbeddedWriter":
+        """The same base and batch writing under other sampling settings."""
+        return EmbeddedWriter(self.base, self.batch_size, sampling)
 
     def details(self) -> dict:
         decoder = "occamy_mtp.selfgen.fastdecode.BatchDecoder" if self.static else "occamy_mtp.selfgen.greedy.greedy_generate"
@@ -129,27 +154,33 @@ class EmbeddedWriter:
         decode = self._decoder(contexts, todo, max_new_tokens)
         started = time.perf_counter()
         for number, batch in enumerate(todo, start=1):
-            outputs = decode([contexts[i] for i in batch], stop_token_ids)
+            prompts = [contexts[i] for i in batch]
+            outputs = decode(prompts, stop_token_ids, context_uniforms(self.sampling, prompts, max_new_tokens))
             for index, ids in zip(batch, outputs):
                 if missing[index]:  # the others were generated again only to keep the batch whole
                     yield index, Continuation(tuple(ids), bool(ids) and ids[-1] in stop_token_ids)
             log(f"  batch {number}/{len(todo)} written ({time.perf_counter() - started:.0f} s)")
 
     def _decoder(self, contexts, todo, max_new_tokens):
-        """prompts, stop ids -> continuations: one static decoder for every batch, or greedy_generate."""
+        """prompts, stop ids, uniform streams -> continuations: one static decoder for every batch, or greedy_generate."""
         if not self.static:
-            return lambda prompts, stop: greedy_generate(self.base, prompts, max_new_tokens=max_new_tokens,
-                                                         eos_token_ids=frozenset(stop), batch_size=self.batch_size)
+            return lambda prompts, stop, uniforms: greedy_generate(
+                self.base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=frozenset(stop), batch_size=self.batch_size,
+                sampling=self.sampling, uniforms=uniforms)
         longest = max(len(contexts[i]) for batch in todo for i in batch)
-        decoder = BatchDecoder(self.base, batch=max(len(b) for b in todo), positions=longest + max_new_tokens - 1)
-        return lambda prompts, stop: decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop)
+        decoder = BatchDecoder(self.base, batch=max(len(b) for b in todo), positions=longest + max_new_tokens - 1,
+                               sampling=self.sampling)
+        return lambda prompts, stop, uniforms: decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop,
+                                                                uniforms=uniforms)
 
 
 def store_identity(base_dir: str | Path, dtype: str, attn_implementation: str, max_new_tokens: int, stop_token_ids: Collection[int],
-                   writer: str = EMBEDDED) -> dict:
+                   writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT) -> dict:
     """What a store's continuations are a function of (the fields of COMPARED_FIELDS); `writer`
-    is who writes them (EMBEDDED or ENGINE): a store is never extended by the other one."""
+    is who writes them (EMBEDDED or ENGINE): a store is never extended by the other one;
+    `sampling` how (greedy, or sampled with its settings and seed)."""
     base = ckpt_io.checkpoint_fingerprint(base_dir)
+    optional = {} if sampling.greedy else {"sampling": sampling.to_dict()}
     return {
         "format": STORE_FORMAT,
         "base_config_sha256": base["config_sha256"],
@@ -160,6 +191,7 @@ def store_identity(base_dir: str | Path, dtype: str, attn_implementation: str, m
         "max_new_tokens": int(max_new_tokens),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
         "writer": writer,
+        **optional,
     }
 
 
@@ -241,6 +273,9 @@ class SelfGeneratedStore:
         if writer.source != self.identity["writer"]:
             raise SelfGenError(f"{self.directory}: written by the {self.identity['writer']} writer, asked to be extended by "
                                f"the {writer.source} one; use another data.self_generated_dir")
+        if writer.sampling.to_dict() != self.identity.get("sampling"):
+            raise SelfGenError(f"{self.directory}: holds text written {_sampling_text(self.identity.get('sampling'))}, "
+                               f"asked to be extended by a writer that writes {_sampling_text(writer.sampling.to_dict())}")
         details = writer.details()
         if self.writer_details and self.writer_details.get("model", details.get("model")) != details.get("model"):
             raise SelfGenError(f"{self.directory}: written from model {self.writer_details.get('model')!r}, and the servers now "
@@ -308,6 +343,10 @@ class SelfGeneratedStore:
         }
 
 
+def _sampling_text(sampling: dict | None) -> str:
+    return "greedily" if sampling is None else "sampled with " + ", ".join(f"{k} {v}" for k, v in sampling.items())
+
+
 def _check_meta(directory: Path, identity: dict) -> dict | None:
     """The store's meta file, refused when written under another identity; None when there is none yet."""
     meta_path = directory / META_FILE
@@ -318,8 +357,8 @@ def _check_meta(directory: Path, identity: dict) -> dict | None:
     except (OSError, ValueError) as err:
         raise SelfGenError(f"{meta_path}: unreadable ({err}); remove the directory to generate again") from None
     existing.setdefault("writer", EMBEDDED)  # stores from before engines wrote any
-    differences = [f"{name}: {existing.get(name)!r} in the store, {identity[name]!r} now"
-                   for name in COMPARED_FIELDS if existing.get(name) != identity[name]]
+    differences = [f"{name}: {existing.get(name)!r} in the store, {identity.get(name)!r} now"
+                   for name in COMPARED_FIELDS if existing.get(name) != identity.get(name)]
     if differences:
         raise SelfGenError(f"{directory}: the self-generated windows there were written under other settings ("
                            + "; ".join(differences) + "); use another data.self_generated_dir, or remove it to generate again")

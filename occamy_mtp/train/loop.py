@@ -1,12 +1,13 @@
-"""Training: distil the frozen base's greedy choices into the head's trainable tensors.
+"""Training: distil the frozen base's greedy choices (or its processed distribution) into the head's trainable tensors.
 
 `train(config)` reads top to bottom: open the run (`run.open_run`: data, models, the
 self-generated windows, targets), the optimizer, resume if asked, then per step
 `train_step` (base targets, no grad -> head chain -> loss -> backward -> clip ->
 update), log, select, checkpoint. Selection scores the head where serving runs it (the
-decoder replay on the self-generated validation windows, trainable tensors rounded as
-export rounds them) before the first step and every `train.select_every_steps`; the best
-step is what the run writes. Checkpoints hold tensors and plain values only; the window
+decoder replay, or its expectation under sampling, on the validation windows the base
+wrote under the selected serving configuration, trainable tensors rounded as export
+rounds them) before the first step and every `train.select_every_steps`; the best step
+is what the run writes. Checkpoints hold tensors and plain values only; the window
 order is a pure function of (seed, epoch), so a resumed run ends, on CPU, with a
 bit-identical head.
 """
@@ -36,7 +37,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.head import MTPHead
-from occamy_mtp.model.loss import StepStats, chain_batch, chain_loss, collate
+from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.targets.base import TargetSource
 
@@ -105,6 +106,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         act_dtype = ckpt_io.DTYPES[config.model.dtype]
         total_steps = config.train.epochs * steps_per_epoch(len(run.windows.train), config.train.windows_per_step)
         weights = step_loss_weights(config.train)
+        objective = build_objective(config)
         state, best = TrainState(), None
         if resume and existing is not None:
             state, best = load_checkpoint(existing, config, head, optimizer)
@@ -136,7 +138,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             try:
                 step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
                                   config.train, weights, act_dtype, backward=accelerator.backward,
-                                  clip_grad_norm=accelerator.clip_grad_norm_)
+                                  clip_grad_norm=accelerator.clip_grad_norm_, objective=objective)
             except NonFiniteStep as err:
                 _stop(run_dir, state.step + 1, str(err), lr)
             state.step += 1
@@ -188,8 +190,15 @@ class StepOutput:
     """Time spent getting the base's targets (the forward, or the cache read)."""
 
 
+def build_objective(config: RunConfig) -> Objective:
+    """What the head is fitted to: `train.loss` under the selected serving configuration, the chain
+    fed the text's tokens when the base sampled the train text."""
+    return Objective(config.train.loss, config.selected_serving, embed_text=config.data.self_generate_temperature > 0)
+
+
 def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window], optimizer, settings: TrainSettings,
-               loss_weights: tuple[float, ...], act_dtype: torch.dtype, *, backward=None, clip_grad_norm=None) -> StepOutput:
+               loss_weights: tuple[float, ...], act_dtype: torch.dtype, *, backward=None, clip_grad_norm=None,
+               objective: Objective = Objective()) -> StepOutput:
     """One optimizer step on `windows`: the base's targets (no grad), the head's chain, the loss, the update.
 
     `model` is `head` as the caller runs it (wrapped by accelerate for several
@@ -202,10 +211,10 @@ def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window
     base = targets.outputs(batch.input_ids, batch.attention_mask)
     base_seconds = time.perf_counter() - started
 
-    chain = chain_batch(batch.input_ids, base.greedy, batch.assistant, batch.lengths, settings.draft_steps)
+    chain = chain_batch(batch.input_ids, base.greedy, batch.assistant, batch.lengths, settings.draft_steps, objective.embed_text)
     with head_autocast(head, device, act_dtype):
         hidden = model(chain.step_token_ids, base.hidden, detach_chain=settings.detach_chain)  # (K, B, T, D)
-        loss, stats = chain_loss(head, hidden, chain.labels, loss_weights)
+        loss, stats = chain_loss(head, hidden, chain.labels, loss_weights, objective=objective, base_hidden=base.hidden)
     if not torch.isfinite(loss.detach()):
         raise NonFiniteStep(f"the loss is {float(loss.detach()):g}")
     (backward or torch.Tensor.backward)(loss)
@@ -228,7 +237,7 @@ def selection_step(state: TrainState, head: MTPHead, run: Run, act_dtype: torch.
     device = head.fc.weight.device
     with as_served(head, act_dtype), head_autocast(head, device, act_dtype):
         served = served_acceptance(run.targets, head, run.windows.validation, config.eval.served_steps,
-                                   config.data.answer_tokens, config.eval.windows_per_batch)
+                                   config.data.answer_tokens, config.eval.windows_per_batch, config.selected_serving)
     score = selection_score(served)
     state.selection.append({"step": state.step, "score": score,
                             **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
@@ -420,7 +429,9 @@ def _selection_summary(config: RunConfig, state: TrainState, validation_windows:
     return {
         "enabled": True,
         "every_steps": config.train.select_every_steps,
-        "metric": "mean over eval.served_steps of the decoder-replay mean accept length on the self-generated validation windows",
+        "metric": "mean over eval.served_steps of the decoder's mean accept length (replayed, or expected under sampling) on "
+                  "the validation windows the base wrote under the selected serving configuration",
+        "serving": config.selected_serving.label(),
         "served_steps": list(config.eval.served_steps),
         "validation_windows": validation_windows,
         "history": state.selection,
