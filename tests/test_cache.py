@@ -176,7 +176,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
-    from occamy_mtp.run import open_store, prepare_data, run_windows
+    from occamy_mtp.run import open_stores, prepare_data, run_windows, self_generated_needed
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -186,8 +186,10 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
-    windows = run_windows(cached_config, data, open_store(cached_config, world["tokenizer"])).all()
-    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 2  # self-generated, + recorded heldout
+    stores = open_stores(cached_config, world["tokenizer"], self_generated_needed(cached_config, data))
+    windows = run_windows(cached_config, data, stores).all()
+    # self-generated (the heldout ones under each serving configuration: greedy, sampled), + recorded heldout
+    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 3
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
     C.build_cache(library, C.cache_identity(world["base_path"], windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
                   T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
@@ -209,10 +211,13 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         cached_record = export_module.export(cached_config, allow_worse=True, log=lambda m: None)
     for head in ("donor", "trained"):
         online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
-        for part in ("teacher_forced", "self_generated"):
-            assert online[part]["scored_positions"] == cached[part]["scored_positions"]
+        parts = [(online["teacher_forced"], cached["teacher_forced"])]
+        parts += [(online["serving"][label]["every_anchor"], cached["serving"][label]["every_anchor"])
+                  for label in ("greedy", "t0.7-p0.8")]
+        for online_part, cached_part in parts:
+            assert online_part["scored_positions"] == cached_part["scored_positions"]
             # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties
-            assert abs(online[part]["agreement"] - cached[part]["agreement"]) <= 2 / online[part]["scored_positions"]
+            assert abs(online_part["agreement"] - cached_part["agreement"]) <= 2 / online_part["scored_positions"]
     assert cached_record["metrics"]["decoder_check"]["trained"] == {"skipped": "data.target_cache is set (no base loaded)"}
     trained_online = load_file(world["root"] / "run-online" / "trained-tensors.safetensors")
     trained_cached = load_file(world["root"] / "run-cached" / "trained-tensors.safetensors")

@@ -239,3 +239,56 @@ def test_decoder_acceptance_equals_offline_chain_at_its_anchors(models, draft_st
     assert 0 < accepted[0] < proposed[0], "the agreeable head should accept some drafts, not all"
     if draft_steps == 3:
         assert accepted[2] > 0, "the chain should reach step 3 sometimes"
+
+
+# ----------------------------------------------------------------------------------
+# Sampled serving: the decoder's counts against their expectation
+# ----------------------------------------------------------------------------------
+
+# |z| bound of a check that holds: the z-scores are means of 120 independent mean-0
+# differences over their estimated standard error, nearly normal; beyond 4.5 a correct
+# decoder lands with probability 7e-6.
+Z_BOUND = 4.5
+LOGIT_SCALE = 8  # sharpens the random base (and the head, which shares its lm_head) so that drafts are accepted
+
+
+@pytest.fixture(scope="module")
+def sharp_models():
+    base, head = agreeable_models(seed=5)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(LOGIT_SCALE)
+    return base, head
+
+
+@pytest.mark.parametrize("draft", ["greedy", "sampled"])
+def test_sampled_decoding_converges_to_its_expected_counts(sharp_models, draft):
+    """The engines' rejection sampling (seeded) against the library's exact expectation given each
+    text it wrote; the same decodes against the expectation of another temperature fail."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.evaluation.evaluate import sampled_decoder_check, sampled_decodes
+
+    base, head = sharp_models
+    serving = Serving(temperature=0.5, top_p=0.9, draft=draft)
+    windows = [Window("prompt", 0, tuple(random_prompt(7, seed)), 7) for seed in (51, 52, 53)]
+    decodes = sampled_decodes(base, head, windows, 3, 10, set(), serving, range(40))
+    assert len({r.output_ids for _, r in decodes}) > 60  # the seeds draw different texts
+    check = sampled_decoder_check(base, head, decodes, 3, 10, serving)
+    measured, expected = check["measured"], check["expected"]
+    assert 0.05 < measured["acceptance"][0] < 0.95 and measured["accepted"][1] > 0  # drafts accepted and rejected, step 2 reached
+    assert all(abs(z) < Z_BOUND for z in check["z"].values()), check["z"]
+    if draft == "greedy":  # given the text, the walk of greedy drafts is certain
+        assert check["largest_passes_difference"] < 1e-9
+    wrong = sampled_decoder_check(base, head, decodes, 3, 10, Serving(temperature=1.0, top_p=0.9, draft=draft))
+    assert abs(wrong["z"]["accepted"]) > Z_BOUND, (wrong["z"], expected["acceptance"], wrong["expected"]["acceptance"])
+
+
+def test_sampled_decoding_is_seeded():
+    from occamy_mtp.config import Serving
+
+    base, head = agreeable_models(seed=6)
+    serving = Serving(temperature=0.9, draft="sampled")
+    prompt = random_prompt(5, 61)
+    first = speculative_decode(base, head, prompt, 8, 2, serving=serving, seed=3)
+    assert speculative_decode(base, head, prompt, 8, 2, serving=serving, seed=3) == first
+    others = {speculative_decode(base, head, prompt, 8, 2, serving=serving, seed=s).output_ids for s in range(4, 12)}
+    assert len(others | {first.output_ids}) > 1

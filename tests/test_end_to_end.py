@@ -114,7 +114,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from occamy_mtp.data.windows import prepare_windows
     from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.model.head import SharedWeights
-    from occamy_mtp.run import open_store
+    from occamy_mtp.run import open_store, serving_text
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
@@ -141,13 +141,17 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     assert metrics.agreement == pytest.approx(teacher_forced["agreement"], abs=1e-9)
     assert metrics.data_nll == pytest.approx(teacher_forced["data_nll"], rel=1e-6)
     assert metrics.accepted == teacher_forced["accepted"] and metrics.proposed == teacher_forced["proposed"]
-    # The headline, from the run's stored self-generated heldout windows.
-    store = open_store(load_config(trained["config"]), tokenizer)
-    served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40)
-    for k, figures in served.items():
-        assert figures.to_dict() == recorded["served"][str(k)]  # integer counts, and the figures made from them
+    # The headline, from the run's stored self-generated heldout windows of each serving configuration.
+    config = load_config(trained["config"])
+    assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "t0.7-p0.8"]
+    for serving in config.eval.serving:
+        store = open_store(config, tokenizer, serving_text(config, serving))
+        served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40, serving=serving)
+        for k, figures in served.items():
+            # greedy: integer counts; sampled: expected counts; and the figures made from them
+            assert figures.to_dict() == recorded["serving"][serving.label()]["served"][str(k)], (serving.label(), k)
     comparison = record["metrics"]["comparison"]
-    assert comparison["allow_worse"] and comparison["written"]
+    assert comparison["allow_worse"] and comparison["written"] and comparison["serving"] == "greedy"
     assert set(comparison["steps"]) == {"1", "2"}
     for check in record["metrics"]["decoder_check"]["trained"].values():  # the reference decoder agrees with the replay
         assert check["counts_equal"] and check["decisions_equal"] == check["decisions"] > 0 and check["texts_equal_to_store"] == 2

@@ -25,7 +25,8 @@ import torch
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.selfgen import engines as G
 from occamy_mtp.config import load_config
-from occamy_mtp.run import continuation_writer, load_tokenizer, open_store, prepare_data, run_windows, self_generated_needed
+from occamy_mtp.run import continuation_writer, load_tokenizer, open_stores, prepare_data, run_windows, self_generated_needed
+from occamy_mtp.sampling import GREEDY_TEXT
 from occamy_mtp.selfgen.store import META_FILE, STORE_FILE, SelfGenError
 from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
@@ -52,6 +53,7 @@ def config_of(world, store: Path, *overrides):
         f"data.files=[{world['data']}]", "data.context_tokens=16", "data.answer_tokens=10",
         "data.train_conversations=6", "data.validation_conversations=2", "data.heldout_conversations=2",
         "data.self_generate_batch_size=3", f"data.self_generated_dir={store}", f"output.dir={world['root'] / 'run'}",
+        "eval.serving=[{temperature: 0}]",  # greedy text only: the reference server decodes greedily
         *overrides,
     ])
 
@@ -60,9 +62,10 @@ def write_store(config, base=None):
     """What a run does to its store: every window's continuation, written by the configured writer."""
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
-    store = open_store(config, tokenizer)
-    run_windows(config, data, store, continuation_writer(config, tokenizer, base))
-    return store, len(self_generated_needed(config, data))
+    needed = self_generated_needed(config, data)
+    stores = open_stores(config, tokenizer, needed)
+    run_windows(config, data, stores, continuation_writer(config, tokenizer, base))
+    return stores[GREEDY_TEXT], len(needed[GREEDY_TEXT])
 
 
 def start_server(world, *flags) -> tuple[subprocess.Popen, str]:

@@ -39,6 +39,25 @@ def test_the_batch_decoder_writes_greedy_generate_s_tokens(base):
     assert got == expected and all(len(c) == 12 for c in got)
 
 
+def test_the_batch_decoder_samples_greedy_generate_s_tokens(base):
+    """Sampled: each row draws from its own stream at its own positions, as greedy_generate does."""
+    from occamy_mtp.sampling import TextSampling
+
+    sharp = type(base)(base.config).float().eval().requires_grad_(False)
+    sharp.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(6)
+    sampling = TextSampling(temperature=0.7, top_p=0.8, top_k=50, seed=1)
+    prompts = prompts_of((1, 9, 4, 17, 2), seed=2)
+    uniforms = [sampling.uniforms(f"row-{i}", 12) for i in range(len(prompts))]
+    expected = greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5, sampling=sampling,
+                               uniforms=uniforms)
+    assert expected != greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
+    got = fast_greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3, sampling=sampling,
+                               uniforms=uniforms)
+    assert got == expected
+
+
 def test_it_stops_at_the_stop_tokens_as_greedy_generate_does(base):
     prompts = prompts_of((5, 3, 11), seed=1)
     free = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)

@@ -147,6 +147,48 @@ def test_batched_greedy_equals_one_by_one_full_forward(family):
     assert any(len(g) == max_new_tokens and g[-1] not in eos for g in got)
 
 
+def reference_sampled(base, prompt: list[int], uniforms: torch.Tensor, sampling, eos: set[int]) -> list[int]:
+    """The oracle of sampled decoding: a full forward per token, the j-th drawn from the processed
+    distribution with the j-th uniform by walking the cumulative mass in id order."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for u in uniforms.tolist():
+            p = sampling.probs(base(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]).double()
+            total, running = float(p.sum()), 0.0
+            ids.append(next(x for x in range(len(p)) if p[x] > 0 and (running := running + float(p[x])) > u * total))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt) :]
+
+
+def test_sampled_generation_is_the_one_by_one_draws_and_batch_free():
+    """Each continuation is drawn from its own uniform stream: the same tokens as the oracle, in a
+    batch of any size."""
+    from occamy_mtp.sampling import TextSampling
+
+    text_config = tiny_text_config("qwen3_5_moe_text")
+    base, _ = random_models(text_config, seed=4)
+    base = base.float().eval()
+    with torch.no_grad():
+        base.lm_head.weight.mul_(6)  # sharper than a random base, so top-p cuts tokens out
+    sampling = TextSampling(temperature=0.8, top_p=0.9, seed=7)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, text_config.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 1, 6)]
+    uniforms = [sampling.uniforms(f"context-{i}", 7) for i in range(len(prompts))]
+    expected = [reference_sampled(base, p, u, sampling, set()) for p, u in zip(prompts, uniforms)]
+    greedy = G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4)
+    assert expected != greedy  # sampling changed the text
+    for batch_size in (1, 4):
+        got = G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=batch_size,
+                                sampling=sampling, uniforms=uniforms)
+        assert got == expected, batch_size
+    with pytest.raises(ValueError, match="one uniform stream per prompt"):
+        G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4, sampling=sampling)
+    with pytest.raises(ValueError, match="fewer than max_new_tokens=9"):
+        G.greedy_generate(base, prompts, max_new_tokens=9, eos_token_ids=set(), batch_size=4, sampling=sampling,
+                          uniforms=uniforms)
+
+
 def test_greedy_generate_rejects_bad_arguments(random_base):
     _, base = random_base
     with pytest.raises(ValueError, match="prompt 1 is empty"):

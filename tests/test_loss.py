@@ -68,3 +68,57 @@ def test_chain_loss_without_scored_pairs_still_has_a_graph():
     loss, stats = chain_loss(head, hidden, torch.full((1, 1, 4), IGNORE), (1.0,))
     loss.backward()
     assert float(loss.detach()) == 0.0 and hidden.grad is not None and stats[0].scored == 0
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv"])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(0.7, 0.8, 0), (1.0, 1.0, 4), (0.0, 1.0, 0)])
+def test_distribution_losses_match_a_plain_reference(kind, temperature, top_p, top_k):
+    """kl and tv, pair by pair in float64: step k at anchor i fits the base's processed p from
+    H_{i+k} (the base's greedy label's own hidden state), q the head's softmax at the temperature."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.model.loss import Objective
+
+    torch.manual_seed(1)
+    vocab, dim, steps = 11, 5, 2
+    head = _Head(torch.randn(vocab, dim) * 2)
+    hidden = torch.randn(steps, 3, 6, dim, requires_grad=True)  # (K, B, T, D)
+    base_hidden = torch.randn(3, 6, dim)
+    labels = torch.randint(0, vocab, (steps, 3, 6))
+    labels[:, :, -steps:] = IGNORE  # step k at anchor i reads H_{i+k}: inside the row
+    labels[0, 0, :2] = IGNORE
+    weights = (0.6, 0.4)
+    objective = Objective(kind, Serving(temperature=temperature, top_p=top_p, top_k=top_k))
+    loss, stats = chain_loss(head, hidden, labels, weights, chunk_tokens=4, objective=objective, base_hidden=base_hidden)
+
+    from test_sampling import plain_processed
+
+    scale = temperature if temperature > 0 else 1.0
+    reference = torch.zeros((), dtype=torch.float64)
+    for k in range(steps):
+        terms = []
+        for b, i in (labels[k] != IGNORE).nonzero().tolist():
+            p = torch.tensor(plain_processed(head.logits(base_hidden[b, i + k + 1]).double().tolist(), temperature, top_p, top_k),
+                             dtype=torch.float64)
+            log_q = (head.logits(hidden[k, b, i]).double() / scale).log_softmax(-1)
+            if kind == "kl":
+                terms.append(sum(p[x] * (torch.log(p[x]) - log_q[x]) for x in range(vocab) if p[x] > 0))
+            else:
+                terms.append(1 - torch.minimum(p, log_q.exp()).sum())
+        reference = reference + weights[k] * torch.stack(terms).mean()
+    # float32 work: the processed p and q (a softmax each over the vocabulary), then sums over the pairs
+    assert_close(loss, reference, rounding_bound(reference, torch.float32, reductions=4, width=labels.numel() * vocab), "loss")
+    assert [s.scored for s in stats] == [int((labels[k] != IGNORE).sum()) for k in range(steps)]
+    grad, = torch.autograd.grad(loss, hidden)
+    ref_grad, = torch.autograd.grad(reference, hidden)
+    assert float(ref_grad.abs().max()) > 1e-3  # the loss reaches the head
+    assert_close(grad, ref_grad.float(), rounding_bound(ref_grad, torch.float32, reductions=4, width=vocab), "d loss / d hidden")
+
+
+def test_a_distribution_loss_needs_the_base_hidden_states():
+    from occamy_mtp.config import Serving
+    from occamy_mtp.model.loss import Objective
+
+    head = _Head(torch.randn(7, 3))
+    with pytest.raises(ValueError, match="needs the base's hidden states"):
+        chain_loss(head, torch.randn(1, 1, 4, 3), torch.zeros(1, 1, 4, dtype=torch.long), (1.0,),
+                   objective=Objective("tv", Serving(temperature=0.7)))

@@ -175,10 +175,10 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     given = torch.zeros(scored.shape, dtype=torch.float64)
     expected = torch.zeros(scored.shape, dtype=torch.float64)
     outside = 0
-    for k in range(draft_steps):
+    for k in range(draft_steps):  # step k + 1
         rows, anchors = scored[k].nonzero(as_tuple=True)  # (N,), (N,)
-        base_hidden = targets.hidden[rows, anchors + k]  # (N, D): H_{i+k} predicts x_{i+k+1}
-        tokens = batch.input_ids[rows, anchors + k + 1]
+        base_hidden = targets.hidden[rows, anchors + k + 1]  # (N, D): H_{i+k+1} predicts x_{i+k+2}, step k + 1's draft
+        tokens = batch.input_ids[rows, anchors + k + 2]
         head_hidden = hidden[k][rows, anchors]
         alpha, beta = [], []
         for start in range(0, len(rows), SAMPLED_CHUNK_TOKENS):
@@ -418,29 +418,39 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     }
 
 
-def sampled_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
-                          seeds, windows_per_batch: int = 4) -> dict:
-    """Decode each window's context once per seed with the reference decoder under sampled `serving`,
-    and set its counts beside their expectation given each text it wrote.
-
-    Given the text, the decoder's counts are random with the expectation `metrics.expected_rounds`
-    computes from the offline pass over that text, so over the decodes the differences
-    (measured - expected) are independent with mean 0: their mean over its standard error is a
-    z-score. `z` holds it for the accepted drafts and for the verify passes; |z| beyond about 4
-    says that the decoder and the library's arithmetic disagree (a chance of 6e-5 when they agree).
-    """
+def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
+                    seeds) -> list:
+    """Each window's context decoded once per seed by the reference decoder under sampled `serving`:
+    the decoded windows (the context and what the decoder wrote) with the decoder's results."""
     from occamy_mtp.evaluation.decode import speculative_decode
-    from occamy_mtp.evaluation.metrics import expected_rounds
 
-    started = time.perf_counter()
-    results, decoded = [], []
+    decodes = []
     for window in windows:
         prompt = list(window.input_ids[: window.answer_start])
         for seed in seeds:
             result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed)
-            results.append(result)
-            decoded.append(replace(window, input_ids=result.text_ids))
-    odds = _odds(list(_batches(base, head, decoded, draft_steps, windows_per_batch, serving)))
+            decodes.append((replace(window, input_ids=result.text_ids), result))
+    return decodes
+
+
+def sampled_decoder_check(base, head, decodes, draft_steps: int, max_new_tokens: int, serving: Serving,
+                          windows_per_batch: int = 4) -> dict:
+    """The reference decoder's counts (`sampled_decodes`) beside their expectation under `serving`
+    given each text it wrote.
+
+    Given the text, the decoder's counts are random with the expectation `metrics.expected_rounds`
+    computes from the offline pass over that text, so over the decodes the differences
+    (measured - expected) are independent with mean 0: their mean over its standard error is a
+    z-score. `z` holds it for the accepted drafts and for the verify passes; |z| beyond about 4.5
+    says that the decoder and the library's arithmetic disagree (a chance of 7e-6 when they agree).
+    Under greedy drafts the walk given the text is certain, so every decode's verify passes
+    equal their expectation and that z is 0.
+    """
+    from occamy_mtp.evaluation.metrics import expected_rounds
+
+    started = time.perf_counter()
+    windows, results = [w for w, _ in decodes], [r for _, r in decodes]
+    odds = _odds(list(_batches(base, head, windows, draft_steps, windows_per_batch, serving)))
     differences: dict[str, list[float]] = {"accepted": [], "verify_passes": []}
     for result, (given, expected) in zip(results, odds):
         counts = expected_rounds(given, expected, len(result.prompt_ids), max_new_tokens, draft_steps)
@@ -455,14 +465,13 @@ def sampled_decoder_check(base, head, windows, draft_steps: int, max_new_tokens:
     texts = [(given, expected, len(r.prompt_ids)) for r, (given, expected) in zip(results, odds)]
     return {
         "serving": serving.label(),
-        "windows": len(windows),
-        "seeds": len(seeds),
         "decodes": len(results),
         "draft_steps": draft_steps,
         "max_new_tokens": max_new_tokens,
         "measured": measured.to_dict(),
         "expected": expected_acceptance(texts, max_new_tokens, draft_steps).to_dict(),
         "z": {name: _z_score(values) for name, values in differences.items()},
+        "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),
         "seconds": time.perf_counter() - started,
     }
 
@@ -665,8 +674,12 @@ def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds) -> dict
     if serving.greedy:
         return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
                                        run.stop_token_ids, config.eval.windows_per_batch)
-    return sampled_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
-                                 serving, list(seeds), config.eval.windows_per_batch)
+    started = time.perf_counter()
+    decodes = sampled_decodes(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
+                              serving, seeds)
+    check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, config.data.answer_tokens, serving,
+                                  config.eval.windows_per_batch)
+    return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}
 
 
 def _format_decoder_checks(checks_by_head: dict) -> str:

@@ -184,7 +184,8 @@ def chain_loss(
     the backward pass instead of kept: at real size (vocabulary 248,320) the fp32 logits of
     one 4x510-token, 3-step batch would be 6 GiB. `head_hidden` is (K, B, T, D) from
     `MTPHead.forward`; `labels` is (K, B, T); `base_hidden` (B, T, D), the base's post-norm
-    hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k}.
+    hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k},
+    whose argmax is its greedy label.
     """
     if objective.loss != TOP1:
         if base_hidden is None:
@@ -204,7 +205,7 @@ def chain_loss(
         parents = None
         if objective.loss != TOP1:
             rows, anchors = scored.nonzero(as_tuple=True)
-            parents = base_hidden[rows, anchors + k]  # (N, D): H_{i+k} gives p for position i+k+1
+            parents = base_hidden[rows, anchors + k + 1]  # (N, D): step k + 1 predicts x_{i+k+2}, from H_{i+k+1}
         loss_sum = head_hidden.new_zeros((), dtype=torch.float32)
         agree = 0
         for start in range(0, count, chunk_tokens):
