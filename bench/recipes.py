@@ -6,10 +6,11 @@ Each recipe is the embedded default's config (`configs/demo.yaml`) with override
 trained with `train.py`'s own `train()` and measured with `export.py`'s own `export()`
 (`--allow-worse`, so that a losing head is measured too), all in one process and
 sharing one store of self-generated windows, so every recipe is measured on the same
-heldout windows with the same code. The table lists the headline (the reference
-decoder's acceptance on the base's own greedy text, decoder replay; K = 1 and 3) for
-the donor and each recipe, then the secondary teacher-forced figures. Writes
-`recipes.json` and `recipes.md` into --out.
+heldout windows with the same code. The table lists the headline under each serving
+configuration of `eval.serving` (greedy: the reference decoder's acceptance on the base's
+own greedy text, decoder replay; temperature 0.7 / top-p 0.8: the decoder's expected
+counts on the base's sampled text; K = 1 and 3) for the donor and each recipe, then the
+secondary teacher-forced figures. Writes `recipes.json` and `recipes.md` into --out.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from occamy_mtp.run import RunDir  # noqa: E402
 from occamy_mtp.train.loop import train  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
+FOR_SAMPLED = "eval.select_serving=1"  # the demo's eval.serving: [greedy, t0.7-p0.8]; select and refuse by the second
+SAMPLED_TEXT = ["data.self_generate_temperature=0.7", "data.self_generate_top_p=0.8"]
 RECIPES = {
     # name: (what it is, overrides on configs/demo.yaml)
     "data": ("recorded answers, last step (the original recipe)", ["data.answers=data", NO_SELECTION]),
@@ -51,6 +54,16 @@ RECIPES = {
     "layer-mtp3": ("as layer, 3-step chain loss (0.5/0.25/0.25)", [
         "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]",
         "train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]),
+    # For sampled serving (temperature 0.7, top-p 0.8): selection and the refusal by it, the
+    # distribution losses against the base's processed distribution, the train text sampled.
+    "top1-select-t0.7": ("as default, best validation step at t0.7-p0.8", [FOR_SAMPLED]),
+    "top1-text-t0.7": ("as default, train text sampled at t0.7-p0.8, selected there", [FOR_SAMPLED, *SAMPLED_TEXT]),
+    "kl-t0.7": ("KL to the base's t0.7-p0.8 distribution, greedy train text, selected at t0.7-p0.8",
+                [FOR_SAMPLED, "train.loss=kl"]),
+    "tv-t0.7": ("total variation to the base's t0.7-p0.8 distribution, greedy train text, selected at t0.7-p0.8",
+                [FOR_SAMPLED, "train.loss=tv"]),
+    "kl-text-t0.7": ("as kl-t0.7, train text sampled at t0.7-p0.8", [FOR_SAMPLED, "train.loss=kl", *SAMPLED_TEXT]),
+    "tv-text-t0.7": ("as tv-t0.7, train text sampled at t0.7-p0.8", [FOR_SAMPLED, "train.loss=tv", *SAMPLED_TEXT]),
 }
 
 
@@ -82,23 +95,28 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
 
 
 def table(results: dict) -> str:
+    """One row a recipe (the donor first): the served figures under each serving configuration, then
+    the secondary ones."""
     first = next(iter(results.values()))["metrics"]
+    labels = [s["label"] for s in first["serving"]]
     donor = first["heldout"]["donor"]
     rows = [("donor", "the donor's head, unchanged", "-", donor)]
     rows += [(name, r["what"], str(r["selected_step"]), r["metrics"]["heldout"]["trained"]) for name, r in results.items()]
+    served = "".join(f" {label}: K=1 acc | {label}: K=1 length | {label}: K=3 acc (1/2/3) | {label}: K=3 length |"
+                     for label in labels)
     lines = [
-        "| recipe | what | step | K=1 acc | K=1 length | K=3 acc (1/2/3) | K=3 length | every anchor, K=3 length "
-        "| teacher-forced agreement | teacher-forced K=3 length (approx.) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| recipe | what | step |{served} teacher-forced agreement | teacher-forced K=3 length (approx.) |",
+        "|---|---|---|" + "---|" * (4 * len(labels) + 2),
     ]
     for name, what, step, report in rows:
-        k1, k3 = report["served"]["1"], report["served"]["3"]
-        lines.append(
-            f"| {name} | {what} | {step} | {k1['acceptance'][0]:.1%} | {k1['mean_accept_length']:.3f} | "
-            + "/".join(f"{a:.1%}" for a in k3["acceptance"])
-            + f" | {k3['mean_accept_length']:.3f} | {report['self_generated']['mean_accept_length']:.3f} | "
-            f"{report['teacher_forced']['agreement']:.1%} | {report['teacher_forced']['mean_accept_length']:.3f} |"
-        )
+        cells = []
+        for label in labels:
+            k1, k3 = (report["serving"][label]["served"][k] for k in ("1", "3"))
+            cells += [f"{k1['acceptance'][0]:.1%}", f"{k1['mean_accept_length']:.3f}",
+                      "/".join(f"{a:.1%}" for a in k3["acceptance"]), f"{k3['mean_accept_length']:.3f}"]
+        teacher = report["teacher_forced"]
+        cells += [f"{teacher['agreement']:.1%}", f"{teacher['mean_accept_length']:.3f}"] if teacher else ["absent", "absent"]
+        lines.append(f"| {name} | {what} | {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

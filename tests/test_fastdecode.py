@@ -164,6 +164,26 @@ def test_the_captured_step_writes_the_eager_step_s_tokens_on_gpu():
     assert sum(a == b for a, b in zip(graphed, reference)) >= len(prompts) // 2
 
 
+@pytest.mark.gpu
+def test_the_captured_sampled_step_writes_the_eager_step_s_tokens_on_gpu():
+    """Sampled self-generation on the GPU: the processing (sort, top-p cut) and the draw are captured
+    in the step's graph; the graph replays the eager step's tokens."""
+    from occamy_mtp.sampling import TextSampling
+
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)
+    sampling = TextSampling(temperature=0.7, top_p=0.8, top_k=40, seed=2)
+    prompts = prompts_of((3, 12, 7, 1, 9, 4))
+    uniforms = [sampling.uniforms(f"row-{i}", 20) for i in range(len(prompts))]
+    kwargs = dict(max_new_tokens=20, eos_token_ids=set(), batch_size=6, sampling=sampling, uniforms=uniforms)
+    eager = fast_greedy_generate(model, prompts, cuda_graph=False, **kwargs)
+    graphed = fast_greedy_generate(model, prompts, cuda_graph=True, **kwargs)
+    assert graphed == eager
+    assert graphed != fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6)
+
+
 @pytest.mark.parametrize("draft_steps", [1, 3])
 def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_cache(monkeypatch, draft_steps):
     """decode.speculative_decode and greedy_decode with `StaticRunner` (one step a token, the

@@ -1190,7 +1190,7 @@ def test_runs_of_the_same_settings_sharing_a_store_write_each_line_once(run_mode
     release, waiting, errors = threading.Event(), threading.Event(), []
 
     class HeldWriter:  # the first run holds the lock until the second is seen waiting
-        source, details, describe = writer.source, writer.details, writer.describe
+        source, details, describe, sampling = writer.source, writer.details, writer.describe, writer.sampling
 
         def answers(self, *args):
             assert release.wait(60)
@@ -1373,7 +1373,7 @@ def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figur
     assert windows["heldout"] == 2 and windows["train"] > 0
     for head in ("donor", "trained"):
         assert record["metrics"]["heldout"][head]["teacher_forced"] is None
-        assert record["metrics"]["heldout"][head]["served"]["1"]["texts"] == 2
+        assert all(by_serving["served"]["1"]["texts"] == 2 for by_serving in record["metrics"]["heldout"][head]["serving"].values())
     assert "absent" in format_metrics(record["metrics"])
     with pytest.raises(ConfigError, match="the data are prompts"):
         evaluate_run(config, tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),

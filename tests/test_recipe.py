@@ -1,8 +1,11 @@
 """The default recipe wins where serving runs the head, and export refuses a head that loses.
 
-A small build of the embedded default (the demo's donor and fine-tuned base, fewer
-language-model steps) is trained with the default recipe: the base's own continuations
-of the train windows, the best validation step. On the self-generated heldout windows
+The embedded default's shipped models (the demo's donor and fine-tuned base,
+`data/demo-models/`) are trained with the default recipe on fewer, shorter windows: the
+base's own continuations of the train windows, the best validation step. (A smaller build
+made here, as this test once used, writes near-degenerate greedy text on which a head's
+advantage at 1 step depended on the machine's float rounding: the donor accepted 85-100%
+of single drafts there.) On the self-generated heldout windows
 the trained head must be accepted more often than the donor at 1 and at 3 draft steps,
 as the reference decoder counts it (the replayed figures are checked against the
 decoder itself by export). The same holds when the data are the same conversations cut
@@ -22,16 +25,13 @@ from safetensors.torch import save_file
 from occamy_mtp.config import load_config
 from occamy_mtp.export.exporter import ExportError, export
 from occamy_mtp.export.exporter import main as export_main
-from occamy_mtp.testing.demo_models import DemoSettings, build_demo_models
+from occamy_mtp.testing.demo_models import build_demo_models
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.run import RunDir
 from occamy_mtp.train.loop import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
-# A quarter of the demo's language-model training: the base still drifts from the donor
-# and writes in its house style, in about a minute on one CPU thread.
-SMALL_DEMO = DemoSettings(donor_steps=60, finetune_steps=20, sequences_per_step=4, sequence_tokens=256)
 CONVERSATIONS = 130  # enough for 64 + 16 + 16 conversations to hash to their sides
 RECIPE = [
     "data.context_tokens=32", "data.answer_tokens=96", "data.train_conversations=64",
@@ -42,8 +42,8 @@ RECIPE = [
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recipe-models")
-    build_demo_models(root, SMALL_DEMO, log=lambda message: None)
+    root = tmp_path_factory.mktemp("recipe-models") / "models"
+    build_demo_models(root, log=lambda message: None)  # copies the shipped build
     return root
 
 
@@ -91,8 +91,9 @@ def test_the_default_recipe_beats_the_donor_where_serving_runs_it(request, data)
     else:  # every window is a prompt; no recorded answer is scored
         assert prompt_windows == sum(windows[side] for side in ("train", "validation", "heldout")) > 0
         assert metrics["heldout"]["trained"]["teacher_forced"] is None
+    assert metrics["selected_serving"] == "greedy"  # the default: selection and the refusal by greedy serving
     for k in ("1", "3"):
-        donor, trained = (metrics["heldout"][name]["served"][k] for name in ("donor", "trained"))
+        donor, trained = (metrics["heldout"][name]["serving"]["greedy"]["served"][k] for name in ("donor", "trained"))
         assert trained["mean_accept_length"] > donor["mean_accept_length"], f"{k}-step drafts"
         assert trained["tokens_per_verify_pass"] > donor["tokens_per_verify_pass"], f"{k}-step drafts"
     assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]

@@ -418,10 +418,24 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     }
 
 
+@dataclass(frozen=True)
+class MeasuredText:
+    """What a speculative decoder (the reference one, or an engine) wrote from one context, and what it counted."""
+
+    window: object
+    """`data.Window`: the context followed by what was written (`answer_start`: the context's length)."""
+    accepted: tuple[float, ...]
+    """Per step k: rounds in which steps 1..k were accepted."""
+    proposed: tuple[float, ...]
+    """Per step k: rounds in which step k was drafted (steps before it accepted)."""
+    drafted: float
+    passes: float
+    """Base passes after the prefill: verify passes (and plain steps)."""
+
+
 def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
-                    seeds) -> list:
-    """Each window's context decoded once per seed by the reference decoder under sampled `serving`:
-    the decoded windows (the context and what the decoder wrote) with the decoder's results."""
+                    seeds) -> list[MeasuredText]:
+    """Each window's context decoded once per seed by the reference decoder under sampled `serving`."""
     from occamy_mtp.evaluation.decode import speculative_decode
 
     decodes = []
@@ -429,46 +443,48 @@ def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, 
         prompt = list(window.input_ids[: window.answer_start])
         for seed in seeds:
             result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed)
-            decodes.append((replace(window, input_ids=result.text_ids), result))
+            decodes.append(MeasuredText(replace(window, input_ids=result.text_ids), result.accepted, result.proposed,
+                                        result.drafted, result.base_passes))
     return decodes
 
 
-def sampled_decoder_check(base, head, decodes, draft_steps: int, max_new_tokens: int, serving: Serving,
-                          windows_per_batch: int = 4) -> dict:
-    """The reference decoder's counts (`sampled_decodes`) beside their expectation under `serving`
-    given each text it wrote.
+def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps: int, max_new_tokens: int,
+                          serving: Serving, windows_per_batch: int = 4) -> dict:
+    """A decoder's counts on texts it wrote under sampled `serving` (`sampled_decodes`, or an engine's)
+    beside their expectation given each text.
 
     Given the text, the decoder's counts are random with the expectation `metrics.expected_rounds`
-    computes from the offline pass over that text, so over the decodes the differences
+    computes from the offline pass over that text, so over the texts the differences
     (measured - expected) are independent with mean 0: their mean over its standard error is a
     z-score. `z` holds it for the accepted drafts and for the verify passes; |z| beyond about 4.5
     says that the decoder and the library's arithmetic disagree (a chance of 7e-6 when they agree).
-    Under greedy drafts the walk given the text is certain, so every decode's verify passes
+    Under greedy drafts the walk given the text is certain, so every text's verify passes
     equal their expectation and that z is 0.
     """
     from occamy_mtp.evaluation.metrics import expected_rounds
 
     started = time.perf_counter()
-    windows, results = [w for w, _ in decodes], [r for _, r in decodes]
-    odds = _odds(list(_batches(base, head, windows, draft_steps, windows_per_batch, serving)))
+    odds = _odds(list(_batches(base, head, [m.window for m in measured], draft_steps, windows_per_batch, serving)))
     differences: dict[str, list[float]] = {"accepted": [], "verify_passes": []}
-    for result, (given, expected) in zip(results, odds):
-        counts = expected_rounds(given, expected, len(result.prompt_ids), max_new_tokens, draft_steps)
-        differences["accepted"].append(sum(result.accepted) - sum(counts.accepted))
-        differences["verify_passes"].append(result.base_passes - counts.passes)
-    measured = acceptance_from_counts(
-        draft_steps, len(results),
-        [sum(values) for values in zip(*(r.proposed for r in results))],
-        [sum(values) for values in zip(*(r.accepted for r in results))],
-        sum(r.drafted for r in results), sum(r.base_passes for r in results), sum(len(r.output_ids) - 1 for r in results),
+    texts = []
+    for text, (given, expected) in zip(measured, odds):
+        prompt_length = text.window.answer_start
+        counts = expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
+        differences["accepted"].append(sum(text.accepted) - sum(counts.accepted))
+        differences["verify_passes"].append(text.passes - counts.passes)
+        texts.append((given, expected, prompt_length))
+    generated_after_first = sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured)
+    totals = acceptance_from_counts(
+        draft_steps, len(measured), [sum(values) for values in zip(*(m.proposed for m in measured))],
+        [sum(values) for values in zip(*(m.accepted for m in measured))], sum(m.drafted for m in measured),
+        sum(m.passes for m in measured), generated_after_first,
     )
-    texts = [(given, expected, len(r.prompt_ids)) for r, (given, expected) in zip(results, odds)]
     return {
         "serving": serving.label(),
-        "decodes": len(results),
+        "decodes": len(measured),
         "draft_steps": draft_steps,
         "max_new_tokens": max_new_tokens,
-        "measured": measured.to_dict(),
+        "measured": totals.to_dict(),
         "expected": expected_acceptance(texts, max_new_tokens, draft_steps).to_dict(),
         "z": {name: _z_score(values) for name, values in differences.items()},
         "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),

@@ -1,0 +1,129 @@
+"""A serving engine's acceptance under sampling beside the library's exact expectation, on the engine's own text.
+
+`bench/engine_check.sh` (ENGINE_STAGE=sampled) serves a head with MTP at a temperature; this
+script sends it every heldout window's context (token ids to /v1/completions, seeded per
+context as the library's engine writer seeds it, `TextSampling.request_seed`) and reads each
+answer's tokens and its per-request acceptance counts (vLLM's `metrics.speculative_decoding`).
+Given the text an engine wrote, its counts are random with an expectation the library computes
+exactly (`evaluate.sampled_decoder_check`: the decoder's walk over that text with each draft's
+acceptance odds given the text). Over the requests the differences engine - expected have mean
+0 if the engine does what the library says it does; the report gives their z-scores, the
+engine's totals and the library's expected totals on the same texts.
+
+    .venv/bin/python bench/engine_sampled.py --url http://127.0.0.1:8431 --config configs/demo.yaml \
+        --head runs/demo/mtp-trained.safetensors --draft-steps 3 --temperature 0.7 --top-p 0.8 --draft greedy \
+        --out runs/engine/sampled/trained-k3-greedy.json [section.key=value ...]
+
+`--head donor` measures the donor head (`model.donor_head`). Writes the JSON report to --out
+and prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from occamy_mtp.config import Serving, load_config, window_settings  # noqa: E402
+from occamy_mtp.data.windows import Window, load_tokenizer  # noqa: E402
+from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check  # noqa: E402
+from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
+from occamy_mtp.model.head import SharedWeights  # noqa: E402
+from occamy_mtp.run import stop_token_ids  # noqa: E402
+from occamy_mtp.sampling import TextSampling  # noqa: E402
+from occamy_mtp.selfgen.engine_client import post_json, server_model_name, speculative_counts  # noqa: E402
+from occamy_mtp.selfgen.engines import Request, read_answer, request_body  # noqa: E402
+from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
+
+TIMEOUT_SECONDS = 1800.0
+
+
+def per_step(histogram: list[int], steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(accepted, proposed) per step from a histogram of verify passes by accepted drafts: step k is
+    proposed in passes that accepted k - 1 or more, accepted in those that accepted k or more."""
+    accepted = tuple(sum(histogram[k:]) for k in range(1, steps + 1))
+    proposed = tuple(sum(histogram[k - 1 :]) for k in range(1, steps + 1))
+    return accepted, proposed
+
+
+def ask(url: str, model: str, contexts, request: Request, tokenizer, steps: int) -> tuple[list[MeasuredText], list[dict]]:
+    """Every context to the engine, one request at a time: the engine's texts and counts."""
+    measured, raw = [], []
+    for prompt in contexts:
+        response = post_json(url.rstrip("/") + "/v1/completions", request_body(model, prompt.prompt_ids, request),
+                             request.timeout_seconds)
+        answer = read_answer(response, tokenizer, request)
+        counts = speculative_counts(response)
+        if counts is None or not counts.get("histogram_consistent"):
+            raise SystemExit(f"error: {url}: the answer to {prompt.name} carries no consistent per-request acceptance "
+                             "histogram (serve vLLM with --per-request-spec-decode-metrics summary)")
+        accepted, proposed = per_step(counts["histogram"], steps)
+        window = Window("engine", 0, tuple(prompt.prompt_ids) + answer.tokens, len(prompt.prompt_ids))
+        measured.append(MeasuredText(window, accepted, proposed, counts["draft_tokens"], counts["verify_passes"]))
+        raw.append({"prompt": prompt.name, "tokens": len(answer.tokens), "finished": answer.finished, "counts": counts})
+    return measured, raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--config", required=True, type=Path, help="the run's config (its split gives the heldout windows)")
+    parser.add_argument("--head", required=True, help="the served head's file, or 'donor' (model.donor_head)")
+    parser.add_argument("--draft-steps", type=int, required=True)
+    parser.add_argument("--temperature", type=float, required=True)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--draft", default="greedy", help="greedy or sampled: the engine's draft rule (vLLM's draft_sample_method)")
+    parser.add_argument("--seed", type=int, default=0, help="the requests' seeds derive from it and each context")
+    parser.add_argument("--windows", type=int, default=1000, help="the first N heldout windows")
+    parser.add_argument("--max-tokens", type=int, default=0, help="new tokens a request (default: data.answer_tokens)")
+    parser.add_argument("--dtype", default="float32", help="the library's dtype for the expectation")
+    parser.add_argument("--out", required=True, type=Path)
+    args, overrides = parser.parse_known_args(argv)
+    config = load_config(args.config, overrides)
+    serving = Serving(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, draft=args.draft)
+    if serving.greedy:
+        print("error: --temperature must be above 0 (greedy serving is engine_check.sh's main stage)", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(config)
+    max_tokens = args.max_tokens or config.data.answer_tokens
+    contexts = heldout_window_contexts(list(config.data.files), tokenizer, **window_settings(config.data))[: args.windows]
+    text_config = ckpt_io.read_config(config.model.base).text_config
+    request = Request(max_tokens, frozenset(stop_token_ids(config, tokenizer)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
+                      TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed))
+    model = server_model_name(args.url, 30.0)
+    started = time.perf_counter()
+    measured, raw = ask(args.url, model, contexts, request, tokenizer, args.draft_steps)
+    asked_seconds = time.perf_counter() - started
+
+    dtype = ckpt_io.DTYPES[args.dtype]
+    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=torch.device("cpu")).eval()
+    shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    head_path = config.model.donor_head if args.head == "donor" else args.head
+    head = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, attn_implementation=config.model.attn_implementation)[0]
+    head = head.to(dtype).eval()
+    check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
+    engine, expected = check["measured"], check["expected"]
+    report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args),
+              "out": str(args.out), "config": str(args.config)}, "requests": len(measured), "max_tokens": max_tokens,
+              "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "check": check, "answers": raw}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{args.head} K={args.draft_steps} {serving.label()}: engine accept length {1 + sum(engine['accepted']) / engine['verify_passes']:.3f} "
+          f"(per step {', '.join(f'{a:.1%}' for a in engine['acceptance'])}), library expected "
+          f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f} (per step "
+          f"{', '.join(f'{a:.1%}' for a in expected['acceptance'])}); z accepted {check['z']['accepted']:+.2f}, "
+          f"z verify passes {check['z']['verify_passes']:+.2f}; {len(measured)} requests")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
