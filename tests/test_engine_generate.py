@@ -152,6 +152,37 @@ def test_a_server_killed_halfway_resumes_into_the_same_store(world, embedded, tm
     assert (tmp_path / "killed" / STORE_FILE).read_bytes().startswith(written_bytes)  # appended to, not rewritten
 
 
+def test_servers_write_sampled_text_seeded_per_context(world, embedded, servers, tmp_path):
+    """data.self_generate_temperature > 0 with servers: each context is asked at that temperature
+    with a seed of its own (the store's seed and the context), so the text does not depend on
+    which server answers it or when; its store records how it was written and is not the greedy one."""
+    from occamy_mtp.sampling import TextSampling
+
+    sampled = ["data.self_generate_temperature=0.9", "data.self_generate_top_p=0.95", "data.self_generate_seed=3"]
+    text = TextSampling(0.9, 0.95, 0, 3)
+
+    def write(directory, urls):
+        config = config_of(world, directory, f"data.self_generate_endpoints=[{','.join(urls)}]", *sampled)
+        tokenizer = load_tokenizer(config)
+        data = prepare_data(config, tokenizer)
+        needed = self_generated_needed(config, data)
+        stores = open_stores(config, tokenizer, needed)
+        run_windows(config, data, stores, continuation_writer(config, tokenizer))
+        assert set(needed) == {GREEDY_TEXT, text}  # validation and heldout greedy (eval.serving), train sampled
+        return stores[text].directory
+
+    one, two = write(tmp_path / "one", servers[:1]), write(tmp_path / "two", servers)
+    assert one == tmp_path / "one" / "sampled-t0.9-p0.95-seed3"
+    assert lines_of(one) == lines_of(two)  # seeded per context: the same text whichever server wrote it
+    meta = json.loads((one / META_FILE).read_text())
+    assert meta["writer"] == "engine" and meta["sampling"] == {"temperature": 0.9, "top_p": 0.95, "top_k": 0, "seed": 3}
+    greedy = {line["context_sha256"]: line["tokens"] for line in embedded}
+    differs = [line["tokens"] != greedy[line["context_sha256"]] for line in lines_of(one) if line["context_sha256"] in greedy]
+    assert differs and any(differs)
+    assert lines_of(tmp_path / "one") == [line for line in embedded if line["context_sha256"] in {
+        line["context_sha256"] for line in lines_of(tmp_path / "one")}]  # the greedy store beside it is the greedy text
+
+
 # ----------------------------------------------------------------------------------
 # Fault servers
 # ----------------------------------------------------------------------------------

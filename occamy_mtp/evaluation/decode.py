@@ -244,31 +244,6 @@ class HeadRunner:
 # ----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = ()) -> DecodeResult:
-    """Plain greedy decoding with the base: prefill, then one token per forward."""
-    check_prompts([prompt_ids], max_new_tokens)
-    runner = base_runner_for(base, len(prompt_ids) + max_new_tokens)
-    _, logits = runner.forward(prompt_ids)
-    output, logprobs = [], []
-    while True:
-        scores = logits[-1]
-        token = int(scores.argmax())
-        output.append(token)
-        logprobs.append(float(F.log_softmax(scores, dim=-1)[token]))
-        if token in stop_token_ids or len(output) == max_new_tokens:
-            reason = "stop" if token in stop_token_ids else "length"
-            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), reason, base_passes=len(output) - 1)
-        _, logits = runner.forward([token])
-
-
-@dataclass
-class _Round:
-    anchor: int
-    drafted: list[int]
-    accepted: int
-
-
 class _Draws:
     """The sampled decoder's random draws, all from one seeded generator, in the order they are made."""
 
@@ -286,6 +261,34 @@ class _Draws:
     def base_token(self, logits: torch.Tensor) -> int:
         """The base's next token from its logits (V,), as the engine samples it (a bonus or plain token)."""
         return self.token(sampling.base_probs(logits, self.serving))
+
+
+@torch.no_grad()
+def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Collection[int] = (),
+                  serving: Serving | None = None, seed: int = 0) -> DecodeResult:
+    """Plain decoding with the base: prefill, then one token per forward; the argmax, or under a
+    sampled `serving` a draw from the processed distribution (a generator seeded with `seed`)."""
+    check_prompts([prompt_ids], max_new_tokens)
+    draws = None if serving is None or serving.greedy else _Draws(serving, seed)
+    runner = base_runner_for(base, len(prompt_ids) + max_new_tokens)
+    _, logits = runner.forward(prompt_ids)
+    output, logprobs = [], []
+    while True:
+        scores = logits[-1]
+        token = int(scores.argmax()) if draws is None else draws.base_token(scores)
+        output.append(token)
+        logprobs.append(float(F.log_softmax(scores, dim=-1)[token]))
+        if token in stop_token_ids or len(output) == max_new_tokens:
+            reason = "stop" if token in stop_token_ids else "length"
+            return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), reason, base_passes=len(output) - 1)
+        _, logits = runner.forward([token])
+
+
+@dataclass
+class _Round:
+    anchor: int
+    drafted: list[int]
+    accepted: int
 
 
 @torch.no_grad()

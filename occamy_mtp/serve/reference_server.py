@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 from occamy_mtp.cli import command
+from occamy_mtp.config import DRAFT_RULES, Serving
 
 GREEDY = "greedy"
 SPECULATIVE = "speculative"
@@ -102,20 +103,26 @@ def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
 class ReferenceModel:
     """Base (+ head), tokenizer and decoding mode; `generate` runs one request."""
 
-    def __init__(self, base, head, tokenizer, mode: str, draft_steps: int, stop_token_ids: set[int], name: str):
+    def __init__(self, base, head, tokenizer, mode: str, draft_steps: int, stop_token_ids: set[int], name: str,
+                 draft: str = "greedy"):
         self.base, self.head, self.tokenizer = base, head, tokenizer
-        self.mode, self.draft_steps = mode, draft_steps
+        self.mode, self.draft_steps, self.draft = mode, draft_steps, draft
         self.stop_token_ids = frozenset(stop_token_ids)
         self.name = name
         self.vocab_size = base.lm_head.weight.shape[0]
 
-    def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+    def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict | None = None) -> Generation:
+        """One request: greedy, or sampled with `sampling` (temperature, top_p, top_k, seed; `_sampling`)."""
         from occamy_mtp.evaluation.decode import greedy_decode, speculative_decode
 
+        sampling = sampling or {}
+        seed = sampling.get("seed", 0)
+        serving = Serving(**{k: v for k, v in sampling.items() if k != "seed"}, draft=self.draft) if sampling else None
         if self.mode == SPECULATIVE:
-            result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids)
+            result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids,
+                                        serving=serving, seed=seed)
         else:
-            result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids)
+            result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids, serving=serving, seed=seed)
         rounds = [(len(r.drafted), r.accepted) for r in result.rounds]
         return Generation(list(prompt_ids), list(result.output_ids), list(result.logprobs), result.finish_reason,
                           rounds if self.mode == SPECULATIVE else None)
@@ -135,12 +142,24 @@ def _max_tokens(body: dict) -> int:
     return value
 
 
-def _check_greedy(body: dict) -> None:
-    temperature = body.get("temperature", 1.0)
-    if temperature != 0:
-        raise RequestError(f"this reference server decodes greedily only: send temperature 0 (got {temperature!r})")
+def _sampling(body: dict) -> dict:
+    """The request's sampling ({} for temperature 0): temperature (1 when absent, as OpenAI's), top_p,
+    top_k (0 or -1: every token) and seed (0 when absent), each checked."""
     if body.get("n", 1) != 1 or body.get("stream", False):
         raise RequestError("n > 1 and stream are not supported")
+    temperature = body.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not 0 <= temperature < float("inf"):
+        raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature == 0:
+        return {}
+    top_p, top_k, seed = body.get("top_p", 1.0), body.get("top_k", 0), body.get("seed", 0)
+    if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
+        raise RequestError(f"top_k must be -1, 0 or more, got {top_k!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise RequestError(f"seed must be an integer, got {seed!r}")
+    return {"temperature": float(temperature), "top_p": float(top_p), "top_k": max(0, top_k), "seed": seed}
 
 
 def _prompt_ids(model: ReferenceModel, body: dict, chat: bool) -> list[int]:
@@ -274,13 +293,13 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
                 body = json.loads(self.rfile.read(length))
                 if not isinstance(body, dict):
                     raise RequestError("the body must be a JSON object")
-                _check_greedy(body)
+                sampling = _sampling(body)
                 max_tokens = _max_tokens(body)
                 prompt_ids = _prompt_ids(model, body, chat)
             except (json.JSONDecodeError, RequestError) as err:
                 self._error(400, str(err))
                 return
-            generation = model.generate(prompt_ids, max_tokens)
+            generation = model.generate(prompt_ids, max_tokens, sampling)
             if counters is not None:
                 counters.add(generation.rounds)
             _apply_faults(faults, number, generation, model.vocab_size)
@@ -311,7 +330,8 @@ def _parse_faults(args) -> Faults:
     return Faults(flips, shifts, frozenset(args.malformed), args.crash_after)
 
 
-def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str, device: str):
+def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str,
+               device: str, draft: str = "greedy"):
     import torch
     from transformers import AutoTokenizer
 
@@ -334,7 +354,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
         head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=dtype, device=device)[0].eval()
     stop = default_eos_token_ids(tokenizer, base_dir)
-    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name)
+    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name, draft=draft)
 
 
 class _Server(HTTPServer):
@@ -352,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --base)")
     parser.add_argument("--mode", choices=(GREEDY, SPECULATIVE), default=GREEDY, help="MTP off (greedy) or on (speculative)")
     parser.add_argument("--draft-steps", type=int, default=1, help="head steps drafted per verify pass (speculative mode)")
+    parser.add_argument("--draft", choices=DRAFT_RULES, default="greedy",
+                        help="how a sampled request's drafts are drawn: the head's argmax, or from its softmax (speculative mode)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -370,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device)
+    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device, args.draft)
     server = _Server((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
