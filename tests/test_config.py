@@ -1,5 +1,6 @@
 """The config loader: schema, overrides, errors that name the option, and every shipped config."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,38 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         ("data:\n  turns: middle\n", [], "data.turns: expected last, first or every"),
         ("", ["train.lr"], "expected section.key=value"),
         ("- a\n- b\n", [], "expected a mapping"),
+        # serving configurations and sampled self-generation (issue 28, item 7)
+        ("", ["eval.serving=[{temperature: -0.5}]"], "eval.serving[0].temperature: expected a finite number >= 0, got -0.5"),
+        ("", ["eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0}]"], "eval.serving[1].top_p: expected a number in (0, 1]"),
+        ("", ["eval.serving=[{temperature: 0.7, top_p: 1.2}]"], "eval.serving[0].top_p: expected a number in (0, 1], got 1.2"),
+        ("", ["eval.serving=[{temperature: 0.7, top_k: -1}]"], "eval.serving[0].top_k: expected 0 (every token) or more"),
+        ("", ["eval.serving=[{temperature: 0.7, draft: beam}]"], "eval.serving[0].draft: expected greedy or sampled"),
+        ("", ["eval.serving=[{temprature: 0.7}]"], "unknown config key eval.serving[0].temprature"),
+        ("", ["eval.serving=[{temperature: 0.7}, {temperature: 0.7}]"], "eval.serving: expected distinct configurations"),
+        ("", ["eval.serving=[]"], "eval.serving: expected one or more"),
+        ("", ["eval.select_serving=2"], "eval.select_serving: expected an index into eval.serving, 0 to 1, got 2"),
+        ("", ["train.loss=ce"], "train.loss: expected top1, kl or tv"),
+        ("", ["data.self_generate_temperature=-1"], "data.self_generate_temperature: expected a finite number >= 0"),
+        ("", ["data.self_generate_top_p=0"], "data.self_generate_top_p: expected a number in (0, 1]"),
+        ("", ["data.self_generate_top_k=-3"], "data.self_generate_top_k: expected 0 (every token) or more"),
     ],
 )
 def test_bad_configs_name_the_option(tmp_path, yaml_text, overrides, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml_text)
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(path, overrides)
+
+
+def test_serving_configurations_and_their_labels():
+    config = load_config(None, ["eval.serving=[{temperature: 0.6, top_k: 20, draft: sampled}, {temperature: 0}]"])
+    assert [s.label() for s in config.eval.serving] == ["t0.6-k20-sampled-drafts", "greedy"]
+    assert config.selected_serving == config.eval.serving[0] and config.selected_serving.top_p == 1.0
+    default = load_config(None)
+    assert [s.label() for s in default.eval.serving] == ["greedy", "t0.7-p0.8"] and default.selected_serving.greedy
+    # selection scores the selected configuration, so it is part of what a resume must match
+    assert default.fingerprint() != load_config(None, ["eval.select_serving=1"]).fingerprint()
+    assert default.fingerprint() == load_config(None, ["eval.serving=[{temperature: 0}]"]).fingerprint()
 
 
 def test_missing_config_file(tmp_path):
