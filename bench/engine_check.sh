@@ -264,46 +264,62 @@ if [ "$STAGE" = sampled ]; then
     #     bench/engine_sampled.py sets the engine's per-request counts beside the library's exact
     #     expectation given the very text the engine wrote (z-scores); then the table.
     train_and_export
-    mkdir -p "$WORK/sampled"
+    SAMPLED_DIR=$WORK/sampled-t$SAMPLED_TEMPERATURE-p$SAMPLED_TOP_P
+    mkdir -p "$SAMPLED_DIR"
+    sampled_args=(--config configs/demo.yaml "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" "data.files=[$DATA]"
+                  "model.tokenizer=$MODELS/tokenizer" --temperature "$SAMPLED_TEMPERATURE" --top-p "$SAMPLED_TOP_P"
+                  --windows "$WINDOWS" --max-tokens "$MAX_TOKENS" --dtype "$EVAL_DTYPE")
+    # MTP off first: does the engine sample what is asked (its text inside the processed support)?
+    if ! { [ "$REUSE" = 1 ] && [ -f "$SAMPLED_DIR/off.json" ]; }; then
+        serve sampled-off "$WORK/assembled-donor"
+        "$PY" bench/engine_sampled.py --url "$URL" "${sampled_args[@]}" --head donor --draft-steps 0 \
+            --out "$SAMPLED_DIR/off.json" | tee -a "$WORK/logs/sampled.txt"
+        stop_server
+    fi
     for head in donor trained; do
         head_file=$([ "$head" = donor ] && echo donor || echo "$RUN/mtp-trained.safetensors")
         for k in 1 3; do
             for rule in greedy probabilistic; do
                 name=$head-k$k-$rule
-                if [ "$REUSE" = 1 ] && [ -f "$WORK/sampled/$name.json" ]; then
+                if [ "$REUSE" = 1 ] && [ -f "$SAMPLED_DIR/$name.json" ]; then
                     continue
                 fi
                 serve "sampled-$name" "$WORK/assembled-$head" \
                     "{\"method\": \"mtp\", \"num_speculative_tokens\": $k, \"draft_sample_method\": \"$rule\"}"
-                "$PY" bench/engine_sampled.py --url "$URL" --config configs/demo.yaml "model.base=$MODELS/base" \
-                    "model.donor_head=$MODELS/donor" "data.files=[$DATA]" "model.tokenizer=$MODELS/tokenizer" \
-                    --head "$head_file" --draft-steps "$k" --temperature "$SAMPLED_TEMPERATURE" --top-p "$SAMPLED_TOP_P" \
-                    --draft "$([ "$rule" = greedy ] && echo greedy || echo sampled)" --windows "$WINDOWS" \
-                    --max-tokens "$MAX_TOKENS" --dtype "$EVAL_DTYPE" --out "$WORK/sampled/$name.json" | tee -a "$WORK/logs/sampled.txt"
+                "$PY" bench/engine_sampled.py --url "$URL" "${sampled_args[@]}" --head "$head_file" --draft-steps "$k" \
+                    --draft "$([ "$rule" = greedy ] && echo greedy || echo sampled)" --out "$SAMPLED_DIR/$name.json" \
+                    | tee -a "$WORK/logs/sampled.txt"
                 stop_server
             done
         done
     done
     FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
-    "$PY" - "$WORK" "$STARTED" "$FINISHED" "$WRITE_RESULTS" "$EPY" <<'EOF'
+    "$PY" - "$SAMPLED_DIR" "$STARTED" "$FINISHED" "$WRITE_RESULTS" "$EPY" <<'EOF'
 import json, platform, subprocess, sys
 from pathlib import Path
 
 work, started, finished, write, engine_python = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
-rows = []
+def fidelity(report):
+    f = report["fidelity"]
+    return (f"{f['outside_the_processed_support']}/{f['tokens']} ({f['outside_the_processed_support'] / f['tokens']:.1%})",
+            f"{f['mean_log_p_unprocessed']:.2f}")
+
+
+off = json.loads((work / "off.json").read_text())
+rows = [["(MTP off)", "-", "-", "-", "-", "-", "-", "-", "-", *fidelity(off), f"{off['requests']} ({off['finished']} stopped)"]]
 for head in ("donor", "trained"):
     for k in (1, 3):
         for rule in ("greedy", "probabilistic"):
-            report = json.loads((work / "sampled" / f"{head}-k{k}-{rule}.json").read_text())
+            report = json.loads((work / f"{head}-k{k}-{rule}.json").read_text())
             check = report["check"]
             engine, expected = check["measured"], check["expected"]
             rows.append([head, str(k), rule, f"{1 + sum(engine['accepted']) / engine['verify_passes']:.3f}",
                          ", ".join(f"{a:.1%}" for a in engine["acceptance"]),
                          f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f}",
                          ", ".join(f"{a:.1%}" for a in expected["acceptance"]),
-                         f"{check['z']['accepted']:+.2f}", f"{check['z']['verify_passes']:+.2f}",
+                         f"{check['z']['accepted']:+.2f}", f"{check['z']['verify_passes']:+.2f}", *fidelity(report),
                          f"{report['requests']} ({report['finished']} stopped)"])
-first = json.loads((work / "sampled" / "donor-k1-greedy.json").read_text())
+first = json.loads((work / "donor-k1-greedy.json").read_text())
 serving = first["serving"]
 versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"],
                           capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
@@ -325,10 +341,13 @@ lines = [
     "the exact expectation of the same counts given the very text the engine wrote (`bench/engine_sampled.py`, "
     "`evaluate.sampled_decoder_check`). z: the mean per-request difference engine - library over its standard error "
     "(|z| beyond ~4.5 would say the engine does something else than the library computes). The library's budget rule "
-    "drafts fewer steps before the budget ends (a plain step for the last token); vLLM drafts K to the end.",
+    "drafts fewer steps before the budget ends (a plain step for the last token); vLLM drafts K to the end. Outside the "
+    "support: generated tokens that the asked distribution (temperature, top-p) excludes, under the library's float32 "
+    "base (a sampler that honours the request writes none, but for bf16 rounding at the nucleus' edge); mean log p: "
+    "of the generated tokens under the unprocessed softmax.",
     "",
-    "| head | K | draft rule | engine accept length | engine per step | library expected accept length | library per step | z accepted | z verify passes | requests |",
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    "| head | K | draft rule | engine accept length | engine per step | library expected accept length | library per step | z accepted | z verify passes | outside the support | mean log p | requests |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
 lines += [f"| {' | '.join(row)} |" for row in rows]
 text = "\n".join(lines) + "\n"
@@ -339,7 +358,7 @@ if write:
     results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
     print(f"appended to {results}", file=sys.stderr)
 EOF
-    log "done: $WORK/RESULTS-sampled.md"
+    log "done: $SAMPLED_DIR/RESULTS-sampled.md"
     exit 0
 fi
 
@@ -410,10 +429,10 @@ for writer in ("embedded", "engine"):
     record = json.loads((work / f"run-{writer}" / "TRAINING.json").read_text())
     served = record["metrics"]["heldout"]
     rows[writer] = {
-        "generation_seconds": summary["self_generated"]["generation_seconds"],
-        "writer_details": summary["self_generated"].get("writer_details"),
-        "library_served_accept_length": {k: {h: served[h]["served"][k]["mean_accept_length"] for h in ("donor", "trained")}
-                                         for k in ("1", "3")},
+        "generation_seconds": summary["self_generated"]["greedy"]["generation_seconds"],
+        "writer_details": summary["self_generated"]["greedy"].get("writer_details"),
+        "library_served_accept_length": {k: {h: served[h]["serving"]["greedy"]["served"][k]["mean_accept_length"]
+                                             for h in ("donor", "trained")} for k in ("1", "3")},
         "engine_acceptance": {k: engine_figures(f"selfgen-{writer}-k{k}") for k in ("1", "3")},
     }
 result = {"contexts": len(common), "identical_continuations": same,
@@ -437,7 +456,7 @@ on_engine trained
 #    each heldout context, the reference speculative decoder on it, 1 and 3 draft steps.
 # The continuations are MAX_TOKENS long, as the engine's; they get a store of their own.
 "$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" \
-    "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" \
+    "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" "eval.serving=[{temperature: 0}]" \
     "data.self_generated_dir=$WORK/eval/self-generated" --head "$RUN/mtp-trained.safetensors" --max-windows "$WINDOWS" \
     --reference-decoder --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
 
@@ -526,8 +545,9 @@ evaluation = load(work / "eval" / "evaluation.json")
 
 
 def reference_decoder(head, k):
-    """The decoder's measured figures: reference_decoder[head][k] (older layout: one run per k)."""
+    """The decoder's measured figures: reference_decoder[head]["greedy"][k] (older layouts: [head][k], one run per k)."""
     checks = evaluation.get("reference_decoder", {}).get(head, {})
+    checks = checks.get("greedy", checks)
     check = checks.get(str(k)) if str(k) in checks else (checks if checks.get("draft_steps") == k else {})
     return check.get("measured", {})
 rows, match_rows, notes = [], [], []
@@ -540,7 +560,7 @@ for head in HEADS:
         decoder = reference_decoder(head, k)
         figures = heldout.get(head, {})
         tf = figures.get("teacher_forced", figures)  # older metrics.json: the teacher-forced figures themselves
-        served = figures.get("served", {}).get(str(k), {})
+        served = figures.get("serving", {}).get("greedy", figures).get("served", {}).get(str(k), {})
         rows.append([head, str(k), num(engine.get("accept_length")), pct(engine.get("accept_rate")),
                      chained(per_position["accepted"], per_position["proposed"]), num(cross.get("accept_length")),
                      num(decoder.get("mean_accept_length")), pct(decoder.get("accept_rate")),

@@ -14,8 +14,10 @@ engine's totals and the library's expected totals on the same texts.
         --head runs/demo/mtp-trained.safetensors --draft-steps 3 --temperature 0.7 --top-p 0.8 --draft greedy \
         --out runs/engine/sampled/trained-k3-greedy.json [section.key=value ...]
 
-`--head donor` measures the donor head (`model.donor_head`). Writes the JSON report to --out
-and prints one line.
+`--head donor` measures the donor head (`model.donor_head`); `--draft-steps 0` asks a server
+without MTP and checks its text alone. Every report also says whether the engine's text is a
+sample of what was asked (`sampling_fidelity`: tokens outside the processed distribution's
+support). Writes the JSON report to --out and prints one line.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check  
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
 from occamy_mtp.model.head import SharedWeights  # noqa: E402
 from occamy_mtp.run import stop_token_ids  # noqa: E402
+from occamy_mtp import sampling  # noqa: E402
 from occamy_mtp.sampling import TextSampling  # noqa: E402
 from occamy_mtp.selfgen.engine_client import post_json, server_model_name, speculative_counts  # noqa: E402
 from occamy_mtp.selfgen.engines import Request, read_answer, request_body  # noqa: E402
@@ -55,21 +58,48 @@ def per_step(histogram: list[int], steps: int) -> tuple[tuple[int, ...], tuple[i
 
 
 def ask(url: str, model: str, contexts, request: Request, tokenizer, steps: int) -> tuple[list[MeasuredText], list[dict]]:
-    """Every context to the engine, one request at a time: the engine's texts and counts."""
+    """Every context to the engine, one request at a time: the engine's texts and counts (steps 0:
+    a server without speculation, whose texts alone are checked)."""
     measured, raw = [], []
     for prompt in contexts:
         response = post_json(url.rstrip("/") + "/v1/completions", request_body(model, prompt.prompt_ids, request),
                              request.timeout_seconds)
         answer = read_answer(response, tokenizer, request)
-        counts = speculative_counts(response)
-        if counts is None or not counts.get("histogram_consistent"):
-            raise SystemExit(f"error: {url}: the answer to {prompt.name} carries no consistent per-request acceptance "
-                             "histogram (serve vLLM with --per-request-spec-decode-metrics summary)")
-        accepted, proposed = per_step(counts["histogram"], steps)
         window = Window("engine", 0, tuple(prompt.prompt_ids) + answer.tokens, len(prompt.prompt_ids))
-        measured.append(MeasuredText(window, accepted, proposed, counts["draft_tokens"], counts["verify_passes"]))
-        raw.append({"prompt": prompt.name, "tokens": len(answer.tokens), "finished": answer.finished, "counts": counts})
+        counts = speculative_counts(response)
+        if steps:
+            if counts is None or not counts.get("histogram_consistent"):
+                raise SystemExit(f"error: {url}: the answer to {prompt.name} carries no consistent per-request acceptance "
+                                 "histogram (serve vLLM with --per-request-spec-decode-metrics summary)")
+            accepted, proposed = per_step(counts["histogram"], steps)
+            measured.append(MeasuredText(window, accepted, proposed, counts["draft_tokens"], counts["verify_passes"]))
+        else:
+            measured.append(MeasuredText(window, (), (), 0, 0))
+        raw.append({"prompt": prompt.name, "tokens": len(answer.tokens), "finished": answer.finished, "counts": counts,
+                    "prompt_ids": list(prompt.prompt_ids), "output_ids": list(answer.tokens)})
     return measured, raw
+
+
+@torch.no_grad()
+def sampling_fidelity(base, measured: list[MeasuredText], serving: Serving) -> dict:
+    """Whether the engine's text is a sample of what was asked: of its generated tokens, how many the
+    processed distribution p excludes (a sampler that honours temperature and top-p writes none,
+    up to bf16 rounding at the nucleus' edge), and their mean log-probability under p and under
+    the unprocessed softmax."""
+    excluded = total = 0
+    log_p = log_raw = 0.0
+    for text in measured:
+        ids = text.window.input_ids
+        start = text.window.answer_start
+        logits = base(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1].float()  # each predicts the next token
+        tokens = torch.tensor(ids[start:])
+        p = sampling.base_probs(logits, serving).gather(-1, tokens[:, None])[:, 0]
+        excluded += int((p <= 0).sum())
+        total += len(tokens)
+        log_p += float(p[p > 0].log().sum())
+        log_raw += float(logits.log_softmax(-1).gather(-1, tokens[:, None]).sum())
+    return {"tokens": total, "outside_the_processed_support": excluded,
+            "mean_log_p_processed_where_inside": log_p / max(1, total - excluded), "mean_log_p_unprocessed": log_raw / max(1, total)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--config", required=True, type=Path, help="the run's config (its split gives the heldout windows)")
     parser.add_argument("--head", required=True, help="the served head's file, or 'donor' (model.donor_head)")
-    parser.add_argument("--draft-steps", type=int, required=True)
+    parser.add_argument("--draft-steps", type=int, required=True, help="the server's K; 0: a server without MTP (the text alone is checked)")
     parser.add_argument("--temperature", type=float, required=True)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -107,21 +137,29 @@ def main(argv: list[str] | None = None) -> int:
     dtype = ckpt_io.DTYPES[args.dtype]
     base = ckpt_io.load_base(config.model.base, dtype=dtype, device=torch.device("cpu")).eval()
     shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    head_path = config.model.donor_head if args.head == "donor" else args.head
-    head = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, attn_implementation=config.model.attn_implementation)[0]
-    head = head.to(dtype).eval()
-    check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
-    engine, expected = check["measured"], check["expected"]
+    fidelity = sampling_fidelity(base, measured, serving)
+    check, head_path = None, None
+    if args.draft_steps:
+        head_path = config.model.donor_head if args.head == "donor" else args.head
+        head = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, attn_implementation=config.model.attn_implementation)[0]
+        head = head.to(dtype).eval()
+        check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
     report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args),
               "out": str(args.out), "config": str(args.config)}, "requests": len(measured), "max_tokens": max_tokens,
-              "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "check": check, "answers": raw}
+              "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "fidelity": fidelity,
+              "check": check, "answers": raw}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{args.head} K={args.draft_steps} {serving.label()}: engine accept length {1 + sum(engine['accepted']) / engine['verify_passes']:.3f} "
-          f"(per step {', '.join(f'{a:.1%}' for a in engine['acceptance'])}), library expected "
-          f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f} (per step "
-          f"{', '.join(f'{a:.1%}' for a in expected['acceptance'])}); z accepted {check['z']['accepted']:+.2f}, "
-          f"z verify passes {check['z']['verify_passes']:+.2f}; {len(measured)} requests")
+    line = (f"{args.head} K={args.draft_steps} {serving.label()}: {fidelity['outside_the_processed_support']} of "
+            f"{fidelity['tokens']} tokens outside the processed support")
+    if check is not None:
+        engine, expected = check["measured"], check["expected"]
+        line += (f"; engine accept length {1 + sum(engine['accepted']) / engine['verify_passes']:.3f} (per step "
+                 f"{', '.join(f'{a:.1%}' for a in engine['acceptance'])}), library expected "
+                 f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f} (per step "
+                 f"{', '.join(f'{a:.1%}' for a in expected['acceptance'])}); z accepted {check['z']['accepted']:+.2f}, "
+                 f"z verify passes {check['z']['verify_passes']:+.2f}")
+    print(line + f"; {len(measured)} requests")
     return 0
 
 

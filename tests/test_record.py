@@ -31,16 +31,21 @@ def test_reference_record_is_the_demo_recipe(reference):
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"]
     metrics = reference["metrics"]
     assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]
-    for k in ("1", "3"):  # the headline: the trained head ahead of the donor where serving runs it
-        donor, trained = (metrics["heldout"][name]["served"][k] for name in ("donor", "trained"))
+    assert metrics["selected_serving"] == "greedy" and [s["label"] for s in metrics["serving"]] == ["greedy", "t0.7-p0.8"]
+    for k in ("1", "3"):  # the headline: the trained head ahead of the donor where serving runs it (greedily)
+        donor, trained = (metrics["heldout"][name]["serving"]["greedy"]["served"][k] for name in ("donor", "trained"))
         assert trained["mean_accept_length"] > donor["mean_accept_length"], k
+    assert set(reference["self_generated"]) == {"greedy", "t0.7-p0.8-seed0"}  # the stores: greedy, and the sampled heldout
 
 
 @pytest.mark.parametrize(
     "path, value, message",
     [
         (("metrics", "heldout", "trained", "teacher_forced", "agreement"), "high", "expected a number"),
-        (("metrics", "heldout", "donor", "served", "1", "accepted"), 3, "expected a list"),
+        (("metrics", "heldout", "donor", "serving", "greedy", "served", "1", "accepted"), 3, "expected a list"),
+        (("metrics", "heldout", "trained", "serving", "t0.7-p0.8", "settings", "temperature"), "hot", "expected a number"),
+        (("metrics", "serving"), {"label": "greedy"}, "expected a list"),
+        (("self_generated", "greedy", "windows"), 1.5, "expected an integer"),
         (("base", "files"), {"name": "x"}, "expected a list"),
         (("library", "version"), 1, "expected str"),
         (("derived", "total_steps"), True, "expected an integer"),
@@ -64,5 +69,14 @@ def test_missing_section_is_rejected(reference):
 
 def test_missing_served_step_is_rejected(reference):
     broken = copy.deepcopy(reference)
-    del broken["metrics"]["heldout"]["trained"]["served"]["3"]
-    assert "TRAINING.metrics.heldout.trained.served.3: missing" in validate_record(broken)
+    del broken["metrics"]["heldout"]["trained"]["serving"]["t0.7-p0.8"]["served"]["3"]
+    assert "TRAINING.metrics.heldout.trained.serving.t0.7-p0.8.served.3: missing" in validate_record(broken)
+
+
+def test_missing_serving_configuration_and_unknown_selection_are_rejected(reference):
+    broken = copy.deepcopy(reference)
+    del broken["metrics"]["heldout"]["donor"]["serving"]["greedy"]
+    broken["metrics"]["selected_serving"] = "t0.9"
+    errors = validate_record(broken)
+    assert "TRAINING.metrics.heldout.donor.serving.greedy: missing" in errors
+    assert any("TRAINING.metrics.selected_serving: 't0.9' is none of" in e for e in errors), errors
