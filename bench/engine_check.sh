@@ -295,8 +295,11 @@ if [ "$STAGE" = sampled ]; then
     done
     FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
     "$PY" - "$SAMPLED_DIR" "$STARTED" "$FINISHED" "$WRITE_RESULTS" "$EPY" <<'EOF'
-import json, platform, subprocess, sys
+import json, platform, sys
 from pathlib import Path
+
+sys.path.insert(0, "bench")
+from engine_sampled import engine_identity, write_section
 
 work, started, finished, write, engine_python = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5]
 def fidelity(report):
@@ -321,9 +324,7 @@ for head in ("donor", "trained"):
                          f"{report['requests']} ({report['finished']} stopped)"])
 first = json.loads((work / "donor-k1-greedy.json").read_text())
 serving = first["serving"]
-versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"],
-                          capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+versions, commit = engine_identity(engine_python)
 lines = [
     f"## Real engine, sampled serving: vLLM {versions[0]} (CPU build) at temperature {serving['temperature']:g}, top-p "
     f"{serving['top_p']:g}, against the library's exact expectation (issue 28)",
@@ -350,13 +351,7 @@ lines = [
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
 lines += [f"| {' | '.join(row)} |" for row in rows]
-text = "\n".join(lines) + "\n"
-(work / "RESULTS-sampled.md").write_text(text)
-print(text)
-if write:
-    results = Path("bench/RESULTS.md")
-    results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
-    print(f"appended to {results}", file=sys.stderr)
+write_section(work / "RESULTS-sampled.md", "\n".join(lines) + "\n", write)
 EOF
     log "done: $SAMPLED_DIR/RESULTS-sampled.md"
     exit 0
@@ -498,8 +493,11 @@ EOF
 # 5. The table.
 FINISHED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 "$PY" - "$WORK" "$STARTED" "$FINISHED" "$EVAL_DTYPE" "$WRITE_RESULTS" "$MAX_TOKENS" "$EPY" "$LOGPROB_TOLERANCE" <<'EOF'
-import json, platform, subprocess, sys
+import json, platform, sys
 from pathlib import Path
+
+sys.path.insert(0, "bench")
+from engine_sampled import engine_identity, write_section
 
 work, started, finished, eval_dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 write, max_tokens, engine_python, tolerance = sys.argv[5] == "1", sys.argv[6], sys.argv[7], sys.argv[8]
@@ -580,9 +578,7 @@ for head in HEADS:
                                f"{report['max_logprob_diff']:.3g}", "PASS" if report["passed"] else "FAIL"])
             notes += [f"{name} {label}: {reason}" for reason in report["failures"]]
 
-versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; print(vllm.__version__, torch.__version__, transformers.__version__)"],
-                          capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+versions, commit = engine_identity(engine_python)
 windows_count = len(load(work / "validate" / "off-windows" / "responses-reference.json")["prompts"])
 lines = [
     f"## Real engine: vLLM {versions[0]} (CPU build) serving the demo's heads, MTP off and on (issue 13)",
@@ -627,12 +623,6 @@ if ties:
               f"token in {on_right}. (`tie-check.json`)"]
 if notes:
     lines += ["", "validate's reasons for FAIL:", ""] + [f"- {n}" for n in sorted(set(notes))]
-text = ("\n".join(lines) + "\n").replace("{tolerance}", tolerance)
-(work / "RESULTS-section.md").write_text(text)
-print(text)
-if write:
-    results = Path("bench/RESULTS.md")
-    results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
-    print(f"appended to {results}", file=sys.stderr)
+write_section(work / "RESULTS-section.md", ("\n".join(lines) + "\n").replace("{tolerance}", tolerance), write)
 EOF
 log "done: $WORK/RESULTS-section.md"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -47,6 +48,26 @@ from occamy_mtp.selfgen.engines import Request, read_answer, request_body  # noq
 from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
 
 TIMEOUT_SECONDS = 1800.0
+
+
+def engine_identity(engine_python: str) -> tuple[list[str], str]:
+    """([vllm, torch, transformers] versions of the engine's venv, this checkout's short commit): the
+    heading of every section bench/engine_check.sh writes."""
+    versions = subprocess.run([engine_python, "-c", "import vllm, torch, transformers; "
+                               "print(vllm.__version__, torch.__version__, transformers.__version__)"],
+                              capture_output=True, text=True).stdout.split() or ["?", "?", "?"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return versions, commit
+
+
+def write_section(path: Path, text: str, append_to_results: bool) -> None:
+    """A section of bench/engine_check.sh: into `path`, printed, and appended to bench/RESULTS.md when asked."""
+    path.write_text(text)
+    print(text)
+    if append_to_results:
+        results = ROOT / "bench" / "RESULTS.md"
+        results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
+        print(f"appended to {results}", file=sys.stderr)
 
 
 def per_step(histogram: list[int], steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

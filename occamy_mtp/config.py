@@ -154,16 +154,16 @@ class Serving:
 
     def label(self) -> str:
         """The configuration's name in reports and directory names: greedy, t0.7-p0.8, t0.6-k20-sampled-drafts."""
-        if self.greedy:
-            return "greedy"
-        parts = [f"t{self.temperature:g}"]
-        if self.top_p < 1:
-            parts.append(f"p{self.top_p:g}")
-        if self.top_k:
-            parts.append(f"k{self.top_k}")
-        if self.draft == "sampled":
-            parts.append("sampled-drafts")
-        return "-".join(parts)
+        sampled_drafts = not self.greedy and self.draft == "sampled"
+        return sampling_label(self.temperature, self.top_p, self.top_k) + ("-sampled-drafts" if sampled_drafts else "")
+
+
+def sampling_label(temperature: float, top_p: float, top_k: int) -> str:
+    """A way of sampling in reports and directory names: greedy, or e.g. t0.7-p0.8, t0.6-k20."""
+    if temperature == 0:
+        return "greedy"
+    parts = [f"t{temperature:g}"] + ([f"p{top_p:g}"] if top_p < 1 else []) + ([f"k{top_k}"] if top_k else [])
+    return "-".join(parts)
 
 
 LOSSES = ("top1", "kl", "tv")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from occamy_mtp.config import DRAFT_RULES, Serving
+from occamy_mtp.config import DRAFT_RULES, Serving, sampling_label
 
 GREEDY_DRAFTS, SAMPLED_DRAFTS = DRAFT_RULES
 
@@ -134,12 +134,17 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(positive.gather(-1, index[..., None])[..., 0], index, last)
 
 
+def seed_of(seed: int, key: str, bits: int = 63) -> int:
+    """A seed of `bits` bits derived from (seed, key): one per context of a sampled text."""
+    digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**bits - 1)
+
+
 def uniform_stream(seed: int, key: str, count: int) -> torch.Tensor:
     """`count` float64 uniforms in [0, 1), a pure function of (seed, key): the same on every
     machine and in every batch (torch's CPU generator), so that a sampled continuation keyed
     by its context is the same whichever batch writes it, and after a resume."""
-    digest = hashlib.sha256(f"{int(seed)}:{key}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    generator = torch.Generator().manual_seed(seed_of(seed, key))
     return torch.rand(count, dtype=torch.float64, generator=generator)
 
 
@@ -159,10 +164,8 @@ class TextSampling:
 
     def label(self) -> str:
         """greedy, or e.g. t0.7-p0.8-seed0 (the settings that fix the text)."""
-        if self.greedy:
-            return "greedy"
-        parts = [f"t{self.temperature:g}"] + ([f"p{self.top_p:g}"] if self.top_p < 1 else [])
-        return "-".join(parts + ([f"k{self.top_k}"] if self.top_k else []) + [f"seed{self.seed}"])
+        label = sampling_label(self.temperature, self.top_p, self.top_k)
+        return label if self.greedy else f"{label}-seed{self.seed}"
 
     def to_dict(self) -> dict | None:
         """The text's part of a store's identity: None for greedy text (as stores before sampling)."""
@@ -174,9 +177,9 @@ class TextSampling:
         return processed_probs(logits, self.temperature, self.top_p, self.top_k)
 
     def request_seed(self, context_key: str) -> int:
-        """The seed a serving engine is asked to sample the continuation of this context with."""
-        digest = hashlib.sha256(f"{int(self.seed)}:{context_key}".encode()).digest()
-        return int.from_bytes(digest[:4], "little") & (2**31 - 1)
+        """The seed a serving engine is asked to sample the continuation of this context with (31 bits:
+        what every engine's API takes)."""
+        return seed_of(self.seed, context_key, bits=31)
 
     def uniforms(self, context_key: str, count: int) -> torch.Tensor:
         """The uniforms of the continuation of the context whose digest is `context_key`: the

@@ -73,6 +73,17 @@ class Round:
     """Leading drafts the base confirmed, <= steps."""
 
 
+def generated_tokens(length: int, prompt_length: int, max_new_tokens: int) -> int:
+    """The generated tokens of a text of `length` tokens after its prompt; refused when there are
+    none, or more than the budget it was written under."""
+    generated = length - prompt_length
+    if prompt_length < 1 or generated < 1:
+        raise ValueError(f"a text of {length} tokens with a {prompt_length}-token prompt has no generated token")
+    if generated > max_new_tokens:
+        raise ValueError(f"the text holds {generated} generated tokens, more than max_new_tokens={max_new_tokens}")
+    return generated
+
+
 def decoder_rounds(
     accepted_at: Sequence[int], prompt_length: int, max_new_tokens: int, draft_steps: int
 ) -> tuple[list[Round], int]:
@@ -94,11 +105,7 @@ def decoder_rounds(
     prefill (rounds + plain steps).
     """
     length = len(accepted_at)
-    generated = length - prompt_length
-    if prompt_length < 1 or generated < 1:
-        raise ValueError(f"a text of {length} tokens with a {prompt_length}-token prompt has no generated token")
-    if generated > max_new_tokens:
-        raise ValueError(f"the text holds {generated} generated tokens, more than max_new_tokens={max_new_tokens}")
+    generated = generated_tokens(length, prompt_length, max_new_tokens)
     rounds: list[Round] = []
     emitted, plain_steps = 1, 0
     while emitted < generated:
@@ -147,11 +154,7 @@ def expected_rounds(
             beta_1 ... beta_j (1 - beta_{j+1}), and emits j + 1 tokens.
     """
     length = len(accept_given)
-    generated = length - prompt_length
-    if prompt_length < 1 or generated < 1:
-        raise ValueError(f"a text of {length} tokens with a {prompt_length}-token prompt has no generated token")
-    if generated > max_new_tokens:
-        raise ValueError(f"the text holds {generated} generated tokens, more than max_new_tokens={max_new_tokens}")
+    generated = generated_tokens(length, prompt_length, max_new_tokens)
     arrive = [0.0] * (generated + 1)  # arrive[e]: P(a round starts with e tokens emitted)
     arrive[1] = 1.0  # the prefill emits the first token
     proposed, accepted = [0.0] * draft_steps, [0.0] * draft_steps
