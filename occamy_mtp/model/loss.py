@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from occamy_mtp import sampling
-from occamy_mtp.config import Serving
+from occamy_mtp.config import LOSSES, Serving
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 IGNORE = -100  # label of an unscored (step, anchor) pair
@@ -35,7 +35,7 @@ IGNORE = -100  # label of an unscored (step, anchor) pair
 # head's logits and q are each (pairs x V) of 4 to 12 bytes; 1024 pairs at V = 248,320 are
 # 1 to 3 GiB each.
 SOFT_CHUNK_TOKENS = 1024
-TOP1, KL, TV = "top1", "kl", "tv"
+TOP1, KL, TV = LOSSES
 
 
 @dataclass(frozen=True)
