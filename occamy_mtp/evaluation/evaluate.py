@@ -365,6 +365,36 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
 # ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MeasuredText:
+    """What a speculative decoder (the reference one, or an engine) wrote from one context, and what it counted."""
+
+    window: object
+    """`data.Window`: the context followed by what was written (`answer_start`: the context's length)."""
+    accepted: tuple[float, ...]
+    """Per step k: rounds in which steps 1..k were accepted."""
+    proposed: tuple[float, ...]
+    """Per step k: rounds in which step k was drafted (steps before it accepted)."""
+    drafted: float
+    passes: float
+    """Base passes after the prefill: verify passes (and plain steps)."""
+
+    @classmethod
+    def decoded(cls, window, result) -> "MeasuredText":
+        """What the reference decoder wrote from `window`'s context and counted (`decode.DecodeResult`)."""
+        return cls(replace(window, input_ids=result.text_ids), result.accepted, result.proposed, result.drafted,
+                   result.base_passes)
+
+
+def measured_totals(measured: list[MeasuredText], draft_steps: int) -> Acceptance:
+    """The figures of what a decoder counted over its texts, summed as an engine's counters sum them."""
+    return acceptance_from_counts(
+        draft_steps, len(measured), [sum(values) for values in zip(*(m.proposed for m in measured))],
+        [sum(values) for values in zip(*(m.accepted for m in measured))], sum(m.drafted for m in measured),
+        sum(m.passes for m in measured), sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured),
+    )
+
+
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
                             windows_per_batch: int = 4) -> dict:
     """Decode each window's context with the reference speculative decoder and replay it offline.
@@ -386,7 +416,8 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
         speculative_decode(base, head, list(w.input_ids[: w.answer_start]), max_new_tokens, draft_steps, stop_token_ids)
         for w in windows
     ]
-    decoded = [replace(w, input_ids=r.text_ids) for w, r in zip(windows, results)]
+    texts = [MeasuredText.decoded(w, r) for w, r in zip(windows, results)]
+    decoded = [text.window for text in texts]
     outcomes = chain_outcomes(base, head, decoded, draft_steps, windows_per_batch)
     decisions = equal = 0
     for result, outcome in zip(results, outcomes):
@@ -394,15 +425,7 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
         replayed_at = {r.anchor: r.accepted for r in rounds}
         decisions += len(result.rounds)
         equal += sum(replayed_at.get(r.anchor) == r.accepted for r in result.rounds)
-    measured = acceptance_from_counts(
-        draft_steps,
-        len(results),
-        [sum(values) for values in zip(*(r.proposed for r in results))],
-        [sum(values) for values in zip(*(r.accepted for r in results))],
-        sum(r.drafted for r in results),
-        sum(r.base_passes for r in results),
-        sum(len(r.output_ids) - 1 for r in results),
-    )
+    measured = measured_totals(texts, draft_steps)
     replayed = replayed_acceptance([(o.accepted, len(r.prompt_ids)) for r, o in zip(results, outcomes)], max_new_tokens, draft_steps)
     return {
         "windows": len(windows),
@@ -418,21 +441,6 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     }
 
 
-@dataclass(frozen=True)
-class MeasuredText:
-    """What a speculative decoder (the reference one, or an engine) wrote from one context, and what it counted."""
-
-    window: object
-    """`data.Window`: the context followed by what was written (`answer_start`: the context's length)."""
-    accepted: tuple[float, ...]
-    """Per step k: rounds in which steps 1..k were accepted."""
-    proposed: tuple[float, ...]
-    """Per step k: rounds in which step k was drafted (steps before it accepted)."""
-    drafted: float
-    passes: float
-    """Base passes after the prefill: verify passes (and plain steps)."""
-
-
 def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
                     seeds) -> list[MeasuredText]:
     """Each window's context decoded once per seed by the reference decoder under sampled `serving`."""
@@ -443,8 +451,7 @@ def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, 
         prompt = list(window.input_ids[: window.answer_start])
         for seed in seeds:
             result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed)
-            decodes.append(MeasuredText(replace(window, input_ids=result.text_ids), result.accepted, result.proposed,
-                                        result.drafted, result.base_passes))
+            decodes.append(MeasuredText.decoded(window, result))
     return decodes
 
 
@@ -473,12 +480,7 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
         differences["accepted"].append(sum(text.accepted) - sum(counts.accepted))
         differences["verify_passes"].append(text.passes - counts.passes)
         texts.append((given, expected, prompt_length))
-    generated_after_first = sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured)
-    totals = acceptance_from_counts(
-        draft_steps, len(measured), [sum(values) for values in zip(*(m.proposed for m in measured))],
-        [sum(values) for values in zip(*(m.accepted for m in measured))], sum(m.drafted for m in measured),
-        sum(m.passes for m in measured), generated_after_first,
-    )
+    totals = measured_totals(measured, draft_steps)
     return {
         "serving": serving.label(),
         "decodes": len(measured),
