@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from occamy_mtp.cache import sized_fastbase_tokens
 from occamy_mtp.targets import cache as target_cache
 from occamy_mtp.targets.base import plain_compute, plain_compute_name
 from occamy_mtp import files
@@ -107,10 +108,12 @@ def identity_for(windows, compute: str) -> target_cache.CacheIdentity:
     )
 
 
-def build(windows, base, directory: Path, compute: str):
+def build(windows, base, directory: Path, compute: str, fast_tokens: int = FAST_TOKENS_PER_FORWARD):
     ids = [w.input_ids for w in windows]
     if compute == "fast":
-        fn, name = FastBasePass(base, max_tokens_per_batch=FAST_TOKENS_PER_FORWARD), "fastbase.FastBasePass"
+        if not fast_tokens:  # sized to the GPU, as the library's cache pass sizes it
+            fast_tokens = sized_fastbase_tokens(base, max(len(i) for i in ids), print)
+        fn, name = FastBasePass(base, max_tokens_per_batch=fast_tokens), "fastbase.FastBasePass"
     else:
         fn, name = plain_compute(base), plain_compute_name()
     identity = identity_for(windows, compute)
@@ -139,7 +142,12 @@ def main() -> int:
     parser.add_argument("--steps-per-epoch", type=int, default=TRAIN_WINDOWS, help="fewer for a smoke run")
     parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
     parser.add_argument("--generate-windows", type=int, default=64, help="contexts whose continuations are timed (0: skip)")
-    parser.add_argument("--generate-batch-size", type=int, default=64)
+    parser.add_argument("--generate-batch-size", type=int, default=64, help="0: as many as fit (the library's default)")
+    parser.add_argument("--fast-tokens", type=int, default=FAST_TOKENS_PER_FORWARD,
+                        help="tokens a forward of the fast cache pass; 0: as many as fit (the library's default)")
+    parser.add_argument("--memory-cap-gib", type=float, default=0.0,
+                        help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction), e.g. 79.6 for an "
+                             "80 GB H100; the peaks are then checked against it")
     parser.add_argument("--extra-generate-batch-sizes", default="",
                         help="comma-separated batch sizes to time one more batch at each (e.g. 16, the library's default)")
     parser.add_argument("--decoder-check-windows", type=int, default=1, help="heldout prompts decoded by the reference decoder (0: skip)")
@@ -149,6 +157,8 @@ def main() -> int:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.memory_cap_gib:
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1], device)
     torch.manual_seed(0)
     config = tiny_text_config() if args.tiny else text_config_from_dict(QWEN3_5_35B_A3B)
     config._attn_implementation = "sdpa"
@@ -197,7 +207,8 @@ def main() -> int:
     # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check
     if args.generate_windows:
         contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[: args.generate_windows]]
-        continuations = phases("self_generate", lambda: self_generate(base, contexts, ANSWER_TOKENS, set(), args.generate_batch_size))
+        continuations = phases("self_generate", lambda: self_generate(base, contexts, ANSWER_TOKENS, set(), args.generate_batch_size,
+                                                                      log=print))
         seconds = phases.results["self_generate"]["seconds"]
         tokens = sum(len(c.tokens) for c in continuations)
         result["self_generate"] = {
@@ -219,7 +230,7 @@ def main() -> int:
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
     caches = {}
     for compute in (("plain", "fast") if args.compute == "both" else (args.compute,)):
-        caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c))
+        caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c, args.fast_tokens))
     if len(caches) == 2:
         result["fast_vs_plain_cache"] = compare_caches(caches["fast"], caches["plain"], windows)
     targets = caches["fast" if "fast" in caches else "plain"]
@@ -296,6 +307,9 @@ def main() -> int:
         result["recipe_seconds_with_plain_cache"] = result["recipe_seconds"] - phases.results["cache_fast"]["seconds"] + phases.results["cache_plain"]["seconds"]
     if device.type == "cuda":
         result["recipe_peak_gib"] = max(phases.results[p]["peak_gib"] for p in recipe)
+        result["whole_peak_gib"] = max(phase["peak_gib"] for phase in phases.results.values())
+        result["memory_cap_gib"] = args.memory_cap_gib or None
+        result["peak_under_cap"] = None if not args.memory_cap_gib else result["whole_peak_gib"] < args.memory_cap_gib
     result["workdir"] = str(workdir)
     print(json.dumps(result, indent=2))
     if args.out:

@@ -45,6 +45,7 @@ from occamy_mtp.targets.cache import (
 )
 
 DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass: 73-75 GiB peak at real size (bench/RESULTS.md)
+WINDOW_ALIGNMENT_TOKENS = 1024  # a token budget sized to the card is rounded down to a multiple of this
 
 
 def auto_fastbase_tokens(base) -> int:
@@ -67,14 +68,36 @@ def auto_fastbase_tokens(base) -> int:
     return DEFAULT_FASTBASE_TOKENS
 
 
-def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None = 0) -> tuple[ComputeOutputs, str]:
+def sized_fastbase_tokens(base, longest_window: int, log: Callable[[str], None] = quiet) -> int:
+    """The fast pass's tokens per forward sized to the GPU: as many as fit beside the base
+    (`memory.fitting`, `fastbase.token_bytes` a token), at most DEFAULT_FASTBASE_TOKENS, rounded
+    down to a multiple of WINDOW_ALIGNMENT_TOKENS and never fewer than the longest window's."""
+    from occamy_mtp.memory import NotEnoughMemory, fitting
+    from occamy_mtp.targets.fastbase import token_bytes
+
+    row = token_bytes(base.config, base.lm_head.weight.dtype)
+    sizing = fitting("token", row, DEFAULT_FASTBASE_TOKENS, base.lm_head.weight.device, base)
+    tokens = max(sizing.count // WINDOW_ALIGNMENT_TOKENS * WINDOW_ALIGNMENT_TOKENS, min(sizing.count, longest_window))
+    if tokens < longest_window:
+        raise NotEnoughMemory(f"the cache pass needs {longest_window} tokens a forward for its longest window and the GPU "
+                              f"holds {sizing.count} beside the base ({sizing.reason}); run it with --fastbase-tokens 0 "
+                              "(the plain pass, one window a forward)")
+    log(f"target cache: {tokens} tokens a forward, sized to the GPU: {sizing.reason} (--fastbase-tokens sets it)")
+    return tokens
+
+
+def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None = 0, longest_window: int = 0,
+                 log: Callable[[str], None] = quiet) -> tuple[ComputeOutputs, str]:
     """(compute, its name): the plain pass, or `fastbase.FastBasePass` when `fastbase_tokens` > 0.
 
     fastbase_tokens None: `auto_fastbase_tokens(base)`, unless several windows per plain
-    forward were asked for (then the plain pass).
+    forward were asked for (then the plain pass); the fast pass then takes as many tokens a
+    forward as fit on the GPU (`sized_fastbase_tokens`, given the `longest_window`).
     """
     if fastbase_tokens is None:
         fastbase_tokens = auto_fastbase_tokens(base) if windows_per_batch == 1 else 0
+        if fastbase_tokens:
+            fastbase_tokens = sized_fastbase_tokens(base, longest_window, log)
     if fastbase_tokens > 0:
         from occamy_mtp.targets.fastbase import FastBasePass
 
@@ -123,7 +146,7 @@ def build_for_config(
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
     base = base or _load_base(config)
-    compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens)
+    compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens, max(len(w.input_ids) for w in windows), log)
     log(f"target cache: {len(windows)} windows -> {directory} ({compute_name})")
     return build_cache(
         directory,
@@ -165,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument(
         "--fastbase-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
         help="tokens per forward of the packed fast pass (occamy_mtp.targets.fastbase); 0: the plain pass, one window a forward "
-        f"(the canonical targets); auto (default): {DEFAULT_FASTBASE_TOKENS} for a Qwen3.5-MoE base on CUDA with fla, else 0",
+        f"(the canonical targets); auto (default): as many as fit on the GPU, at most {DEFAULT_FASTBASE_TOKENS}, for a "
+        "Qwen3.5-MoE base on CUDA with fla, else 0",
     )
     cli.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
     args, config = parse(cli, argv)

@@ -68,12 +68,13 @@ class DataSettings:
     self_generated_dir: str = ""
     """Where the base's continuations are stored (`occamy_mtp.selfgen.store`); empty means
     output.dir/self-generated. Runs with the same base and window settings may share it."""
-    self_generate_batch_size: int = 160
-    """Contexts per batch when the base in this process writes the continuations. At real size
-    on one H200 (`fastdecode`, bench/RESULTS.md) 160 is the largest batch measured under
-    78 GiB: the 320 windows of the default recipe in 28 s, a batch of 160 peaking at
-    77.5 GiB with the base and a training run's head resident (192: 79.6 GiB without the head).
-    The decoder's state grows with it (63 MiB a row); lower it on a GPU with less memory."""
+    self_generate_batch_size: int = 0
+    """Contexts per batch when the base in this process writes the continuations; 0: as many as
+    fit on the GPU (`occamy_mtp.memory`: the free memory, less a 2 GiB margin, over the
+    decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`: 74 MiB greedy and 82 MiB
+    sampled at real size), at most 160, the batch measured fastest a window on one H200 (the
+    default recipe's 320 windows in 28 s, bench/RESULTS.md); 160 on a CPU. The console names
+    the batch chosen and why. A set value is used as it is."""
     self_generate_endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
     that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the
@@ -450,7 +451,7 @@ def check(config: RunConfig) -> None:
         (config.data.heldout_conversations >= 1, "data.heldout_conversations", ">= 1"),
         (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
         (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
-        (config.data.self_generate_batch_size >= 1, "data.self_generate_batch_size", ">= 1"),
+        (config.data.self_generate_batch_size >= 0, "data.self_generate_batch_size", "0 (as many as fit) or more"),
         (all(u.startswith(("http://", "https://")) for u in config.data.self_generate_endpoints)
          and len(set(config.data.self_generate_endpoints)) == len(config.data.self_generate_endpoints),
          "data.self_generate_endpoints", "distinct http:// or https:// URLs"),

@@ -34,6 +34,14 @@ from occamy_mtp.selfgen.greedy import check_prompts, check_uniforms
 from occamy_mtp.targets.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
+# Bytes a step's transient tensors take per logit of a row, beside the row's state: the
+# logits' argmax (greedy), or the processed distribution's float32 scaling and softmax, its
+# sort (values and int64 indices) for top-p, the masks and the float64 cumulative sum of the
+# draw (sampled). At real size (batch 160, vocabulary 248,320) the decoder's peak came to
+# 73.7 MiB a row greedy and 81.7 sampled, against `row_bytes`' 72.8 and 80.4 (bench/RESULTS.md).
+GREEDY_STEP_BYTES_PER_LOGIT = 4
+SAMPLED_STEP_BYTES_PER_LOGIT = 36
+DEFAULT_MAX_BATCH = 160  # the largest batch a self-generation sizes itself to: the one measured fastest a window
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
 
 
@@ -194,6 +202,27 @@ class BatchDecoder:
             raise ValueError(f"cuda_graph=True needs a bfloat16 base on CUDA, got {dtype} on {self.device}")
         self.cuda_graph = capturable if cuda_graph is None else cuda_graph
         self._graph = None
+
+    @staticmethod
+    def row_state_bytes(config, positions: int, dtype: torch.dtype, sampled: bool = False) -> int:
+        """Bytes of the state one row of a batch holds: every buffer `__init__` allocates per row."""
+        kinds = config.layer_types[: config.num_hidden_layers]
+        size = torch.empty((), dtype=dtype).element_size()
+        attention, linear = kinds.count("full_attention"), kinds.count("linear_attention")
+        keys_values = attention * 2 * config.num_key_value_heads * positions * config.head_dim * size
+        channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + config.linear_num_value_heads * config.linear_value_head_dim
+        conv = linear * channels * (config.linear_conv_kernel_dim - 1) * size
+        recurrent = linear * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        steps = 8 * (1 + (positions + 1) + 1 + positions)  # the token fed, the prompt, its length, the choices
+        last = (config.hidden_size + config.vocab_size) * size  # the last step's hidden state and logits
+        uniforms = 8 * positions if sampled else 0
+        return keys_values + conv + recurrent + steps + last + uniforms
+
+    @classmethod
+    def row_bytes(cls, config, positions: int, dtype: torch.dtype, sampling: TextSampling = GREEDY_TEXT) -> int:
+        """Bytes one row of a batch takes: its state and the step's transient tensors over the vocabulary."""
+        per_logit = GREEDY_STEP_BYTES_PER_LOGIT if sampling.greedy else SAMPLED_STEP_BYTES_PER_LOGIT
+        return cls.row_state_bytes(config, positions, dtype, not sampling.greedy) + config.vocab_size * per_logit
 
     # -- the step ---------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
-from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate, static_decoding
+from occamy_mtp.memory import fitting
+from occamy_mtp.selfgen.fastdecode import DEFAULT_MAX_BATCH, BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.selfgen.greedy import greedy_generate
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
@@ -85,13 +86,15 @@ def context_uniforms(sampling: TextSampling, contexts: Sequence[Sequence[int]], 
 
 def self_generate(
     base, contexts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Collection[int], batch_size: int,
-    sampling: TextSampling = GREEDY_TEXT,
+    sampling: TextSampling = GREEDY_TEXT, log: Callable[[str], None] = lambda message: None,
 ) -> list[Continuation]:
     """The base's continuations of `contexts` (greedy, or sampled with each context's own stream),
-    batched: `fastdecode` where it runs (`static_decoding`), else `greedy.greedy_generate`."""
+    batched (`batch_size` 0: as many as fit, `EmbeddedWriter.batch_for`): `fastdecode` where it
+    runs (`static_decoding`), else `greedy.greedy_generate`."""
     stop = frozenset(int(t) for t in stop_token_ids)
+    size = EmbeddedWriter(base, batch_size, sampling).batch_for(contexts, max_new_tokens, log)
     generate = fast_greedy_generate if static_decoding(base) else greedy_generate
-    generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=batch_size,
+    generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=size,
                          sampling=sampling, uniforms=context_uniforms(sampling, contexts, max_new_tokens))
     return [Continuation(tuple(ids), bool(ids) and ids[-1] in stop) for ids in generated]
 
@@ -121,7 +124,8 @@ class Writer(Protocol):
 
 
 class EmbeddedWriter:
-    """The base in this process, `batch_size` contexts a batch, greedy or under `sampling`.
+    """The base in this process, `batch_size` contexts a batch (0: as many as fit, `batch_for`),
+    greedy or under `sampling`.
 
     On CUDA a Qwen3.5-MoE base decodes through `fastdecode.BatchDecoder` (static state,
     one CUDA graph a step); elsewhere through `greedy.greedy_generate`. Batches are fixed
@@ -143,13 +147,31 @@ class EmbeddedWriter:
 
     def details(self) -> dict:
         decoder = "occamy_mtp.selfgen.fastdecode.BatchDecoder" if self.static else "occamy_mtp.selfgen.greedy.greedy_generate"
-        return {"decoder": decoder, "batch_size": self.batch_size}
+        return {"decoder": decoder, "batch_size": self.batch_size or "sized to the memory (data.self_generate_batch_size 0)"}
 
     def describe(self) -> str:
         return "the base"
 
+    def batch_for(self, contexts, max_new_tokens: int, log) -> int:
+        """The batch: `batch_size` when set; else, on the GPU, as many rows of the static decoder as
+        fit beside what is resident (`memory.fitting`), at most DEFAULT_MAX_BATCH; on a CPU,
+        DEFAULT_MAX_BATCH. The choice and its reason are logged."""
+        if self.batch_size:
+            return self.batch_size
+        upper = min(DEFAULT_MAX_BATCH, len(contexts))
+        if not self.static:
+            log(f"self-generated windows: batch {upper} (the CPU's default; data.self_generate_batch_size sets it)")
+            return upper
+        positions = max(len(c) for c in contexts) + max_new_tokens - 1
+        row = BatchDecoder.row_bytes(self.base.config, positions, self.base.lm_head.weight.dtype, self.sampling)
+        sizing = fitting("row", row, upper, self.base.lm_head.weight.device, self.base)
+        log(f"self-generated windows: batch {sizing.count}, sized to the GPU: {sizing.reason} "
+            "(data.self_generate_batch_size sets it)")
+        return sizing.count
+
     def answers(self, contexts, missing, max_new_tokens, stop_token_ids, log):
-        batches = [range(i, min(i + self.batch_size, len(contexts))) for i in range(0, len(contexts), self.batch_size)]
+        size = self.batch_for(contexts, max_new_tokens, log)
+        batches = [range(i, min(i + size, len(contexts))) for i in range(0, len(contexts), size)]
         todo = [b for b in batches if any(missing[i] for i in b)]
         decode = self._decoder(contexts, todo, max_new_tokens)
         started = time.perf_counter()
@@ -165,7 +187,7 @@ class EmbeddedWriter:
         """prompts, stop ids, uniform streams -> continuations: one static decoder for every batch, or greedy_generate."""
         if not self.static:
             return lambda prompts, stop, uniforms: greedy_generate(
-                self.base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=frozenset(stop), batch_size=self.batch_size,
+                self.base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=frozenset(stop), batch_size=len(prompts),
                 sampling=self.sampling, uniforms=uniforms)
         longest = max(len(contexts[i]) for batch in todo for i in batch)
         decoder = BatchDecoder(self.base, batch=max(len(b) for b in todo), positions=longest + max_new_tokens - 1,

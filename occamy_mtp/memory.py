@@ -1,0 +1,66 @@
+"""GPU memory: what this process may still allocate, and how many rows of a batch fit in it.
+
+The batches whose memory grows with their size (self-generation's decoder state, the cache
+pass's tokens per forward) are sized from what is free when they start, unless the user
+sets them: count = (available - margin) // bytes per row, at most the batch's own upper
+bound. `available` is the device's free memory plus what torch's allocator holds unused,
+within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
+`MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
+cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
+callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`), each checked against
+a measured peak (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from occamy_mtp.errors import OccamyError
+
+GIB = 2**30
+MARGIN_BYTES = 2 * GIB
+
+
+class NotEnoughMemory(OccamyError, RuntimeError):
+    """Not even one row of a batch fits: says what the model holds, what the card has and what a row needs."""
+
+
+def available_bytes(device: torch.device) -> int:
+    """Bytes this process may still allocate on `device` (module docstring)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - allocated
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    if fraction < 1.0:
+        available = min(available, int(fraction * total) - allocated)
+    return max(0, available)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """A batch sized to the card, and why."""
+
+    count: int
+    reason: str
+
+
+def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: torch.nn.Module,
+            margin: int = MARGIN_BYTES) -> Sizing:
+    """The most `what`s (rows of `row_bytes` each, at most `upper`) that fit beside what is already
+    allocated; NotEnoughMemory, naming `model`'s size and the card's, when not even one does."""
+    available = available_bytes(device)
+    count = min(upper, (available - margin) // row_bytes)
+    total = torch.cuda.mem_get_info(device)[1]
+    if count < 1:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise NotEnoughMemory(
+            f"not enough GPU memory for one {what}: the model holds {weights / GIB:.1f} GiB of weights, this process has "
+            f"{torch.cuda.memory_allocated(device) / GIB:.1f} GiB allocated and may allocate {available / GIB:.2f} GiB more "
+            f"of the card's {total / GIB:.1f} GiB; a {what} needs {row_bytes / 2**20:.0f} MiB beside a margin of "
+            f"{margin / GIB:.1f} GiB. Use a GPU with more memory (or free the one in use)"
+        )
+    bound = "its upper bound" if count == upper else "what fits"
+    return Sizing(int(count), f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
+                              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
