@@ -158,7 +158,8 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.memory_cap_gib:
-        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1], device)
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1],
+                                                   torch.cuda.current_device())
     torch.manual_seed(0)
     config = tiny_text_config() if args.tiny else text_config_from_dict(QWEN3_5_35B_A3B)
     config._attn_implementation = "sdpa"

@@ -29,6 +29,8 @@ class NotEnoughMemory(OccamyError, RuntimeError):
 
 def available_bytes(device: torch.device) -> int:
     """Bytes this process may still allocate on `device` (module docstring)."""
+    if device.index is None:  # the cap's query needs the index: the current device's
+        device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     available = free + torch.cuda.memory_reserved(device) - allocated
