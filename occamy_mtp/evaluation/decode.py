@@ -411,7 +411,7 @@ def _rejection_sample(logits: torch.Tensor, drafted: list[int], drafts_from: lis
         q = drafts_from[j]
         if q[token] == 0:  # a forced draft: one-hot there
             q = torch.zeros_like(q).index_fill_(0, torch.tensor(token, device=q.device), 1.0)
-        if float(q[token]) > 0 and draws.uniform() <= float(p[j, token] / q[token]):
+        if draws.uniform() <= float(p[j, token] / q[token]):
             continue
         return j, drafted[:j] + [draws.token(sampling.residual(p[j], q))]
     return len(drafted), drafted + [draws.token(p[len(drafted)])]

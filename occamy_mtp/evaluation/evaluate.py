@@ -391,8 +391,13 @@ def measured_totals(measured: list[MeasuredText], draft_steps: int) -> Acceptanc
     return acceptance_from_counts(
         draft_steps, len(measured), [sum(values) for values in zip(*(m.proposed for m in measured))],
         [sum(values) for values in zip(*(m.accepted for m in measured))], sum(m.drafted for m in measured),
-        sum(m.passes for m in measured), sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured),
+        sum(m.passes for m in measured), totals_generated(measured),
     )
+
+
+def totals_generated(measured: list[MeasuredText]) -> int:
+    """Generated tokens after each text's first: what tokens per verify pass divides."""
+    return sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured)
 
 
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
@@ -468,18 +473,14 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
     Under greedy drafts the walk given the text is certain, so every text's verify passes
     equal their expectation and that z is 0.
     """
-    from occamy_mtp.evaluation.metrics import expected_rounds
+    from occamy_mtp.evaluation.metrics import expected_rounds, summed_acceptance
 
     started = time.perf_counter()
     odds = _odds(list(_batches(base, head, [m.window for m in measured], draft_steps, windows_per_batch, serving)))
-    differences: dict[str, list[float]] = {"accepted": [], "verify_passes": []}
-    texts = []
-    for text, (given, expected) in zip(measured, odds):
-        prompt_length = text.window.answer_start
-        counts = expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
-        differences["accepted"].append(sum(text.accepted) - sum(counts.accepted))
-        differences["verify_passes"].append(text.passes - counts.passes)
-        texts.append((given, expected, prompt_length))
+    counts = [expected_rounds(given, expected, text.window.answer_start, max_new_tokens, draft_steps)
+              for text, (given, expected) in zip(measured, odds)]
+    differences = {"accepted": [sum(text.accepted) - sum(c.accepted) for text, c in zip(measured, counts)],
+                   "verify_passes": [text.passes - c.passes for text, c in zip(measured, counts)]}
     totals = measured_totals(measured, draft_steps)
     return {
         "serving": serving.label(),
@@ -487,7 +488,7 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
         "draft_steps": draft_steps,
         "max_new_tokens": max_new_tokens,
         "measured": totals.to_dict(),
-        "expected": expected_acceptance(texts, max_new_tokens, draft_steps).to_dict(),
+        "expected": summed_acceptance(counts, draft_steps, totals_generated(measured)).to_dict(),
         "z": {name: _z_score(values) for name, values in differences.items()},
         "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),
         "seconds": time.perf_counter() - started,

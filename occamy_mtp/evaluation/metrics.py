@@ -250,14 +250,15 @@ def expected_acceptance(
     """The decoder's expected figures over texts given as (accept_given, accept_expected,
     prompt_length) triples (`expected_rounds`): expected counts summed over the texts, and
     the figures of those sums, as an engine's counters sum them."""
-    proposed, accepted = [0.0] * draft_steps, [0.0] * draft_steps
-    drafted = passes = 0.0
-    generated_after_first = 0
-    for given, expected, prompt_length in texts:
-        counts = expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
-        proposed = [a + b for a, b in zip(proposed, counts.proposed)]
-        accepted = [a + b for a, b in zip(accepted, counts.accepted)]
-        drafted += counts.drafted
-        passes += counts.passes
-        generated_after_first += len(given) - prompt_length - 1
-    return acceptance_from_counts(draft_steps, len(texts), proposed, accepted, drafted, passes, generated_after_first)
+    counts = [expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
+              for given, expected, prompt_length in texts]
+    generated_after_first = sum(len(given) - prompt_length - 1 for given, _, prompt_length in texts)
+    return summed_acceptance(counts, draft_steps, generated_after_first)
+
+
+def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, generated_after_first: int) -> Acceptance:
+    """The figures of expected counts (`expected_rounds`) summed over texts."""
+    proposed = [sum(c.proposed[k] for c in counts) for k in range(draft_steps)]
+    accepted = [sum(c.accepted[k] for c in counts) for k in range(draft_steps)]
+    return acceptance_from_counts(draft_steps, len(counts), proposed, accepted, sum(c.drafted for c in counts),
+                                  sum(c.passes for c in counts), generated_after_first)
