@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -59,11 +60,12 @@ from occamy_mtp.targets.base import plain_compute, plain_compute_name
 from occamy_mtp import files
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data.windows import Window
+from occamy_mtp.evaluation.decode import decodes_runner
 from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.targets.fastbase import FastBasePass
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import TrainSettings, step_loss_weights
-from occamy_mtp.selfgen.store import self_generate
+from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
 
@@ -79,20 +81,46 @@ def sync(device):
 
 
 class Phases:
-    """Wall time and peak GPU memory of each phase."""
+    """Wall time and peak GPU memory of each phase, and its start-up apart from its work.
+
+    A phase's units (a self-generation batch, a cache shard, a training step, a decoder
+    check) are timed as they run (`unit`). The first unit of a kind pays the phase's start-up
+    (compilation, autotuning, graph capture) beside its work; a later unit of the same kind
+    and size is work alone. start-up = first - the median of the later ones; work = the
+    phase's seconds - start-up.
+    """
 
     def __init__(self, device):
         self.device = device
         self.results: dict[str, dict] = {}
+        self.units: dict[str, dict[str, list[float]]] = {}
+        self._current = ""
+
+    def unit(self, kind: str, fn):
+        """Run one unit of the current phase, timed (synchronised on each side)."""
+        sync(self.device)
+        started = time.perf_counter()
+        value = fn()
+        sync(self.device)
+        self.units.setdefault(self._current, {}).setdefault(kind, []).append(time.perf_counter() - started)
+        return value
 
     def __call__(self, name: str, fn):
         sync(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
+        self._current = name
         value = fn()
         sync(self.device)
         self.results[name] = {"seconds": time.perf_counter() - started}
+        startup = 0.0
+        for times in self.units.get(name, {}).values():
+            if len(times) > 1:
+                startup += max(0.0, times[0] - statistics.median(times[1:]))
+        if name in self.units:
+            self.results[name].update(startup_seconds=startup, work_seconds=self.results[name]["seconds"] - startup,
+                                      units={kind: [round(t, 3) for t in times] for kind, times in self.units[name].items()})
         if self.device.type == "cuda":
             self.results[name]["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         print(f"{name}: {json.dumps(self.results[name])}", flush=True)
@@ -108,7 +136,7 @@ def identity_for(windows, compute: str) -> target_cache.CacheIdentity:
     )
 
 
-def build(windows, base, directory: Path, compute: str, fast_tokens: int = FAST_TOKENS_PER_FORWARD):
+def build(windows, base, directory: Path, compute: str, fast_tokens: int = FAST_TOKENS_PER_FORWARD, phases=None):
     ids = [w.input_ids for w in windows]
     if compute == "fast":
         if not fast_tokens:  # sized to the GPU, as the library's cache pass sizes it
@@ -117,7 +145,8 @@ def build(windows, base, directory: Path, compute: str, fast_tokens: int = FAST_
     else:
         fn, name = plain_compute(base), plain_compute_name()
     identity = identity_for(windows, compute)
-    target_cache.build_cache(directory, identity, ids, fn, hidden_size=base.config.hidden_size, compute_name=name)
+    timed = fn if phases is None else (lambda shard: phases.unit(f"shard of {len(shard)} windows", lambda: fn(shard)))
+    target_cache.build_cache(directory, identity, ids, timed, hidden_size=base.config.hidden_size, compute_name=name)
     return target_cache.TargetCache.open(directory, identity)
 
 
@@ -154,6 +183,7 @@ def main() -> int:
     parser.add_argument("--trainable", default="", help="comma-separated train.trainable (default: the library's, fc + pre-fc norms)")
     parser.add_argument("--draft-steps", type=int, default=1, help="train.draft_steps: the chain loss over this many steps")
     parser.add_argument("--step-loss-weights", default="", help="train.step_loss_weights, comma-separated (default: equal)")
+    parser.add_argument("--profile-export", default="", help="write the export phase's cProfile (cumulative, top 80) to this file")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -170,6 +200,8 @@ def main() -> int:
     with torch.device(device):
         base = base_model_class(config)._from_config(config, dtype=dtype)
         head = MTPHead(config, SharedWeights(base.model.embed_tokens, base.lm_head)).to(dtype)
+        for param in head.parameters():  # MTPHead leaves its experts as torch.empty: garbage (NaN at times), not random
+            torch.nn.init.normal_(param, std=0.02)
     base.requires_grad_(False).eval()
     settings = TrainSettings()
     settings = dataclasses.replace(
@@ -208,8 +240,17 @@ def main() -> int:
     # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check
     if args.generate_windows:
         contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[: args.generate_windows]]
-        continuations = phases("self_generate", lambda: self_generate(base, contexts, ANSWER_TOKENS, set(), args.generate_batch_size,
-                                                                      log=print))
+
+        def generate():
+            # batch by batch as the library would batch them (a batch sized to the memory once)
+            size = EmbeddedWriter(base, args.generate_batch_size).batch_for(contexts, ANSWER_TOKENS, print)
+            out = []
+            for start in range(0, len(contexts), size):
+                part = contexts[start : start + size]
+                out += phases.unit(f"batch of {len(part)}", lambda p=part: self_generate(base, p, ANSWER_TOKENS, set(), size))
+            return out
+
+        continuations = phases("self_generate", generate)
         seconds = phases.results["self_generate"]["seconds"]
         tokens = sum(len(c.tokens) for c in continuations)
         result["self_generate"] = {
@@ -231,7 +272,8 @@ def main() -> int:
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
     caches = {}
     for compute in (("plain", "fast") if args.compute == "both" else (args.compute,)):
-        caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c, args.fast_tokens))
+        caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c, args.fast_tokens,
+                                                                          phases))
     if len(caches) == 2:
         result["fast_vs_plain_cache"] = compare_caches(caches["fast"], caches["plain"], windows)
     targets = caches["fast" if "fast" in caches else "plain"]
@@ -253,7 +295,7 @@ def main() -> int:
     def select():
         started = time.perf_counter()
         with as_served(head, dtype), head_autocast(head, device, dtype):  # as train.loop.selection_step
-            served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS)
+            phases.unit("selection", lambda: served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS))
         head.train()
         sync(device)
         selection_seconds.append(time.perf_counter() - started)
@@ -265,7 +307,8 @@ def main() -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, total_steps, settings.lr, settings.lr_warmup_steps, settings.lr_min_ratio)
             windows_of_step = step_windows(train_windows, step, settings.windows_per_step, settings.seed)
-            train_step(head, head, targets, windows_of_step, optimizer, settings, step_loss_weights(settings), dtype)
+            phases.unit("step", lambda w=windows_of_step: train_step(head, head, targets, w, optimizer, settings,
+                                                                     step_loss_weights(settings), dtype))
             if (step + 1) % SELECT_EVERY_STEPS == 0 or step + 1 == total_steps:
                 select()
 
@@ -277,22 +320,37 @@ def main() -> int:
     checks = {}
 
     def export():
+        checked = heldout[: args.decoder_check_windows]
+        runner = decodes_runner(base, [w.answer_start for w in checked], ANSWER_TOKENS, max(SERVED_STEPS)) if checked else None
         for name, model in (("donor", donor), ("trained", head)):
             with as_served(model, dtype), head_autocast(model, device, dtype):
-                evaluate_head(targets, model.eval(), heldout, draft_steps=3, windows_per_batch=4)
-                for k in SERVED_STEPS if args.decoder_check_windows else ():
+                phases.unit("evaluation", lambda m=model: evaluate_head(targets, m.eval(), heldout, draft_steps=3, windows_per_batch=4))
+                for k in SERVED_STEPS if checked else ():
                     sync(device)
                     started = time.perf_counter()
-                    check = reference_decoder_check(base, model, heldout[: args.decoder_check_windows], k, ANSWER_TOKENS, set())
-                    sync(device)
-                    checks[f"{name}_k{k}"] = {"windows": args.decoder_check_windows, "seconds": time.perf_counter() - started,
+                    check = phases.unit(f"decoder check k{k}", lambda m=model, k=k: reference_decoder_check(
+                        base, m, checked, k, ANSWER_TOKENS, set(), base_runner=runner))
+                    checks[f"{name}_k{k}"] = {"windows": len(checked), "seconds": time.perf_counter() - started,
+                                              "decode_seconds": check["decode_seconds"],
                                               "verify_passes": check["measured"]["verify_passes"],
                                               "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
                                               "decisions_equal": check["decisions_equal"]}
         tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
         files.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
 
+    if args.profile_export:
+        import cProfile
+        import io
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
     phases("export", export)
+    if args.profile_export:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(80)
+        Path(args.profile_export).write_text(text.getvalue())
     result["decoder_checks"] = checks
 
     result["steps"] = total_steps

@@ -2,13 +2,15 @@
 
 The batches whose memory grows with their size (self-generation's decoder state, the cache
 pass's tokens per forward) are sized from what is free when they start, unless the user
-sets them: count = (available - margin) // bytes per row, at most the batch's own upper
+sets them; so are the chunks of positions whose vocabulary-wide logits are worked on at
+once (the greedy targets, evaluation's figures and odds, the loss: `logit_rows`): count = (available - margin) // bytes per row, at most the batch's own upper
 bound. `available` is the device's free memory plus what torch's allocator holds unused,
 within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
 `MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
-callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`), each checked against
-a measured peak (bench/RESULTS.md).
+callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`, the `*_BYTES_PER_LOGIT`
+figures beside each chunked loop), each checked against a measured peak (bench/RESULTS.md,
+tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -48,17 +50,20 @@ class Sizing:
     reason: str
 
 
-def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: torch.nn.Module,
+def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: torch.nn.Module | None = None,
             margin: int = MARGIN_BYTES) -> Sizing:
     """The most `what`s (rows of `row_bytes` each, at most `upper`) that fit beside what is already
-    allocated; NotEnoughMemory, naming `model`'s size and the card's, when not even one does."""
+    allocated; NotEnoughMemory, naming `model`'s size (where given) and the card's, when not even one does."""
     available = available_bytes(device)
     count = min(upper, (available - margin) // row_bytes)
     total = torch.cuda.mem_get_info(device)[1]
     if count < 1:
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        held = ""
+        if model is not None:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            held = f"the model holds {weights / GIB:.1f} GiB of weights, "
         raise NotEnoughMemory(
-            f"not enough GPU memory for one {what}: the model holds {weights / GIB:.1f} GiB of weights, this process has "
+            f"not enough GPU memory for one {what}: {held}this process has "
             f"{torch.cuda.memory_allocated(device) / GIB:.1f} GiB allocated and may allocate {available / GIB:.2f} GiB more "
             f"of the card's {total / GIB:.1f} GiB; a {what} needs {row_bytes / 2**20:.0f} MiB beside a margin of "
             f"{margin / GIB:.1f} GiB. Use a GPU with more memory (or free the one in use)"
@@ -66,3 +71,12 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
     bound = "its upper bound" if count == upper else "what fits"
     return Sizing(int(count), f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
                               f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
+
+
+def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: int, upper: int) -> int:
+    """Positions whose (positions x `vocab_size`) logits work, `bytes_per_logit` a logit at its
+    peak, fits beside what is allocated: at most `upper`, which is also the answer off CUDA
+    (where nothing is sized, so results there never depend on the free memory)."""
+    if device.type != "cuda":
+        return upper
+    return fitting("position's logits", vocab_size * bytes_per_logit, upper, device).count

@@ -206,6 +206,46 @@ def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_c
     assert greedy.output_ids == greedy_reference.output_ids and greedy.base_passes == greedy_reference.base_passes
 
 
+def _one_runner_for_many_decodes(device, monkeypatch):
+    """Decodes of three prompts at 3 and at 1 draft steps, greedy and sampled, through one runner
+    (`decode.decodes_runner`, as export's checks share one) and through a runner each."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.evaluation import decode
+    from test_decode import agreeable_models, random_prompt
+
+    base, head = agreeable_models(seed=1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    base, head = base.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)
+    monkeypatch.setattr(decode, "static_decoding", lambda model: True)  # StaticRunner on the CPU too (eager)
+    prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
+    cases = [(prompt, steps, serving) for steps in (3, 1) for prompt in prompts
+             for serving in (None, Serving(temperature=0.7, top_p=0.8))]
+    runner = decode.decodes_runner(base, [len(p) for p in prompts], 14, 3)
+    shared = [decode.speculative_decode(base, head, p, 14, k, serving=s, seed=5, base_runner=runner) for p, k, s in cases]
+    own = [decode.speculative_decode(base, head, p, 14, k, serving=s, seed=5) for p, k, s in cases]
+    return shared, own
+
+
+def test_one_runner_decodes_many_prompts_as_a_runner_each(monkeypatch):
+    """A reset runner is a new one: the same texts and rounds (a span of 4 feeds a 1-step
+    verify pass as a span of 2 does), logprobs to float32 rounding."""
+    shared, own = _one_runner_for_many_decodes("cpu", monkeypatch)
+    for a, b in zip(shared, own):
+        assert a.output_ids == b.output_ids and a.rounds == b.rounds
+        want = torch.tensor(b.logprobs)
+        assert_close(torch.tensor(a.logprobs), want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=1024), "logprobs")
+    assert len({a.output_ids for a in shared}) > 3  # the decodes differ: a stale state would show
+
+
+@pytest.mark.gpu
+def test_one_runner_decodes_many_prompts_as_a_runner_each_on_gpu(monkeypatch):
+    """On the GPU, where the runner's graphs are captured once and replayed by every decode:
+    bf16, so a verify pass of 2 in a span-4 runner may sum in another order than a span-2
+    runner and part a text at a near tie; most texts are the same."""
+    shared, own = _one_runner_for_many_decodes("cuda", monkeypatch)
+    assert sum(a.output_ids == b.output_ids for a, b in zip(shared, own)) >= len(own) * 3 // 4
+
+
 def test_a_graph_is_captured_only_for_a_bfloat16_base_on_cuda(base):
     """torch's grouped GEMM copies to the host outside bf16, which a capture refuses: such a
     base decodes eagerly (the default), and asking for a graph is an error, not a crash mid-capture."""

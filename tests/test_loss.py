@@ -32,6 +32,7 @@ def test_chain_batch_alignment_by_hand():
 class _Head:
     def __init__(self, weight):
         self.weight = weight
+        self.vocab_size = weight.shape[0]
 
     def logits(self, hidden):
         return hidden @ self.weight.T

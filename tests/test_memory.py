@@ -118,3 +118,76 @@ def test_the_cache_pass_takes_as_many_tokens_as_fit(monkeypatch):
     fake_cuda(monkeypatch, free=2 * GIB + 300 * row, total=80 * GIB, allocated=0, reserved=0)
     with pytest.raises(memory.NotEnoughMemory, match="needs 510 tokens a forward .* --fastbase-tokens 0"):
         CP.sized_fastbase_tokens(base, 510)
+
+
+def test_logits_chunks_take_the_positions_that_fit_and_none_are_sized_off_the_gpu(monkeypatch):
+    vocab, per_logit = 248_320, 10
+    row = vocab * per_logit
+    fake_cuda(monkeypatch, free=2 * GIB + 700 * row + 5, total=80 * GIB, allocated=70 * GIB, reserved=70 * GIB)
+    assert memory.logit_rows(torch.device("cuda"), vocab, per_logit, 4096) == 700
+    assert memory.logit_rows(torch.device("cuda"), vocab, per_logit, 512) == 512  # the loop's own bound
+    assert memory.logit_rows(torch.device("cpu"), vocab, per_logit, 4096) == 4096  # a CPU: nothing is sized
+    fake_cuda(monkeypatch, free=2 * GIB + row - 1, total=80 * GIB, allocated=77 * GIB, reserved=77 * GIB)
+    with pytest.raises(memory.NotEnoughMemory, match=r"one position's logits: this process has 77\.0 GiB allocated .* "
+                                                      r"needs 2 MiB beside a margin of 2\.0 GiB"):
+        memory.logit_rows(torch.device("cuda"), vocab, per_logit, 4096)
+
+
+class _Head:
+    """An lm_head alone, at real size: what the chunked loops ask of a head."""
+
+    def __init__(self, vocab: int, dim: int, device):
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False, dtype=torch.bfloat16, device=device)
+        self.vocab_size = vocab
+
+    def logits(self, hidden):
+        return self.lm_head(hidden.to(torch.bfloat16))
+
+
+def _peak_per_logit(run, rows: int, vocab: int) -> float:
+    """Bytes a logit took at `run`'s peak, over what was allocated before it (a first call
+    warms up what stays: cuBLAS's workspace, a gradient's buffer)."""
+    run()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / (rows * vocab)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["greedy", "figures", "odds", "top1", "kl"])
+def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
+    """At real size (V = 248,320, D = 2,048) each loop's figure is at least its peak, and not
+    more than twice it (the figures size the chunks: too small runs out of memory, too large
+    wastes the card)."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.evaluation import evaluate
+    from occamy_mtp.model import loss
+    from occamy_mtp.targets.base import chunked_greedy
+
+    device, vocab, dim, rows = torch.device("cuda"), 248_320, 2048, 512
+    torch.manual_seed(0)
+    head = _Head(vocab, dim, device)
+    hidden = torch.randn(rows, dim, device=device, dtype=torch.bfloat16)
+    other = torch.randn(rows, dim, device=device, dtype=torch.bfloat16)
+    tokens = torch.randint(0, vocab, (rows,), device=device)
+    serving = Serving(temperature=0.7, top_p=0.8)
+    if what == "greedy":
+        figure, run = head.lm_head.weight.element_size(), lambda: chunked_greedy(hidden, head.lm_head, rows)
+    elif what == "figures":
+        figure, run = evaluate.FIGURES_BYTES_PER_LOGIT, lambda: evaluate.figures_of(head, hidden, tokens, tokens)
+    elif what == "odds":
+        figure, run = evaluate.ODDS_BYTES_PER_LOGIT, lambda: evaluate.odds_of(head, other, hidden, tokens, serving)
+    else:
+        chain = hidden[None, None].detach().requires_grad_(True)  # (K=1, B=1, T, D), every pair scored
+        objective = loss.Objective(loss.TOP1 if what == "top1" else loss.KL, serving)
+        base_hidden = torch.cat([other, other[:1]])[None]  # (1, T + 1, D): step 1 at anchor i fits p from H_{i+1}
+        figure = loss.TOP1_BYTES_PER_LOGIT if what == "top1" else loss.DISTRIBUTION_BYTES_PER_LOGIT
+
+        def run():
+            total, _ = loss.chain_loss(head, chain, tokens[None, None], (1.0,), rows, objective, base_hidden)
+            total.backward()
+    measured = _peak_per_logit(run, rows, vocab)
+    assert measured <= figure <= 2 * measured, (what, measured, figure)

@@ -108,9 +108,13 @@ class BaseRunner:
     def __init__(self, base):
         self.base = base
         self.device = next(base.parameters()).device
-        self.cache = DynamicCache(config=base.config)
-        self.seen = 0  # tokens the cache holds
         self._cache_kwarg = cache_kwarg(base.model.forward)
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty: the runner of a new text."""
+        self.cache = DynamicCache(config=self.base.config)
+        self.seen = 0  # tokens the cache holds
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, m)
@@ -150,8 +154,16 @@ class BaseRunner:
 def base_runner_for(base, positions: int, span: int = 1):
     """`fastdecode.StaticRunner` (one captured pass for every `span` tokens: a verify pass of
     span - 1 drafts) where `fastdecode.static_decoding` holds, else `BaseRunner`;
-    `positions` bounds the text the runner holds."""
+    `positions` bounds the text the runner holds.
+
+    One runner serves any number of decodes (`speculative_decode(base_runner=...)` resets it):
+    its CUDA graphs are captured once, by the first decode that runs each span length."""
     return StaticRunner(base, positions, span) if static_decoding(base) else BaseRunner(base)
+
+
+def decodes_runner(base, prompt_lengths: Collection[int], max_new_tokens: int, draft_steps: int):
+    """One base runner for decoding every prompt of `prompt_lengths` with up to `draft_steps` drafts."""
+    return base_runner_for(base, max(prompt_lengths) + max_new_tokens + draft_steps, span=draft_steps + 1)
 
 
 # ----------------------------------------------------------------------------------
@@ -302,6 +314,7 @@ def speculative_decode(
     draft_override: DraftOverride | None = None,
     serving: Serving | None = None,
     seed: int = 0,
+    base_runner=None,
 ) -> DecodeResult:
     """The base's decoding under `serving` (None or temperature 0: greedy), accelerated by drafting
     `draft_steps` tokens with the head.
@@ -319,14 +332,19 @@ def speculative_decode(
     against the base's processed p; the first rejection emits a draw from
     norm(max(p - q, 0)) and ends the round, and after every draft accepted a bonus token is
     drawn from p. The output is then a sample of the base's processed distribution.
-    `draft_override` replaces drafted tokens (tests force rejections with it).
+    `draft_override` replaces drafted tokens (tests force rejections with it). `base_runner`
+    (`decodes_runner`) is reset and used instead of a runner of this decode's own, so that
+    many decodes capture the base's CUDA graphs once.
     """
     check_prompts([prompt_ids], max_new_tokens)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     draws = None if serving is None or serving.greedy else _Draws(serving, seed)
     prompt = list(prompt_ids)
-    base_runner = base_runner_for(base, len(prompt) + max_new_tokens + draft_steps, span=draft_steps + 1)
+    if base_runner is None:
+        base_runner = decodes_runner(base, [len(prompt)], max_new_tokens, draft_steps)
+    else:
+        base_runner.reset()
     head_runner = HeadRunner(head)
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.

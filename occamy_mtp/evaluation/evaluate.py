@@ -13,10 +13,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from occamy_mtp import sampling
+from occamy_mtp import memory, sampling
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig, Serving
+from occamy_mtp.evaluation.decode import decodes_runner, speculative_decode
+from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.run import HELDOUT, RunDir, log_stderr, open_run
 from occamy_mtp.evaluation.metrics import (
@@ -27,7 +29,7 @@ from occamy_mtp.evaluation.metrics import (
     expected_acceptance,
     replayed_acceptance,
 )
-from occamy_mtp.targets.base import DEFAULT_LOGITS_CHUNK_TOKENS, base_outputs, chunked_greedy
+from occamy_mtp.targets.base import base_outputs, chunked_greedy
 
 TEACHER_FORCED = "teacher_forced"
 SELF_GENERATED = "self_generated"
@@ -38,6 +40,14 @@ EVALUATION_FORMAT = 3  # 3: served figures per serving configuration
 # and top-p's sort are each (rows x V) of 4 to 12 bytes; 512 rows at V = 248,320 are
 # 0.5 to 1.5 GiB each.
 SAMPLED_CHUNK_TOKENS = 512
+# Bytes a logit takes at the peak of each chunked loop below, at most `DEFAULT_LOGITS_CHUNK_TOKENS`
+# (or `SAMPLED_CHUNK_TOKENS`) positions a chunk and fewer where the GPU has less free
+# (`memory.logit_rows`); each figure is checked against a measured peak (tests/test_gpu.py).
+# Step 1's figures: the bf16 logits, their fp32 copy and cross-entropy's fp32 log-softmax.
+FIGURES_BYTES_PER_LOGIT = 10
+# Sampled odds: p's top-p sort (values, int64 order, the softmax, its running sum, the
+# filtered copy), p itself, q, and min(p, q).
+ODDS_BYTES_PER_LOGIT = 48
 
 
 @dataclass(frozen=True)
@@ -127,12 +137,18 @@ def _step1_figures(head, hidden: torch.Tensor, chain) -> tuple[int, float, int]:
     target1 = chain.labels[0][first]
     data1 = chain.data_labels[first]
     agree, nll_sum = 0, 0.0
-    for start in range(0, h1.shape[0], DEFAULT_LOGITS_CHUNK_TOKENS):  # never (N x V) fp32 at once
-        stop = start + DEFAULT_LOGITS_CHUNK_TOKENS
-        logits = head.logits(h1[start:stop]).float()
-        agree += int((logits.argmax(-1) == target1[start:stop]).sum())
-        nll_sum += float(F.cross_entropy(logits, data1[start:stop], reduction="sum"))
+    chunk = memory.logit_rows(h1.device, head.vocab_size, FIGURES_BYTES_PER_LOGIT, DEFAULT_LOGITS_CHUNK_TOKENS)
+    for start in range(0, h1.shape[0], chunk):  # never (N x V) fp32 at once
+        part = slice(start, start + chunk)
+        hits, nll = figures_of(head, h1[part], target1[part], data1[part])
+        agree, nll_sum = agree + hits, nll_sum + nll
     return agree, nll_sum, int((data1 == target1).sum())
+
+
+def figures_of(head, hidden: torch.Tensor, target: torch.Tensor, data: torch.Tensor) -> tuple[int, float]:
+    """(argmax agreements with `target`, summed NLL of `data`) of (N, D) head states: one chunk."""
+    logits = head.logits(hidden).float()
+    return int((logits.argmax(-1) == target).sum()), float(F.cross_entropy(logits, data, reduction="sum"))
 
 
 @torch.no_grad()
@@ -181,18 +197,30 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         tokens = batch.input_ids[rows, anchors + k + 2]
         head_hidden = hidden[k][rows, anchors]
         alpha, beta = [], []
-        for start in range(0, len(rows), SAMPLED_CHUNK_TOKENS):
-            chunk = slice(start, start + SAMPLED_CHUNK_TOKENS)
-            p = sampling.base_probs(head.logits(base_hidden[chunk]), serving)  # the head's logits are the base's lm_head
-            q = sampling.head_probs(head.logits(head_hidden[chunk]), serving)
-            alpha.append(sampling.acceptance(p, q).double().cpu())
-            beta.append(sampling.acceptance_given(p, q, tokens[chunk]).double().cpu())
-            outside += int(sampling.outside_support(p, tokens[chunk]).sum())
+        positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
+        for start in range(0, len(rows), positions):
+            chunk = slice(start, start + positions)
+            a, b, out = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving)
+            alpha.append(a)
+            beta.append(b)
+            outside += out
         if len(rows):
             where = (rows.cpu(), anchors.cpu())
             expected[k][where] = torch.cat(alpha)
             given[k][where] = torch.cat(beta)
     return _BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist())
+
+
+def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
+            serving: Serving) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(alpha, beta (N,) float64 on the CPU, tokens outside p's support) of N (step, anchor) pairs: one chunk.
+
+    p is the base's processed distribution from `base_hidden` (the head's logits are the
+    base's lm_head), q the head's from `head_hidden`; `tokens` are the text's."""
+    p = sampling.base_probs(head.logits(base_hidden), serving)
+    q = sampling.head_probs(head.logits(head_hidden), serving)
+    return (sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
+            int(sampling.outside_support(p, tokens).sum()))
 
 
 def _batches(base, head, windows, draft_steps: int, windows_per_batch: int, serving: Serving | None = None):
@@ -401,7 +429,7 @@ def totals_generated(measured: list[MeasuredText]) -> int:
 
 
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
-                            windows_per_batch: int = 4) -> dict:
+                            windows_per_batch: int = 4, base_runner=None) -> dict:
     """Decode each window's context with the reference speculative decoder and replay it offline.
 
     `measured` is what the decoder counted. `replayed` is `metrics.replayed_acceptance`
@@ -413,17 +441,18 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     run's store), that checks the stored continuations against the decoder.
     `offline_all_anchors` is the per-anchor figure over every anchor of the same text:
     another sample than the decoder's, which drafts only where a verification lands.
+    `base_runner` (`decode.decodes_runner`, for at least `draft_steps`) is the decodes' runner
+    when several checks share one; `decode_seconds` of `seconds` were the decodes.
     """
-    from occamy_mtp.evaluation.decode import speculative_decode
-
     started = time.perf_counter()
-    results = [
-        speculative_decode(base, head, list(w.input_ids[: w.answer_start]), max_new_tokens, draft_steps, stop_token_ids)
-        for w in windows
-    ]
+    prompts = [list(w.input_ids[: w.answer_start]) for w in windows]
+    runner = base_runner or decodes_runner(base, [len(p) for p in prompts], max_new_tokens, draft_steps)
+    results = [speculative_decode(base, head, p, max_new_tokens, draft_steps, stop_token_ids, base_runner=runner) for p in prompts]
+    decode_seconds = time.perf_counter() - started
     texts = [MeasuredText.decoded(w, r) for w, r in zip(windows, results)]
     decoded = [text.window for text in texts]
-    outcomes = chain_outcomes(base, head, decoded, draft_steps, windows_per_batch)
+    chains = list(_batches(base, head, decoded, draft_steps, windows_per_batch))  # one offline pass: replay and figures
+    outcomes = _outcomes(chains)
     decisions = equal = 0
     for result, outcome in zip(results, outcomes):
         rounds, _ = decoder_rounds(outcome.accepted, len(result.prompt_ids), max_new_tokens, draft_steps)
@@ -441,21 +470,23 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
         "decisions": decisions,
         "decisions_equal": equal,
         "texts_equal": sum(d.input_ids == w.input_ids for d, w in zip(decoded, windows)),
-        "offline_all_anchors": evaluate_head(base, head, decoded, draft_steps, windows_per_batch, SELF_GENERATED).to_dict(),
+        "offline_all_anchors": _metrics(chains, len(decoded), draft_steps, SELF_GENERATED).to_dict(),
         "seconds": time.perf_counter() - started,
+        "decode_seconds": decode_seconds,
     }
 
 
 def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
-                    seeds) -> list[MeasuredText]:
-    """Each window's context decoded once per seed by the reference decoder under sampled `serving`."""
-    from occamy_mtp.evaluation.decode import speculative_decode
-
+                    seeds, base_runner=None) -> list[MeasuredText]:
+    """Each window's context decoded once per seed by the reference decoder under sampled `serving`
+    (`base_runner` as in `reference_decoder_check`)."""
+    runner = base_runner or decodes_runner(base, [w.answer_start for w in windows], max_new_tokens, draft_steps)
     decodes = []
     for window in windows:
         prompt = list(window.input_ids[: window.answer_start])
         for seed in seeds:
-            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed)
+            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed,
+                                        base_runner=runner)
             decodes.append(MeasuredText.decoded(window, result))
     return decodes
 
@@ -675,8 +706,11 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                         title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)")
         printed = format_served(results, servings, served_steps, budget, selected)
         if reference_decoder:
+            runner = decodes_runner(run.models.base, [w.answer_start for s in servings for w in run.windows.heldout[s.label()]],
+                                    budget, max(served_steps))
             report["reference_decoder"] = {
-                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds)) for k in served_steps}
+                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runner)
+                                         for k in served_steps}
                        for serving in servings}
                 for name, head in heads.items()
             }
@@ -686,16 +720,16 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     return report, printed
 
 
-def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds) -> dict:
+def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, base_runner) -> dict:
     """The reference decoder on the run's heldout prompts under one serving configuration."""
     config = run.config
     windows = run.windows.heldout[serving.label()]
     if serving.greedy:
         return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
-                                       run.stop_token_ids, config.eval.windows_per_batch)
+                                       run.stop_token_ids, config.eval.windows_per_batch, base_runner)
     started = time.perf_counter()
     decodes = sampled_decodes(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
-                              serving, seeds)
+                              serving, seeds, base_runner)
     check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, config.data.answer_tokens, serving,
                                   config.eval.windows_per_batch)
     return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}

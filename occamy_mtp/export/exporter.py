@@ -34,6 +34,7 @@ from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.hub import resolve
+from occamy_mtp.evaluation.decode import decodes_runner
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
@@ -122,15 +123,29 @@ def compare_heads(heldout: dict, served_steps, allow_worse: bool, serving: str) 
             "allow_worse": allow_worse, "written": not_worse or allow_worse}
 
 
-def decoder_check(run: Run, head) -> dict:
+def _checked_windows(run: Run) -> list:
+    return run.windows.heldout.get("greedy", [])[: run.config.eval.decoder_check_windows]
+
+
+def decoder_runner(run: Run):
+    """The base runner of every decoder check of an export (both heads, each served step count),
+    so that its CUDA graphs are captured once; None where no check runs."""
+    chosen = _checked_windows(run)
+    if run.models.base is None or not chosen:
+        return None
+    return decodes_runner(run.models.base, [w.answer_start for w in chosen], run.config.data.answer_tokens,
+                          max(run.config.eval.served_steps))
+
+
+def decoder_check(run: Run, head, runner=None) -> dict:
     """The reference decoder on the first `eval.decoder_check_windows` heldout prompts of greedy serving,
-    per served step count (the replay's counts must equal its own)."""
+    per served step count (the replay's counts must equal its own); `runner` from `decoder_runner`."""
     config = run.config
-    chosen = run.windows.heldout["greedy"][: config.eval.decoder_check_windows]
+    chosen = _checked_windows(run)
     out = {}
     for k in config.eval.served_steps:
         check = reference_decoder_check(run.models.base, head, chosen, k, config.data.answer_tokens, run.stop_token_ids,
-                                        config.eval.windows_per_batch)
+                                        config.eval.windows_per_batch, runner)
         out[str(k)] = {
             "windows": check["windows"],
             "measured": check["measured"],
@@ -140,6 +155,7 @@ def decoder_check(run: Run, head) -> dict:
             "decisions_equal": check["decisions_equal"],
             "texts_equal_to_store": check["texts_equal"],
             "seconds": check["seconds"],
+            "decode_seconds": check["decode_seconds"],
         }
     return out
 
@@ -171,10 +187,11 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
 
     # Donor first, then the same head with the trained tensors swapped in.
     eval_started = time.perf_counter()
-    donor_report, donor_check = _measure(run, head, "donor", log)
+    runner = decoder_runner(run)
+    donor_report, donor_check = _measure(run, head, "donor", log, runner)
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     max_rounding = _swap_in(head, masters, dtype)
-    trained_report, trained_check = _measure(run, head, "trained", log)
+    trained_report, trained_check = _measure(run, head, "trained", log, runner)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
@@ -236,7 +253,7 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
     return record
 
 
-def _measure(run: Run, head, name: str, log) -> tuple[dict, dict]:
+def _measure(run: Run, head, name: str, log, runner) -> tuple[dict, dict]:
     """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
     config, windows = run.config, run.windows
     count = len(next(iter(windows.heldout.values())))
@@ -254,7 +271,7 @@ def _measure(run: Run, head, name: str, log) -> tuple[dict, dict]:
     if reason is not None:
         return report, {"skipped": reason}
     log(f"export: reference decoder on {min(count, config.eval.decoder_check_windows)} heldout prompts ({name})")
-    return report, decoder_check(run, head)
+    return report, decoder_check(run, head, runner)
 
 
 def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:

@@ -207,6 +207,11 @@ class MTPHead(nn.Module):
         )
         return self.norm(out)
 
+    @property
+    def vocab_size(self) -> int:
+        """V, the lm_head's rows."""
+        return self._shared().lm_head.weight.shape[0]
+
     def logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits through the base's lm_head: (..., D) -> (..., V)."""
         lm_head = self._shared().lm_head

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from occamy_mtp import sampling
+from occamy_mtp import memory
 from occamy_mtp.config import LOSSES, Serving
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
@@ -35,6 +36,13 @@ IGNORE = -100  # label of an unscored (step, anchor) pair
 # head's logits and q are each (pairs x V) of 4 to 12 bytes; 1024 pairs at V = 248,320 are
 # 1 to 3 GiB each.
 SOFT_CHUNK_TOKENS = 1024
+# Bytes a logit takes at the peak of a chunk's backward (the logits recomputed, so a chunk is
+# all that is ever held), which sizes the chunks to the GPU's free memory (`memory.logit_rows`;
+# each checked against a measured peak in tests/test_gpu.py). top1: the bf16 logits, their
+# fp32 copy, cross-entropy's log-softmax and the gradients of all three. kl / tv: p's top-p
+# sort beside the head's fp32 logits, q and their gradients.
+TOP1_BYTES_PER_LOGIT = 24
+DISTRIBUTION_BYTES_PER_LOGIT = 64
 TOP1, KL, TV = LOSSES
 
 
@@ -172,24 +180,29 @@ def chain_loss(
     head_hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: tuple[float, ...],
-    chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
     objective: Objective = Objective(),
     base_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted mean over steps of the per-step mean loss: cross-entropy against the greedy
     targets, or a distribution loss against the base's processed distribution (`objective`).
 
-    Logits are computed only at scored pairs, `chunk_tokens` pairs at a time (at most
-    `SOFT_CHUNK_TOKENS` for a distribution loss), and each chunk's logits are recomputed in
+    Logits are computed only at scored pairs, `chunk_tokens` pairs at a time (None: as many as
+    fit on the GPU, up to `DEFAULT_LOGITS_CHUNK_TOKENS`; at most `SOFT_CHUNK_TOKENS` for a
+    distribution loss), and each chunk's logits are recomputed in
     the backward pass instead of kept: at real size (vocabulary 248,320) the fp32 logits of
     one 4x510-token, 3-step batch would be 6 GiB. `head_hidden` is (K, B, T, D) from
     `MTPHead.forward`; `labels` is (K, B, T); `base_hidden` (B, T, D), the base's post-norm
     hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k},
     whose argmax is its greedy label.
     """
-    if objective.loss != TOP1:
-        if base_hidden is None:
-            raise ValueError(f"a {objective.loss} loss needs the base's hidden states (base_hidden)")
+    soft = objective.loss != TOP1
+    if soft and base_hidden is None:
+        raise ValueError(f"a {objective.loss} loss needs the base's hidden states (base_hidden)")
+    if chunk_tokens is None:
+        chunk_tokens = memory.logit_rows(head_hidden.device, head.vocab_size, DISTRIBUTION_BYTES_PER_LOGIT if soft else TOP1_BYTES_PER_LOGIT,
+                                         DEFAULT_LOGITS_CHUNK_TOKENS)
+    if soft:
         chunk_tokens = min(chunk_tokens, SOFT_CHUNK_TOKENS)
     # Zero that still depends on the head, so a batch without scored pairs yields a
     # gradient of zeros (all data-parallel processes must run the same backward).

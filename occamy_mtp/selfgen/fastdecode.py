@@ -413,6 +413,11 @@ class StaticRunner:
         self.decoder = BatchDecoder(base, batch=1, positions=positions, span=span)
         self.seen = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._empty = self.snapshot()
+
+    def reset(self) -> None:
+        """Empty, as when built: the runner of a new text (its captured graphs kept)."""
+        self.restore(self._empty)
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         decoder = self.decoder

@@ -5,9 +5,10 @@ For a window x_0..x_{T-1} the base yields H_t (after its final norm, transformer
 base's prediction for position t+1. The head anchored at i sees H_i and x_{i+1} and is
 trained towards greedy_{i+1}, the base's choice for position i+2.
 
-The argmax is taken in chunks of positions so that fp32 logits for the whole
+The argmax is taken in chunks of positions so that the logits for the whole
 (window x vocabulary) are never materialised: at real size one 128x512 batch of full
-logits is 30 GiB.
+bf16 logits is 15 GiB. A chunk is at most `DEFAULT_LOGITS_CHUNK_TOKENS` positions, fewer
+where the GPU has less free (`memory.logit_rows`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from occamy_mtp import memory
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 
@@ -31,9 +33,13 @@ class BaseOutputs:
 
 
 @torch.no_grad()
-def chunked_greedy(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> torch.Tensor:
-    """argmax over the vocabulary of lm_head(hidden), `chunk_tokens` positions at a time."""
+def chunked_greedy(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk_tokens: int | None = None) -> torch.Tensor:
+    """argmax over the vocabulary of lm_head(hidden), `chunk_tokens` positions at a time (None:
+    as many as fit, `memory.logit_rows`; the logits in lm_head's dtype are all a chunk holds)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
+    if chunk_tokens is None:
+        weight = lm_head.weight
+        chunk_tokens = memory.logit_rows(weight.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
     out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
     for start in range(0, flat.shape[0], chunk_tokens):
         stop = start + chunk_tokens
@@ -46,7 +52,7 @@ def base_outputs(
     base,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
-    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    logits_chunk_tokens: int | None = None,
 ) -> BaseOutputs:
     """Plain transformers forward of the frozen base: the reference every fast path is checked against.
 
@@ -72,7 +78,7 @@ class OnlineTargets:
     """The online path: the base runs on every batch (small runs, no cache)."""
 
     base: torch.nn.Module
-    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS
+    logits_chunk_tokens: int | None = None  # None: sized to the GPU (`chunked_greedy`)
 
     def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs:
         return base_outputs(self.base, input_ids, attention_mask, self.logits_chunk_tokens)
@@ -116,7 +122,7 @@ class _Outputs:
     greedy: torch.Tensor  # (T,)
 
 
-def plain_compute(base, windows_per_batch: int = 1, logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS) -> ComputeOutputs:
+def plain_compute(base, windows_per_batch: int = 1, logits_chunk_tokens: int | None = None) -> ComputeOutputs:
     """The reference pass: `base_outputs` on `windows_per_batch` windows at a time, right-padded.
 
     One window per forward (the default) gives each window's canonical targets, free of

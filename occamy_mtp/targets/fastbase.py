@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
-from occamy_mtp.targets.base import DEFAULT_LOGITS_CHUNK_TOKENS, chunked_greedy
+from occamy_mtp.targets.base import chunked_greedy
 
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
@@ -474,7 +474,7 @@ class FastBasePass:
         base: a transformers Qwen3.5-MoE (or Qwen3-Next) causal LM, frozen.
         max_tokens_per_batch: tokens packed into one forward. Large batches keep the GPU
             busy (small ones are held back by kernel-launch overhead); memory grows with it.
-        logits_chunk_tokens: positions per lm_head + argmax chunk.
+        logits_chunk_tokens: positions per lm_head + argmax chunk (None: as many as fit, `base.chunked_greedy`).
         kernels: see `Kernels`; default fla's on CUDA when importable, else transformers' own.
         cuda_graphs: capture and replay one CUDA graph per batch shape whose windows
             all have one length (others run eagerly). Each graph keeps its activations'
@@ -486,7 +486,7 @@ class FastBasePass:
         base,
         *,
         max_tokens_per_batch: int,
-        logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+        logits_chunk_tokens: int | None = None,
         kernels: Kernels | None = None,
         cuda_graphs: bool = False,
         max_graphs: int = 2,
@@ -570,7 +570,7 @@ def packed_base_outputs(
     windows: Sequence[Sequence[int]],
     *,
     max_tokens_per_batch: int,
-    logits_chunk_tokens: int = DEFAULT_LOGITS_CHUNK_TOKENS,
+    logits_chunk_tokens: int | None = None,
     kernels: Kernels | None = None,
 ) -> list[WindowOutputs]:
     """One-shot form of `FastBasePass`: per-window hidden states and greedy targets."""
