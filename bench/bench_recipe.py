@@ -63,6 +63,7 @@ from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.decode import decodes_runner
 from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.targets.fastbase import FastBasePass
+from occamy_mtp.targets.tuning import use_tuned_kernel_configs
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import TrainSettings, step_loss_weights
 from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
@@ -203,6 +204,9 @@ def main() -> int:
         for param in head.parameters():  # MTPHead leaves its experts as torch.empty: garbage (NaN at times), not random
             torch.nn.init.normal_(param, std=0.02)
     base.requires_grad_(False).eval()
+    tuned = use_tuned_kernel_configs(device)  # as loading the base does in a run
+    if tuned:
+        print(tuned)
     settings = TrainSettings()
     settings = dataclasses.replace(
         settings, trainable=tuple(args.trainable.split(",")) if args.trainable else settings.trainable,

@@ -4,8 +4,8 @@ The batches whose memory grows with their size (self-generation's decoder state,
 pass's tokens per forward) are sized from what is free when they start, unless the user
 sets them; so are the chunks of positions whose vocabulary-wide logits are worked on at
 once (the greedy targets, evaluation's figures and odds, the loss: `logit_rows`): count = (available - margin) // bytes per row, at most the batch's own upper
-bound. `available` is the device's free memory plus what torch's allocator holds unused,
-within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
+bound. `available` is the device's free memory once torch's allocator has handed back its cached
+blocks, within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
 `MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
 callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`, the `*_BYTES_PER_LOGIT`
@@ -30,15 +30,18 @@ class NotEnoughMemory(OccamyError, RuntimeError):
 
 
 def available_bytes(device: torch.device) -> int:
-    """Bytes this process may still allocate on `device` (module docstring)."""
+    """Bytes this process may still allocate on `device`: the card's free memory, within the
+    process's cap less what torch's allocator holds. The allocator's cached blocks are handed
+    back to the card first: counted as free while cached, they can be too fragmented for one
+    large tensor (a decoder's 8 GiB state found 8.2 GiB cached in pieces, and ran out)."""
     if device.index is None:  # the cap's query needs the index: the current device's
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - allocated
+    available = free
     fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
-    if fraction < 1.0:
-        available = min(available, int(fraction * total) - allocated)
+    if fraction < 1.0:  # the allocator refuses to hold more than the cap
+        available = min(available, int(fraction * total) - torch.cuda.memory_reserved(device))
     return max(0, available)
 
 

@@ -34,6 +34,7 @@ from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
+from occamy_mtp.targets.tuning import use_tuned_kernel_configs
 
 Log = Callable[[str], None]
 
@@ -418,6 +419,9 @@ def load_models(config: RunConfig, device, with_base: bool = True, log: Log = qu
         log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
         base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+        tuned = use_tuned_kernel_configs(torch.device(device))
+        if tuned:
+            log(tuned)
     else:
         log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
         base = None

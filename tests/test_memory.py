@@ -48,26 +48,36 @@ def test_the_real_size_row_is_near_the_measured_peak():
 
 
 def fake_cuda(monkeypatch, free: int, total: int, allocated: int, reserved: int, fraction: float = 1.0):
+    """A card as seen after `torch.cuda.empty_cache()` (`free` and `reserved` are then what they say)."""
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction, raising=False)
 
 
-def test_what_fits_counts_the_allocator_s_spare_memory_and_the_process_cap(monkeypatch):
+def test_what_fits_is_the_free_memory_within_the_process_cap(monkeypatch):
     model = torch.nn.Linear(4, 4)
     device = torch.device("cuda")
-    # 10 GiB free on the card, 1 GiB reserved but unused by torch: 11 GiB, less the 2 GiB margin, 1 GiB rows
+    # 10 GiB free on the card (torch's cached blocks handed back), less the 2 GiB margin, 1 GiB rows
     fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=61 * GIB)
-    assert memory.available_bytes(device) == 11 * GIB
-    sizing = memory.fitting("row", GIB, 160, device, model)
-    assert sizing.count == 9 and "9 rows (what fits)" in sizing.reason
-    assert memory.fitting("row", GIB, 4, device, model).count == 4  # the upper bound
-    # a process capped at 72 GiB of the 80: 72 - 60 = 12 GiB, though the card has 10 free
-    fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB, fraction=0.9)
     assert memory.available_bytes(device) == 10 * GIB
-    fake_cuda(monkeypatch, free=30 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB, fraction=0.85)
-    assert memory.available_bytes(device) == int(0.85 * 80 * GIB) - 60 * GIB  # the cap, not the card
+    sizing = memory.fitting("row", GIB, 160, device, model)
+    assert sizing.count == 8 and "8 rows (what fits)" in sizing.reason
+    assert memory.fitting("row", GIB, 4, device, model).count == 4  # the upper bound
+    # a process capped at 72 GiB of the 80 holding 61: 11 GiB more, though the card has 30 free
+    fake_cuda(monkeypatch, free=30 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=61 * GIB, fraction=0.9)
+    assert memory.available_bytes(device) == int(0.9 * 80 * GIB) - 61 * GIB
+    fake_cuda(monkeypatch, free=5 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB, fraction=0.9)
+    assert memory.available_bytes(device) == 5 * GIB  # the card, not the cap
+
+
+def test_the_allocator_s_cached_blocks_are_handed_back_before_counting(monkeypatch):
+    handed_back = []
+    fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: handed_back.append(True))
+    memory.available_bytes(torch.device("cuda"))
+    assert handed_back
 
 
 def test_not_even_one_row_is_an_error_naming_the_model_and_the_card(monkeypatch):

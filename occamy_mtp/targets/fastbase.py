@@ -18,6 +18,7 @@ from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.targets.base import chunked_greedy
+from occamy_mtp.targets.tuning import use_tuned_kernel_configs
 
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
@@ -209,6 +210,9 @@ def fla_kernels(
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.modules.norm.layernorm import rms_norm
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if torch.cuda.is_available():
+        use_tuned_kernel_configs(torch.device("cuda", torch.cuda.current_device()))
 
     def conv(x, weight, bias, activation, layout: PackLayout):
         out, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, cu_seqlens=layout.cu_seqlens)

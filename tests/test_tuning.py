@@ -1,0 +1,117 @@
+"""The fixed configs of fla's autotuned kernels (`targets.tuning`): the shipped files in fla's
+format, when they are used, and on the GPU that fla's kernels then run without autotuning."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from occamy_mtp.targets import tuning
+
+KERNEL_FIELDS = {"kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg"}
+
+
+def test_the_shipped_configs_are_fla_s_format_keyed_by_fla_s_hash():
+    sys.path.insert(0, "bench")
+    from kernel_configs import FLA_CACHED_KERNELS
+
+    files = sorted((tuning.TUNED / "sm90").glob("*.json"))
+    assert {f.stem for f in files} == set(FLA_CACHED_KERNELS)
+    for path in files:
+        content = json.loads(path.read_text())
+        assert content["kernel_name"] == path.stem and content["autotune_entries"], path
+        for digest, entry in content["autotune_entries"].items():
+            key = json.dumps(entry["autotune_key"], separators=(",", ":"), sort_keys=True)
+            assert hashlib.md5(key.encode()).hexdigest() == digest, (path, digest)
+            assert set(entry["config"]) == KERNEL_FIELDS and entry["config"]["num_warps"] in (1, 2, 4, 8, 16, 32), path
+
+
+def fake_gpu(monkeypatch, capability):
+    for name in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR"):  # what the function sets is undone after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    class Mode(str):
+        pass
+
+    fla_cache = types.SimpleNamespace(FlaCacheMode=Mode, FLA_CACHE_MODE=Mode("disabled"))
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.utils", types.ModuleType("fla.ops.utils"))):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "fla.ops.utils.cache", fla_cache)
+    sys.modules["fla.ops.utils"].cache = fla_cache
+    return fla_cache
+
+
+def test_an_sm90_card_gets_the_configs_and_other_cards_autotune(monkeypatch):
+    import os
+
+    fla_cache = fake_gpu(monkeypatch, (9, 0))
+    said = tuning.use_tuned_kernel_configs(torch.device("cuda", 0))
+    assert "fixed configs from targets/tuned/sm90" in said
+    assert os.environ["FLA_CONFIG_DIR"] == str(tuning.TUNED / "sm90") and fla_cache.FLA_CACHE_MODE == "fuzzy"
+    fake_gpu(monkeypatch, (8, 0))
+    assert "no fixed configs for compute capability 8.0" in tuning.use_tuned_kernel_configs(torch.device("cuda", 0))
+    assert "FLA_CONFIG_DIR" not in os.environ
+    assert tuning.use_tuned_kernel_configs(torch.device("cpu")) == ""
+
+
+def test_a_user_s_own_fla_settings_are_left_alone(monkeypatch):
+    import os
+
+    fla_cache = fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setenv("FLA_CACHE_MODE", "strict")
+    assert "as FLA_CACHE_MODE / FLA_CONFIG_DIR set them" in tuning.use_tuned_kernel_configs(torch.device("cuda", 0))
+    assert os.environ["FLA_CACHE_MODE"] == "strict" and fla_cache.FLA_CACHE_MODE == "disabled" and "FLA_CONFIG_DIR" not in os.environ
+
+
+# The cache pass's delta rule and conv at real size (fastbase.fla_kernels' calls), in a fresh
+# process with an empty Triton cache: no autotuner may have benchmarked (`configs_timings`
+# is set only by a benchmark or a disk-cache hit), every one used must hold a config.
+_FRESH_PROCESS = textwrap.dedent("""
+    import json, sys, torch
+    from occamy_mtp.targets.fastbase import fla_kernels
+    kernels = fla_kernels()
+    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.utils.cache import CachedAutotuner
+    import fla.ops.common.chunk_delta_h, fla.ops.common.chunk_o, fla.ops.gated_delta_rule.chunk_fwd
+    import fla.ops.gated_delta_rule.wy_fast, fla.ops.utils.cumsum, fla.modules.norm.l2norm, fla.modules.causal_conv1d.ops
+    T, device = 8192, "cuda"
+    cu = torch.tensor([0, 510, 1020, 4000, T], dtype=torch.int32, device=device)
+    q, k = (torch.randn(1, T, 16, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, T, 32, 128, device=device, dtype=torch.bfloat16)
+    g = -torch.rand(1, T, 32, device=device)
+    beta = torch.rand(1, T, 32, device=device, dtype=torch.bfloat16)
+    chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    x = torch.randn(1, T, 8192, device=device, dtype=torch.bfloat16)
+    causal_conv1d(x, weight=torch.randn(8192, 4, device=device, dtype=torch.bfloat16), bias=None, activation="silu", cu_seqlens=cu)
+    torch.cuda.synchronize()
+    used = {}
+    for module in [m for n, m in sys.modules.items() if n.startswith("fla.")]:
+        for name, value in vars(module).items():
+            if isinstance(value, CachedAutotuner) and value.cache:
+                used[value.kernel_name] = getattr(value, "configs_timings", None) is None
+    print(json.dumps(used))
+""")
+
+
+@pytest.mark.gpu
+def test_fla_s_kernels_run_without_autotuning_on_a_fresh_machine(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # nothing kept from an earlier process
+    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    used = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(used) >= 6 and all(used.values()), used  # each kernel ran on a shipped config, none benchmarked
