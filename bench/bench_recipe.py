@@ -248,6 +248,11 @@ def main() -> int:
         def generate():
             # batch by batch as the library would batch them (a batch sized to the memory once)
             size = EmbeddedWriter(base, args.generate_batch_size).batch_for(contexts, ANSWER_TOKENS, print)
+            if device.type == "cuda":
+                stats = torch.cuda.memory_stats(device)
+                print(f"memory before the decoder: allocated {stats['allocated_bytes.all.current'] / 2**30:.2f} GiB, reserved "
+                      f"{stats['reserved_bytes.all.current'] / 2**30:.2f} GiB, cached in split segments "
+                      f"{stats['inactive_split_bytes.all.current'] / 2**30:.2f} GiB", flush=True)
             out = []
             for start in range(0, len(contexts), size):
                 part = contexts[start : start + size]
