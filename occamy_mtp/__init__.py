@@ -6,4 +6,13 @@ text) -> run (one set-up path) -> evaluation -> train -> export -> serve, on the
 foundation of config, cli, files and errors. README.md's layout table has each module.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# Expandable segments for torch's CUDA allocator (unless the user chose its settings): the
+# base fills most of an 80 GB card, and the batches beside it are sized to what is free
+# (`occamy_mtp.memory`); with fixed segments, memory freed in pieces could not hold the
+# decoder's one 7-8 GiB state, and a run capped at 79.6 GiB ran out of memory with 7.3 GiB
+# cached unused (bench/RESULTS.md). Read when CUDA first allocates, so set on import.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

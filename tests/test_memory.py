@@ -201,3 +201,16 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
             total.backward()
     measured = _peak_per_logit(run, rows, vocab)
     assert measured <= figure <= 2 * measured, (what, measured, figure)
+
+
+def test_importing_the_library_asks_for_expandable_segments_unless_told_otherwise():
+    import subprocess
+    import sys
+
+    code = "import os, occamy_mtp; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == \
+        "expandable_segments:True"
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"  # a user's own settings win
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == \
+        "max_split_size_mb:512"
