@@ -10,7 +10,7 @@ blocks, within the process's cap when one is set (`torch.cuda.set_per_process_me
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
 callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`, the `*_BYTES_PER_LOGIT`
 figures beside each chunked loop), each checked against a measured peak (bench/RESULTS.md,
-tests/test_gpu.py).
+tests/test_memory.py).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ EVALUATION_FORMAT = 3  # 3: served figures per serving configuration
 SAMPLED_CHUNK_TOKENS = 512
 # Bytes a logit takes at the peak of each chunked loop below, at most `DEFAULT_LOGITS_CHUNK_TOKENS`
 # (or `SAMPLED_CHUNK_TOKENS`) positions a chunk and fewer where the GPU has less free
-# (`memory.logit_rows`); each figure is checked against a measured peak (tests/test_gpu.py).
+# (`memory.logit_rows`); each figure is checked against a measured peak (tests/test_memory.py).
 # Step 1's figures: the bf16 logits, their fp32 copy and cross-entropy's fp32 log-softmax.
 FIGURES_BYTES_PER_LOGIT = 10
 # Sampled odds: p's top-p sort (values, int64 order, the softmax, its running sum, the

@@ -38,7 +38,7 @@ IGNORE = -100  # label of an unscored (step, anchor) pair
 SOFT_CHUNK_TOKENS = 1024
 # Bytes a logit takes at the peak of a chunk's backward (the logits recomputed, so a chunk is
 # all that is ever held), which sizes the chunks to the GPU's free memory (`memory.logit_rows`;
-# each checked against a measured peak in tests/test_gpu.py). top1: the bf16 logits, their
+# each checked against a measured peak in tests/test_memory.py). top1: the bf16 logits, their
 # fp32 copy, cross-entropy's log-softmax and the gradients of all three. kl / tv: p's top-p
 # sort beside the head's fp32 logits, q and their gradients.
 TOP1_BYTES_PER_LOGIT = 24

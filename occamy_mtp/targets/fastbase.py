@@ -17,6 +17,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
+from occamy_mtp.memory import logit_rows
+from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.targets.base import chunked_greedy
 from occamy_mtp.targets.tuning import use_tuned_kernel_configs
 
@@ -520,10 +522,10 @@ class FastBasePass:
             hidden, greedy = self._eager(input_ids, layout)
         return hidden, greedy, layout
 
-    def _eager(self, input_ids: torch.Tensor, layout: PackLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _eager(self, input_ids: torch.Tensor, layout: PackLayout, chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = packed_hidden(self.base, input_ids, layout, self.kernels)
         hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
-        return hidden, chunked_greedy(hidden, self.base.lm_head, self.logits_chunk_tokens)
+        return hidden, chunked_greedy(hidden, self.base.lm_head, chunk_tokens or self.logits_chunk_tokens)
 
     def _graph(self, shape: torch.Size) -> _CapturedForward:
         key = (shape[0], shape[1])
@@ -533,7 +535,10 @@ class FastBasePass:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)
         layout = make_layout([shape[1]] * shape[0], self.device)
-        captured = _CapturedForward(lambda ids: self._eager(ids, layout), shape, self.device)
+        # the logits' chunk sized before the capture (sizing asks the allocator, which a capture refuses)
+        weight = self.base.lm_head.weight
+        chunk = self.logits_chunk_tokens or logit_rows(self.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+        captured = _CapturedForward(lambda ids: self._eager(ids, layout, chunk), shape, self.device)
         self._graphs[key] = captured
         return captured
 
