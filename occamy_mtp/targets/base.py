@@ -32,14 +32,19 @@ class BaseOutputs:
     greedy: torch.Tensor  # (B, T) long, argmax(W @ hidden): the base's choice for t+1
 
 
+def greedy_chunk_tokens(lm_head: torch.nn.Module) -> int:
+    """Positions of `chunked_greedy`'s chunk that fit on the GPU now (`memory.logit_rows`; the
+    logits in lm_head's dtype are all a chunk holds)."""
+    weight = lm_head.weight
+    return memory.logit_rows(weight.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+
+
 @torch.no_grad()
 def chunked_greedy(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk_tokens: int | None = None) -> torch.Tensor:
     """argmax over the vocabulary of lm_head(hidden), `chunk_tokens` positions at a time (None:
-    as many as fit, `memory.logit_rows`; the logits in lm_head's dtype are all a chunk holds)."""
+    as many as fit, `greedy_chunk_tokens`)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    if chunk_tokens is None:
-        weight = lm_head.weight
-        chunk_tokens = memory.logit_rows(weight.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+    chunk_tokens = chunk_tokens or greedy_chunk_tokens(lm_head)
     out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
     for start in range(0, flat.shape[0], chunk_tokens):
         stop = start + chunk_tokens

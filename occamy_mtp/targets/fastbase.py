@@ -17,9 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from occamy_mtp.targets import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
-from occamy_mtp.memory import logit_rows
-from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
-from occamy_mtp.targets.base import chunked_greedy
+from occamy_mtp.targets.base import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.targets.tuning import use_tuned_kernel_configs
 
 
@@ -536,8 +534,7 @@ class FastBasePass:
             self._graphs.popitem(last=False)
         layout = make_layout([shape[1]] * shape[0], self.device)
         # the logits' chunk sized before the capture (sizing asks the allocator, which a capture refuses)
-        weight = self.base.lm_head.weight
-        chunk = self.logits_chunk_tokens or logit_rows(self.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+        chunk = self.logits_chunk_tokens or greedy_chunk_tokens(self.base.lm_head)
         captured = _CapturedForward(lambda ids: self._eager(ids, layout, chunk), shape, self.device)
         self._graphs[key] = captured
         return captured
