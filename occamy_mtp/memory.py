@@ -3,8 +3,9 @@
 The batches whose memory grows with their size (self-generation's decoder state, the cache
 pass's tokens per forward) are sized from what is free when they start, unless the user
 sets them; so are the chunks of positions whose vocabulary-wide logits are worked on at
-once (the greedy targets, evaluation's figures and odds, the loss: `logit_rows`): count = (available - margin) // bytes per row, at most the batch's own upper
-bound. `available` is the device's free memory once torch's allocator has handed back its cached
+once (the greedy targets, evaluation's figures and odds, the loss: `logit_rows`).
+count = (available - margin) // bytes per row, at most the batch's own upper bound.
+`available` is the device's free memory once torch's allocator has handed back its cached
 blocks, within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
 `MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
