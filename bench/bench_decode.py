@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fullsize import profile_call, randomise  # noqa: E402
 
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
-from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
-from occamy_mtp.selfgen.greedy import greedy_generate  # noqa: E402
-from occamy_mtp.targets import moe_kernels  # noqa: E402
+from occamy_mtp.base.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
+from occamy_mtp.base.generate import greedy_generate  # noqa: E402
+from occamy_mtp.base import moe_kernels  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 
 GIB = 2**30
@@ -87,7 +87,7 @@ def copy_bandwidth(device) -> float:
 def touched_experts(base, decoder: BatchDecoder) -> list[int]:
     """Distinct routed experts each layer's router picks for the batch, over one eager step
     (counted where the decode's MoE block routes: `moe_kernels.route` on CUDA, the router module elsewhere)."""
-    from occamy_mtp.targets import moe_kernels
+    from occamy_mtp.base import moe_kernels
 
     picked = []
     route = moe_kernels.route
@@ -179,7 +179,7 @@ def time_reference_runners(base, prompt_tokens: int, device) -> dict:
     """The reference decoder's base at batch 1: one-token forwards, and a verify pass of 4 tokens
     (a 3-step draft) between a snapshot and a restore, as `decode.speculative_decode` runs them."""
     from occamy_mtp.evaluation.decode import BaseRunner
-    from occamy_mtp.selfgen.fastdecode import StaticRunner
+    from occamy_mtp.base.fastdecode import StaticRunner
 
     prompt = torch.randint(0, base.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(3)).tolist()
     out = {}

@@ -22,7 +22,7 @@ import triton  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_expert_gemms import seconds_per_sweep  # noqa: E402
 
-from occamy_mtp.targets import moe_kernels as mk  # noqa: E402
+from occamy_mtp.base import moe_kernels as mk  # noqa: E402
 
 src = textwrap.dedent(inspect.getsource(mk._expert_gemm_kernel.fn))
 src = src.replace("@triton.jit\n", "").replace("def _expert_gemm_kernel(", "def looped_kernel(").replace("tl.static_range(m_tiles)", "range(m_tiles)")

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import copy_bandwidth  # noqa: E402
 
-from occamy_mtp.targets import moe_kernels  # noqa: E402
+from occamy_mtp.base import moe_kernels  # noqa: E402
 
 
 def grouped_mm_mlp(x, rows, offsets, gate_up_proj, down_proj):

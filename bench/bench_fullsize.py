@@ -10,7 +10,7 @@ MTP head, directly on the GPU (no checkpoint), then measures in one run:
    * `plain-logits`: transformers' forward with full logits + argmax (as in the issue);
    * `plain-chunked`: `occamy_mtp.targets.base.base_outputs` (transformers' forward, then
      lm_head + argmax in 4096-token chunks);
-   * `fast`: `occamy_mtp.targets.fastbase.FastBasePass` (packed, fla kernels, fused norms), and
+   * `fast`: `occamy_mtp.base.fastbase.FastBasePass` (packed, fla kernels, fused norms), and
      variants (`fast-nofuse`: fla without fused norms; `fast-graph`: CUDA graph);
 2. agreement of the fast pass with the plain one (greedy match rate, hidden-state
    relative error), for uniform and for packed variable-length windows;
@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from occamy_mtp.targets import fastbase
+from occamy_mtp.base import fastbase
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.model.loss import chain_batch, chain_loss
 from occamy_mtp.targets.base import base_outputs
@@ -309,7 +309,7 @@ def agreement(base, config, device, shape, variable_windows: int, args, kernels_
 @torch.no_grad()
 def float32_truth(base, config, ids):
     """The same weights in float32, through transformers' own PyTorch kernels: (hidden (N, D), greedy (N,))."""
-    from occamy_mtp.targets.base import chunked_greedy
+    from occamy_mtp.base.logits import chunked_greedy
 
     wide = copy.deepcopy(base).float()
     with torch.device(ids.device):

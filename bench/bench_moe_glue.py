@@ -1,4 +1,4 @@
-"""One real-width MoE block, PyTorch glue against the Triton glue of `occamy_mtp.targets.moe_kernels`.
+"""One real-width MoE block, PyTorch glue against the Triton glue of `occamy_mtp.base.moe_kernels`.
 
     PYTHONPATH=. python3 bench/bench_moe_glue.py --out $OUT/glue.json
 
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from occamy_mtp.targets import fastbase
-from occamy_mtp.targets import moe_kernels
+from occamy_mtp.base import fastbase
+from occamy_mtp.base import moe_kernels
 
 
 def block_of_real_width(device):

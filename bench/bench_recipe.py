@@ -62,8 +62,8 @@ from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.decode import decodes_runner
 from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
-from occamy_mtp.targets.fastbase import FastBasePass
-from occamy_mtp.targets.tuning import use_tuned_kernel_configs
+from occamy_mtp.base.fastbase import FastBasePass
+from occamy_mtp.base.tuning import use_tuned_kernel_configs
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import TrainSettings, step_loss_weights
 from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate

@@ -32,7 +32,7 @@ from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation import decode, evaluate
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
-from occamy_mtp.selfgen import fastdecode
+from occamy_mtp.base import fastdecode
 from occamy_mtp.selfgen.store import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 

@@ -156,7 +156,7 @@ validate_run() {
     local out=$1
     shift
     set +e
-    "$PY" -m occamy_mtp.validate "$@" --out "$out" > "$out.txt" 2> "$out.log"
+    "$PY" -m occamy_mtp validate "$@" --out "$out" > "$out.txt" 2> "$out.log"
     local rc=$?
     set -e
     if [ "$rc" -ge 2 ]; then
@@ -218,7 +218,7 @@ on_engine() {
 if [ "$REUSE" = 1 ] && [ -f "$MODELS/demo-models.json" ]; then
     log "reusing the demo models under $MODELS (their settings: $MODELS/demo-models.json)"
 else
-    "$PY" -m occamy_mtp.testing.demo_models --out "$MODELS"
+    "$PY" -m occamy_mtp demo-models --out "$MODELS"
 fi
 "$PY" - "$MODELS/donor" "$WORK/donor-head.safetensors" <<'EOF'
 import json, sys
@@ -450,7 +450,7 @@ on_engine trained
 # 4. The library's offline figures on the same windows: the base's own greedy continuation of
 #    each heldout context, the reference speculative decoder on it, 1 and 3 draft steps.
 # The continuations are MAX_TOKENS long, as the engine's; they get a store of their own.
-"$PY" -m occamy_mtp.evaluate --config "$RUN/config.resolved.yaml" "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" \
+"$PY" -m occamy_mtp evaluate --config "$RUN/config.resolved.yaml" "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" \
     "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" "eval.serving=[{temperature: 0}]" \
     "data.self_generated_dir=$WORK/eval/self-generated" --head "$RUN/mtp-trained.safetensors" --max-windows "$WINDOWS" \
     --reference-decoder --out "$WORK/eval" > "$WORK/logs/evaluate.txt"

@@ -1,6 +1,6 @@
 """Fixed kernel configs from a machine's autotuning: Triton's on-disk autotune results -> fla's config files.
 
-    python3 bench/kernel_configs.py AUTOTUNE_DIR_OR_TAR occamy_mtp/targets/tuned/sm90 --triton 3.6.0
+    python3 bench/kernel_configs.py AUTOTUNE_DIR_OR_TAR occamy_mtp/base/tuned/sm90 --triton 3.6.0
 
 fla's chunked delta-rule kernels (and its conv and l2norm) autotune on their first call in
 a process, ~80 s at real size on an H200, ~60 s more for the shapes transformers' forward

@@ -122,7 +122,7 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp.testing.demo_models)")
+    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp demo-models)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
     parser.add_argument("--decoder-check-windows", type=int, default=0, help="eval.decoder_check_windows for every recipe")

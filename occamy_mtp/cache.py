@@ -1,6 +1,6 @@
 """The cache pass: the frozen base once over every window of a run, into the offline target cache.
 
-    python -m occamy_mtp.cache --config configs/512step.yaml [--dir DIR] [section.key=value ...]
+    python -m occamy_mtp cache --config configs/512step.yaml [--dir DIR] [section.key=value ...]
 
 The run's windows are those train and export read (`run.open_run`'s); the base first
 writes the continuations the run's store lacks, so that training and export from the
@@ -23,6 +23,7 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.run import (
+    BaseFacts,
     check_store_writable,
     continuation_writer,
     load_tokenizer,
@@ -32,6 +33,7 @@ from occamy_mtp.run import (
     quiet,
     run_windows,
     self_generated_needed,
+    stop_token_ids,
 )
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (
@@ -57,7 +59,7 @@ def auto_fastbase_tokens(base) -> int:
     at real size; its own kernels move the outputs by no more than a one-ulp change of
     the input does; bench/RESULTS.md). Elsewhere the plain pass is the faster one.
     """
-    from occamy_mtp.targets import fastbase
+    from occamy_mtp.base import fastbase
 
     if base.lm_head.weight.device.type != "cuda" or base.config.model_type != "qwen3_5_moe_text":
         return 0
@@ -73,7 +75,7 @@ def sized_fastbase_tokens(base, longest_window: int, log: Callable[[str], None] 
     (`memory.fitting`, `fastbase.token_bytes` a token), at most DEFAULT_FASTBASE_TOKENS, rounded
     down to a multiple of WINDOW_ALIGNMENT_TOKENS and never fewer than the longest window's."""
     from occamy_mtp.memory import NotEnoughMemory, fitting
-    from occamy_mtp.targets.fastbase import token_bytes
+    from occamy_mtp.base.fastbase import token_bytes
 
     row = token_bytes(base.config, base.lm_head.weight.dtype)
     sizing = fitting("token", row, DEFAULT_FASTBASE_TOKENS, base.lm_head.weight.device, base)
@@ -99,7 +101,7 @@ def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None =
         if fastbase_tokens:
             fastbase_tokens = sized_fastbase_tokens(base, longest_window, log)
     if fastbase_tokens > 0:
-        from occamy_mtp.targets.fastbase import FastBasePass
+        from occamy_mtp.base.fastbase import FastBasePass
 
         return FastBasePass(base, max_tokens_per_batch=fastbase_tokens), f"fastbase.FastBasePass, {fastbase_tokens} tokens per forward"
     return plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
@@ -123,10 +125,12 @@ def build_for_config(
     the pass. A complete cache of this identity that verifies is left as it is (the
     base is not loaded).
     """
+    facts = BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
+    stop_ids = stop_token_ids(config, tokenizer)
     data = prepare_data(config, tokenizer)
     needed = self_generated_needed(config, data)
-    stores = open_stores(config, tokenizer, needed)
+    stores = open_stores(config, facts, stop_ids, needed)
     directory = Path(directory)
     check_store_writable(config, stores, needed)
     complete = (directory / MANIFEST_NAME).is_file() and read_manifest(directory).get("complete")
@@ -137,8 +141,8 @@ def build_for_config(
     lacking = any(stores[sampling].missing(windows) for sampling, windows in needed.items())
     if lacking and not config.data.self_generate_endpoints:
         base = _load_base(config)  # it writes the continuations (servers write them when named)
-    windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, base), log).all()
-    identity = cache_identity(Path(config.model.base), windows, data.settings, config.model.dtype, config.model.attn_implementation)
+    windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, facts, stop_ids, base), log).all()
+    identity = cache_identity(facts.fingerprint, windows, data.settings, config.model.dtype, config.model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)
         if manifest.get("key") == identity.key and manifest.get("complete"):
@@ -181,13 +185,13 @@ def _tokens_or_auto(text: str) -> int | None:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    cli = command_line("python -m occamy_mtp.cache",
+    cli = command_line("python -m occamy_mtp cache",
                        "Run the frozen base once over a run's windows (train and heldout) and store its targets.")
     cli.add_argument("--dir", default="", help="cache directory (default: the config's data.target_cache)")
     cli.add_argument("--windows-per-batch", type=int, default=1, help="windows per plain base forward (1: the canonical per-window targets)")
     cli.add_argument(
         "--fastbase-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
-        help="tokens per forward of the packed fast pass (occamy_mtp.targets.fastbase); 0: the plain pass, one window a forward "
+        help="tokens per forward of the packed fast pass (occamy_mtp.base.fastbase); 0: the plain pass, one window a forward "
         f"(the canonical targets); auto (default): as many as fit on the GPU, at most {DEFAULT_FASTBASE_TOKENS}, for a "
         "Qwen3.5-MoE base on CUDA with fla, else 0",
     )
@@ -199,7 +203,3 @@ def main(argv: list[str] | None = None) -> int:
     build_for_config(config, directory, windows_per_batch=args.windows_per_batch, fastbase_tokens=args.fastbase_tokens,
                      max_shard_bytes=args.max_shard_bytes, log=log_stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -98,7 +98,7 @@ class DataSettings:
     holds about 1 MiB of text: a record eight times that is not a conversation the base was
     served (a concatenated corpus, a log dump)."""
     target_cache: str = ""
-    """Directory of the offline target cache (`python -m occamy_mtp.cache`); empty runs the base online."""
+    """Directory of the offline target cache (`python -m occamy_mtp cache`); empty runs the base online."""
     self_generate_temperature: float = 0.0
     """Temperature at which the base writes the train windows' continuations: 0 is greedy; above 0 each
     token is drawn from the base's distribution processed with `self_generate_top_p` and

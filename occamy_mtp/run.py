@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import os
 import sys
 import time
@@ -28,13 +29,14 @@ import torch
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
-from occamy_mtp.data.windows import PreparedData, Window, load_tokenizer, prepare_windows
+from occamy_mtp.data.prepare import PreparedData, prepare_windows
+from occamy_mtp.data.windows import Window, load_tokenizer
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
-from occamy_mtp.targets.tuning import use_tuned_kernel_configs
+from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
 Log = Callable[[str], None]
 
@@ -98,6 +100,24 @@ class RunDir:
         return found[-1] if found else None
 
 
+class BaseFacts:
+    """What a run reads about its base, once: its config (`checkpoint.read_config`) and, when
+    first asked, its fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every
+    weight file)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        self.config = ckpt_io.read_config(self.directory)
+
+    @property
+    def text_config(self):
+        return self.config.text_config
+
+    @functools.cached_property
+    def fingerprint(self) -> dict:
+        return ckpt_io.checkpoint_fingerprint(self.directory)
+
+
 def self_generated_dir(config: RunConfig, sampling: TextSampling = GREEDY_TEXT) -> Path:
     """Where the continuations written under `sampling` are stored: the greedy ones in the store
     directory itself, sampled ones in a folder of it named after their settings."""
@@ -127,8 +147,9 @@ def _inside(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def check_run(config: RunConfig) -> None:
-    """The checks that need no data and no weights, before anything slow starts.
+def check_run(config: RunConfig) -> BaseFacts:
+    """The checks that need no data and no weights, before anything slow starts; returns the
+    base's facts (its config read here, once, for the rest of the run).
 
     The base and donor exist and the base's config reads; no output of the run
     (output.dir, the store, the target cache) is a file or lies inside the base or the
@@ -138,7 +159,7 @@ def check_run(config: RunConfig) -> None:
     `train.trainable` is a head submodule (checked on a head built on the meta device).
     """
     base, donor = Path(config.model.base), Path(config.model.donor_head)
-    base_config = ckpt_io.read_config(base)
+    facts = BaseFacts(base)
     if not donor.exists():
         raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
     protected = [("model.base", base)] + ([("model.donor_head", donor)] if donor.is_dir() else [])
@@ -157,11 +178,12 @@ def check_run(config: RunConfig) -> None:
     if problem:
         raise ConfigError(f"output.dir: {config.output.dir} cannot be written: {problem}")
     with torch.device("meta"):
-        head = MTPHead(base_config.text_config)
+        head = MTPHead(facts.text_config)
     try:
         set_trainable(head, config.train.trainable)
     except ValueError as err:
         raise ConfigError(f"train.trainable: {err}") from None
+    return facts
 
 
 @contextlib.contextmanager
@@ -236,26 +258,27 @@ def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> No
             raise ConfigError(
                 f"data: no {side} windows were built, so the run would have nothing to "
                 f"{'train on' if side == TRAIN else 'measure'}; check data.files and {option} "
-                "(see `python -m occamy_mtp.data`)"
+                "(see `python -m occamy_mtp data`)"
             )
 
 
 def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
     """Where the base's continuations end: eos, the template's end of turn, generation_config's eos."""
-    from occamy_mtp.selfgen.greedy import default_eos_token_ids
+    from occamy_mtp.base.generate import default_eos_token_ids
 
     return default_eos_token_ids(tokenizer, config.model.base)
 
 
-def open_store(config: RunConfig, tokenizer, sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
+def open_store(config: RunConfig, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
     """The run's store of continuations written under `sampling` (refused when written for another
     base, other settings or by another writer)."""
     identity = store_identity(
-        config.model.base,
+        base.fingerprint,
+        base.text_config.vocab_size,
         config.model.dtype,
         config.model.attn_implementation,
         max_new_tokens=config.data.answer_tokens,
-        stop_token_ids=stop_token_ids(config, tokenizer),
+        stop_token_ids=stop_ids,
         writer=ENGINE if config.data.self_generate_endpoints else EMBEDDED,
         sampling=sampling,
     )
@@ -266,8 +289,8 @@ Stores = dict[TextSampling, SelfGeneratedStore]
 """The run's stores, one per way the base writes its text (`self_generated_needed`)."""
 
 
-def open_stores(config: RunConfig, tokenizer, needed: dict[TextSampling, list[Window]]) -> Stores:
-    return {sampling: open_store(config, tokenizer, sampling) for sampling in needed}
+def open_stores(config: RunConfig, base: BaseFacts, stop_ids: set[int], needed: dict[TextSampling, list[Window]]) -> Stores:
+    return {sampling: open_store(config, base, stop_ids, sampling) for sampling in needed}
 
 
 def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSampling, list[Window]]) -> None:
@@ -281,14 +304,13 @@ def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSam
                               f"continuations and cannot be written: {problem}")
 
 
-def continuation_writer(config: RunConfig, tokenizer, base=None) -> Writer | None:
+def continuation_writer(config: RunConfig, tokenizer, facts: BaseFacts, stop_ids: set[int], base=None) -> Writer | None:
     """Who writes the continuations a store lacks: the servers of `data.self_generate_endpoints`
     (checked when first asked), else the base in this process when it is loaded, else nobody."""
     if config.data.self_generate_endpoints:
         from occamy_mtp.selfgen.engines import EngineWriter, Request
 
-        request = Request(config.data.answer_tokens, frozenset(stop_token_ids(config, tokenizer)),
-                          ckpt_io.read_config(config.model.base).text_config.vocab_size,
+        request = Request(config.data.answer_tokens, frozenset(stop_ids), facts.text_config.vocab_size,
                           config.data.self_generate_timeout_seconds, config.data.self_generate_retries)
         return EngineWriter(config.data.self_generate_endpoints, config.data.self_generate_model, tokenizer, request,
                             config.data.self_generate_concurrency)
@@ -363,7 +385,7 @@ def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, wr
             raise SelfGenError(
                 f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
                 "and the base is not loaded to write them (data.target_cache is set); run "
-                "`python -m occamy_mtp.cache --config CONFIG` first, which writes them with the target cache, or name "
+                "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
                 "servers that write them (data.self_generate_endpoints)"
             )
         store.generate(writer.for_text(sampling), windows, log)
@@ -404,14 +426,13 @@ class Models:
     head_parameters: int
 
 
-def load_models(config: RunConfig, device, with_base: bool = True, log: Log = quiet) -> Models:
+def load_models(config: RunConfig, facts: BaseFacts, device, with_base: bool = True, log: Log = quiet) -> Models:
     """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
     tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
     """
     dtype = ckpt_io.DTYPES[config.model.dtype]
-    base_config = ckpt_io.read_config(config.model.base)
     started = time.perf_counter()
     files = ckpt_io.SafetensorsCheckpoint(Path(config.model.base)).files()
     size = sum(f.stat().st_size for f in files) / 2**30
@@ -428,7 +449,7 @@ def load_models(config: RunConfig, device, with_base: bool = True, log: Log = qu
         shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
     head, layout = ckpt_io.load_head(
         config.model.donor_head,
-        base_config.text_config,
+        facts.text_config,
         shared,
         dtype=dtype,
         device=device,
@@ -443,15 +464,14 @@ def load_models(config: RunConfig, device, with_base: bool = True, log: Log = qu
     return Models(base, head, layout, trainable, total)
 
 
-def open_targets(config: RunConfig, windows: list[Window], window_settings: dict, base=None) -> TargetSource:
+def open_targets(config: RunConfig, facts: BaseFacts, windows: list[Window], window_settings: dict, base=None) -> TargetSource:
     """The base online, or the offline cache at `data.target_cache` checked against `windows`
     (built with `window_settings`, `PreparedData.settings`)."""
     if not config.data.target_cache:
         if base is None:
             raise ValueError("no target cache configured, so the base itself is needed for the online path")
         return OnlineTargets(base)
-    identity = cache_identity(Path(config.model.base), windows, window_settings, config.model.dtype,
-                              config.model.attn_implementation)
+    identity = cache_identity(facts.fingerprint, windows, window_settings, config.model.dtype, config.model.attn_implementation)
     return TargetCache.open(Path(config.data.target_cache), identity)
 
 
@@ -466,16 +486,18 @@ class Run:
 
     config: RunConfig
     dir: RunDir
+    base_facts: BaseFacts
     tokenizer: object
     data: PreparedData
     models: Models
     windows: RunWindows
     targets: TargetSource
     stop_token_ids: set[int]
+    """Where the base's continuations end (`stop_token_ids`)."""
 
 
-def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT, self_generated: bool = True,
-             max_heldout: int | None = None,
+def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: Log = quiet, splits=EVERY_SPLIT,
+             self_generated: bool = True, max_heldout: int | None = None,
              writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
              check_data: Callable[[PreparedData], None] | None = None) -> Run:
     """Tokenizer, windows of `splits`, models, the self-generated twins, targets (module docstring).
@@ -485,9 +507,12 @@ def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT,
     processes of a multi-process run around the store: the main process writes the
     missing continuations while the others wait, then they read them
     (`accelerator.main_process_first`). `check_data` sees the windows before any model
-    loads (a resumed run refuses data other than its checkpoint's there).
+    loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
+    `check_run` read, else read here.
     """
+    facts = base or BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
+    stop_ids = stop_token_ids(config, tokenizer)
     data = prepare_data(config, tokenizer, log=log)
     check_split(config, data, splits)
     if check_data is not None:
@@ -495,13 +520,14 @@ def open_run(config: RunConfig, device, *, log: Log = quiet, splits=EVERY_SPLIT,
     if max_heldout is not None:
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
     needed = self_generated_needed(config, data, splits)
-    stores = open_stores(config, tokenizer, needed) if self_generated else None
+    stores = open_stores(config, facts, stop_ids, needed) if self_generated else None
     if stores is not None:
         check_store_writable(config, stores, needed)
-    models = load_models(config, device, with_base=not config.data.target_cache, log=log)
+    models = load_models(config, facts, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
         for store in (stores or {}).values():
             store.reread()  # what the main process (or another run) wrote meanwhile
-        windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, models.base), log=log, splits=splits)
-    targets = open_targets(config, windows.all(), data.settings, base=models.base)
-    return Run(config, RunDir.of(config), tokenizer, data, models, windows, targets, stop_token_ids(config, tokenizer))
+        writer = continuation_writer(config, tokenizer, facts, stop_ids, models.base)
+        windows = run_windows(config, data, stores, writer, log=log, splits=splits)
+    targets = open_targets(config, facts, windows.all(), data.settings, base=models.base)
+    return Run(config, RunDir.of(config), facts, tokenizer, data, models, windows, targets, stop_ids)

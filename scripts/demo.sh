@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PY=.venv/bin/python
-$PY -m occamy_mtp.testing.demo_models --out runs/demo/models
+$PY -m occamy_mtp demo-models --out runs/demo/models
 if [ -f runs/demo/train-summary.json ]; then
     echo "runs/demo already trained; remove runs/demo (keep runs/demo/models) to train again"
 else

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 bash scripts/setup.sh
 PY=.venv/bin/python
-$PY -m occamy_mtp.testing.demo_models --out runs/reference/models
+$PY -m occamy_mtp demo-models --out runs/reference/models
 rm -rf runs/reference/run
 $PY train.py --config configs/demo.yaml model.base=runs/reference/models/base model.donor_head=runs/reference/models/donor output.dir=runs/reference/run
 $PY export.py --config configs/demo.yaml model.base=runs/reference/models/base model.donor_head=runs/reference/models/donor output.dir=runs/reference/run

@@ -27,7 +27,8 @@ from occamy_mtp import files
 from occamy_mtp.model import loss as loss_module
 from occamy_mtp.train import loop as train_module
 from occamy_mtp.config import load_config
-from occamy_mtp.data.windows import Window, prepare_windows
+from occamy_mtp.data.windows import Window
+from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.targets.base import base_outputs
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
@@ -85,7 +86,7 @@ def window_ids(data):
 
 
 def identity_of(base_path, data, dtype, attn_implementation):
-    return C.cache_identity(base_path, windows_of(data), data.settings, dtype, attn_implementation)
+    return C.cache_identity(ckpt_io.checkpoint_fingerprint(base_path), windows_of(data), data.settings, dtype, attn_implementation)
 
 
 def online(base, windows):
@@ -176,7 +177,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
-    from occamy_mtp.run import open_stores, prepare_data, run_windows, self_generated_needed
+    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed, stop_token_ids
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -186,12 +187,13 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
-    stores = open_stores(cached_config, world["tokenizer"], self_generated_needed(cached_config, data))
+    stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(cached_config, world["tokenizer"]),
+                         self_generated_needed(cached_config, data))
     windows = run_windows(cached_config, data, stores).all()
     # self-generated (the heldout ones under each serving configuration: greedy, sampled), + recorded heldout
     assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 3
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
-    C.build_cache(library, C.cache_identity(world["base_path"], windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
+    C.build_cache(library, C.cache_identity(ckpt_io.checkpoint_fingerprint(world["base_path"]), windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
                   T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     assert shard_bytes(directory) == shard_bytes(library)
     with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
@@ -228,7 +230,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
 
 def test_the_fast_pass_plugs_in(world, tmp_path):
     """fastbase.FastBasePass is a `compute` as it is: the cache stores exactly what it gives."""
-    fastbase = pytest.importorskip("occamy_mtp.targets.fastbase")
+    fastbase = pytest.importorskip("occamy_mtp.base.fastbase")
     windows = window_ids(world["data"])[:3]
     fast = fastbase.FastBasePass(world["base"], max_tokens_per_batch=256)
     identity = C.CacheIdentity(world["identity"].base, {"windows": "first three"}, world["identity"].settings)
@@ -256,7 +258,7 @@ def test_auto_pass_choice(world, monkeypatch):
         )
 
     fast_base, next_base = on_cuda("qwen3_5_moe_text"), on_cuda("qwen3_next")
-    from occamy_mtp.targets import fastbase
+    from occamy_mtp.base import fastbase
 
     monkeypatch.setattr(fastbase, "fla_kernels", lambda: fastbase.torch_kernels())
     assert CP.auto_fastbase_tokens(fast_base) == CP.DEFAULT_FASTBASE_TOKENS
@@ -277,15 +279,15 @@ def test_fastbase_tokens_argument():
 
 
 def test_online_source_is_base_outputs(world):
-    from occamy_mtp.run import open_targets
+    from occamy_mtp.run import BaseFacts, open_targets
 
     config = load_config(None, [f"model.base={world['base_path']}", "model.dtype=float32"])
-    source = open_targets(config, windows_of(world["data"]), world["data"].settings, base=world["base"])
+    source = open_targets(config, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings, base=world["base"])
     window = windows_of(world["data"])[0]
     expected, got = online(world["base"], [window]), source.outputs(*T.padded_ids([window.input_ids]))
     assert torch.equal(got.hidden, expected.hidden) and source.provenance() == {"source": "online"}
     with pytest.raises(ValueError, match="base itself is needed"):
-        open_targets(config, windows_of(world["data"]), world["data"].settings)
+        open_targets(config, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings)
 
 
 def test_shared_weights_only_are_the_base_s(world):

@@ -4,37 +4,46 @@ plus `section.key=value` overrides through the config loader, and a library erro
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-# command module -> the flags it cannot run without (besides the config)
-COMMANDS = {
-    "occamy_mtp.train.loop": [],
-    "occamy_mtp.export.exporter": [],
-    "occamy_mtp.cache": [],
-    "occamy_mtp.evaluation.evaluate": ["--out", "unused"],
-    "occamy_mtp.data.windows": [],
-    "occamy_mtp.serve.validate": ["--reference", "http://127.0.0.1:9", "--out", "unused"],
+from occamy_mtp.__main__ import COMMANDS, main
+
+# command -> the flags it cannot run without (besides the config)
+RUN_COMMANDS = {
+    "train": [],
+    "export": [],
+    "cache": [],
+    "evaluate": ["--out", "unused"],
+    "data": [],
+    "generate": ["--out", "unused"],
+    "validate": ["--reference", "http://127.0.0.1:9", "--out", "unused"],
 }
 
 
-@pytest.mark.parametrize("module", sorted(COMMANDS))
-def test_every_command_reads_its_settings_through_the_config_loader(module, tmp_path, capsys):
-    main = importlib.import_module(module).main
+@pytest.mark.parametrize("command", sorted(RUN_COMMANDS))
+def test_every_command_reads_its_settings_through_the_config_loader(command, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("train:\n  lr: 1.0e-3\n")
     # an unknown key fails with its dotted path, from the file and from an override alike
-    assert main(["--config", str(config), "train.learning_rate=1", *COMMANDS[module]]) == 2
+    assert main([command, "--config", str(config), "train.learning_rate=1", *RUN_COMMANDS[command]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: unknown config key train.learning_rate (known keys: " + err[0].split("(known keys: ")[1]]
     config.write_text("train:\n  lr: -1\n")
-    assert main(["--config", str(config), *COMMANDS[module]]) == 2
+    assert main([command, "--config", str(config), *RUN_COMMANDS[command]]) == 2
     assert capsys.readouterr().err.strip() == "error: train.lr: expected a finite number > 0, got -1.0"
 
 
+def test_the_dispatcher_names_its_commands_and_refuses_an_unknown_one(capsys):
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in COMMANDS)
+    assert main(["trian"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: unknown command 'trian'; expected one of {', '.join(COMMANDS)}"
+    assert main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
 def _failure_paths(tmp_path):
-    """(command module, argv, what the error line must say) for the failures a user meets first."""
+    """(command, argv, what the error line must say) for the failures a user meets first."""
     missing = tmp_path / "no-such-checkpoint"
     config = tmp_path / "run.yaml"
     config.write_text(f"model:\n  base: {missing}\n  donor_head: {missing}\ndata:\n  files: [{tmp_path / 'chats.jsonl'}]\n"
@@ -43,30 +52,31 @@ def _failure_paths(tmp_path):
     uncached.write_text("model:\n  base: occamy-test/never-downloaded\n")
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     return [
-        ("occamy_mtp.train.loop", ["--config", str(config)], str(missing)),
-        ("occamy_mtp.export.exporter", ["--config", str(config)], str(missing)),
-        ("occamy_mtp.cache", ["--config", str(config), "--dir", str(tmp_path / "cache")], str(missing)),
-        ("occamy_mtp.cache", ["--config", str(config)], "data.target_cache: no cache directory configured"),
-        ("occamy_mtp.evaluation.evaluate", ["--config", str(config), "--out", str(tmp_path / "e")],
+        ("train", ["--config", str(config)], str(missing)),
+        ("export", ["--config", str(config)], str(missing)),
+        ("cache", ["--config", str(config), "--dir", str(tmp_path / "cache")], str(missing)),
+        ("cache", ["--config", str(config)], "data.target_cache: no cache directory configured"),
+        ("evaluate", ["--config", str(config), "--out", str(tmp_path / "e")],
          "mtp-trained.safetensors: no such file or directory (export the run first"),
-        ("occamy_mtp.evaluation.evaluate", ["--config", str(config), "--head", str(config), "--out", str(tmp_path / "e")],
+        ("evaluate", ["--config", str(config), "--head", str(config), "--out", str(tmp_path / "e")],
          str(missing)),
-        ("occamy_mtp.data.windows", ["--config", str(config)], str(missing)),
-        ("occamy_mtp.train.loop", ["--config", str(uncached)], "model.base: occamy-test/never-downloaded is not a local path"),
-        ("occamy_mtp.export.assemble", ["--base", str(missing), "--head", str(missing), "--out", str(tmp_path / "a")],
+        ("data", ["--config", str(config)], str(missing)),
+        ("train", ["--config", str(uncached)], "model.base: occamy-test/never-downloaded is not a local path"),
+        ("assemble", ["--base", str(missing), "--head", str(missing), "--out", str(tmp_path / "a")],
          str(missing)),
-        ("occamy_mtp.serve.reference_server", ["--base", str(missing), "--port", "0"], str(missing)),
+        ("serve-reference", ["--base", str(missing), "--port", "0"], str(missing)),
+        ("generate", ["--config", str(config), "--out", str(tmp_path / "g.jsonl")], str(missing)),
     ]
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(11))
 def test_a_known_failure_is_one_error_line_never_a_traceback(case, tmp_path, capsys, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # nothing is reached for
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
-    module, argv, named = _failure_paths(tmp_path)[case]
-    assert importlib.import_module(module).main(argv) == 2
+    command, argv, named = _failure_paths(tmp_path)[case]
+    assert main([command, *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ") and named in err[-1], err
     assert not any("Traceback" in line for line in err)

@@ -113,7 +113,7 @@ def test_window_settings_are_prepare_windows_arguments_with_the_same_defaults():
     import inspect
 
     from occamy_mtp.config import WINDOW_SETTINGS, DataSettings, window_settings
-    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.data.prepare import prepare_windows
 
     parameters = inspect.signature(prepare_windows).parameters
     for name, value in window_settings(DataSettings()).items():

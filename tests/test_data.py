@@ -1,4 +1,4 @@
-"""Windows, exclusions, bad input, the split and the CLI of occamy_mtp.data.windows.
+"""Windows, exclusions, bad input, the split and the `data` command (occamy_mtp.data).
 
 Exact ids are pinned with a 300-token tokenizer trained on the literal CORPUS below, so
 that they do not move when data/sample.jsonl is rebuilt; the shipped sample set is
@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from occamy_mtp.data import windows as D
-from occamy_mtp.data.windows import BEYOND_SPLIT_SIZE, DataError, prepare_windows
+from occamy_mtp.data import prepare, reader, report, split, windows
+from occamy_mtp.data.reader import BEYOND_SPLIT_SIZE, DataError
+from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
 
 CORPUS = (
@@ -49,13 +50,13 @@ def sample_data(sample_tokenizer):
     return prepare_windows([SAMPLE_DATA_PATH], sample_tokenizer)
 
 
-def conversation(*messages: tuple[str, str]) -> D.Conversation:
-    return D.Conversation(tuple(D.Message(role, content) for role, content in messages), "test:1")
+def conversation(*messages: tuple[str, str]) -> reader.Conversation:
+    return reader.Conversation(tuple(reader.Message(role, content) for role, content in messages), "test:1")
 
 
-def windows_of(tokenizer, conv: D.Conversation, **settings) -> list[D.Window]:
-    built = D.conversation_windows(tokenizer, conv, **settings)
-    assert not isinstance(built, D.Excluded), built
+def windows_of(tokenizer, conv: reader.Conversation, **settings) -> list[windows.Window]:
+    built = windows.conversation_windows(tokenizer, conv, **settings)
+    assert not isinstance(built, reader.Excluded), built
     return built[0]
 
 
@@ -135,8 +136,8 @@ def test_long_answer_is_cut_at_the_limit(small_tokenizer):
     answer = "The quick brown fox jumps over the lazy dog. " * 40
     [window] = windows_of(small_tokenizer, conversation(("user", "Hi"), ("assistant", answer)))
     span = list(window.input_ids[window.answer_start :])
-    assert len(span) == D.DEFAULT_ANSWER_TOKENS
-    assert span == encode(small_tokenizer, answer.strip())[: D.DEFAULT_ANSWER_TOKENS]
+    assert len(span) == windows.DEFAULT_ANSWER_TOKENS
+    assert span == encode(small_tokenizer, answer.strip())[: windows.DEFAULT_ANSWER_TOKENS]
     assert IM_END not in span
     assert window.input_ids[: window.answer_start] == tuple(USER_HEADER + HI + TURN_END + ASSISTANT_PROMPT)
 
@@ -176,21 +177,21 @@ def test_every_assistant_token_maps_to_its_span_on_the_sample_data(sample_tokeni
     records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()]
     by_hash = {}
     for number, record in enumerate(records, start=1):
-        conv = D.normalise_record(record, f"sample:{number}")
+        conv = reader.normalise_record(record, f"sample:{number}")
         by_hash[conv.content_hash] = conv
     assert sample_data.boundary_retokenized == 0
     for window in sample_data.train + sample_data.heldout:
         conv = by_hash[window.conversation_hash]
-        prompt, span = D.render_turn(sample_tokenizer, conv.messages, window.turn_index)
+        prompt, span = windows.render_turn(sample_tokenizer, conv.messages, window.turn_index)
         whole = encode(sample_tokenizer, prompt + span)
         prompt_ids = encode(sample_tokenizer, prompt)
         assert whole[: len(prompt_ids)] == prompt_ids
         assert whole[len(prompt_ids) :] == encode(sample_tokenizer, span)
-        assert list(window.input_ids[: window.answer_start]) == prompt_ids[-D.DEFAULT_CONTEXT_TOKENS :]
+        assert list(window.input_ids[: window.answer_start]) == prompt_ids[-windows.DEFAULT_CONTEXT_TOKENS :]
         span_ids = list(window.input_ids[window.answer_start :])
         full_answer = conv.messages[window.turn_index].content.strip() + "<|im_end|>"
-        assert span_ids == encode(sample_tokenizer, full_answer)[: D.DEFAULT_ANSWER_TOKENS]
-        if len(span_ids) < D.DEFAULT_ANSWER_TOKENS:  # a cut span may end inside a UTF-8 character
+        assert span_ids == encode(sample_tokenizer, full_answer)[: windows.DEFAULT_ANSWER_TOKENS]
+        if len(span_ids) < windows.DEFAULT_ANSWER_TOKENS:  # a cut span may end inside a UTF-8 character
             assert sample_tokenizer.decode(span_ids) == full_answer
 
 
@@ -349,7 +350,7 @@ def many_conversations(count: int, offset: int = 0) -> list[dict]:
     return [chat(f"Question number {offset + i}?", f"Answer number {offset + i}.") for i in range(count)]
 
 
-def assignment(result: D.PreparedData) -> dict[str, str]:
+def assignment(result: prepare.PreparedData) -> dict[str, str]:
     return {**dict.fromkeys(result.train_hashes, "train"), **dict.fromkeys(result.heldout_hashes, "heldout")}
 
 
@@ -402,13 +403,13 @@ def test_split_ignores_order_and_depends_on_the_seed(tmp_path, small_tokenizer):
 
 def test_assign_split_guarantee_directly():
     hashes = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(500)]
-    base = D.assign_split(hashes[:-1], train_conversations=256, heldout_conversations=32, seed=0)
-    grown = D.assign_split(hashes, train_conversations=256, heldout_conversations=32, seed=0)
+    base = split.assign_split(hashes[:-1], train_conversations=256, heldout_conversations=32, seed=0)
+    grown = split.assign_split(hashes, train_conversations=256, heldout_conversations=32, seed=0)
     moved = [h for h in base if base[h] != grown[h]]
     assert len(moved) <= 1 and all(grown[h] == BEYOND_SPLIT_SIZE for h in moved)
     assert sorted(grown.values()).count("train") == 256 and sorted(grown.values()).count("heldout") == 32
     for h in hashes:  # the side is a function of the hash alone
-        assert (D.split_key(h, 0) < 32 / 288) == (grown[h] == "heldout") or grown[h] == BEYOND_SPLIT_SIZE
+        assert (split.split_key(h, 0) < 32 / 288) == (grown[h] == "heldout") or grown[h] == BEYOND_SPLIT_SIZE
 
 
 def test_provenance_is_json_and_complete(sample_data):
@@ -427,29 +428,29 @@ def test_provenance_is_json_and_complete(sample_data):
 
 
 def test_cli_json_report(sample_tokenizer_dir, capsys):
-    assert D.main([f"data.files=[{SAMPLE_DATA_PATH}]", f"model.tokenizer={sample_tokenizer_dir}", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    assert report.main([f"data.files=[{SAMPLE_DATA_PATH}]", f"model.tokenizer={sample_tokenizer_dir}", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
     # the training defaults' split: 256 train, 32 validation, 32 heldout
-    assert report["conversations_read"] == 393 and report["conversations_kept"] == 320
-    assert report["excluded"] == {"beyond_split_size": 73}
-    assert report["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 8}
-    assert report["windows_built"] == 312 and report["assistant_tokens_scored"] == 122144 - 8 * 382
-    assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (256, 32, 32)
+    assert printed["conversations_read"] == 393 and printed["conversations_kept"] == 320
+    assert printed["excluded"] == {"beyond_split_size": 73}
+    assert printed["kept_apart"] == {"validation_windows_dropped": 0, "train_windows_dropped": 8}
+    assert printed["windows_built"] == 312 and printed["assistant_tokens_scored"] == 122144 - 8 * 382
+    assert (printed["train_conversations"], printed["validation_conversations"], printed["heldout_conversations"]) == (256, 32, 32)
 
 
 def test_cli_reads_the_files_tokenizer_and_split_of_a_run_config(tmp_path, sample_tokenizer_dir, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{base: {sample_tokenizer_dir}}}\ndata: {{files: [{SAMPLE_DATA_PATH}], train_conversations: 100, "
                       "validation_conversations: 0, heldout_conversations: 10}\ntrain: {select_every_steps: 0}\n")
-    assert D.main(["--config", str(config), "data.heldout_conversations=20", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert (report["train_conversations"], report["validation_conversations"], report["heldout_conversations"]) == (100, 0, 20)
-    assert D.main(["--json"]) == 2 and "--config" in capsys.readouterr().err  # no data.files, no config
+    assert report.main(["--config", str(config), "data.heldout_conversations=20", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["train_conversations"], printed["validation_conversations"], printed["heldout_conversations"]) == (100, 0, 20)
+    assert report.main(["--json"]) == 2 and "--config" in capsys.readouterr().err  # no data.files, no config
 
 
 def test_cli_errors_are_one_line(tmp_path, sample_tokenizer_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "occamy_mtp.data", f"data.files=[{tmp_path / 'missing.jsonl'}]", f"model.tokenizer={sample_tokenizer_dir}"],
+        [sys.executable, "-m", "occamy_mtp", "data", f"data.files=[{tmp_path / 'missing.jsonl'}]", f"model.tokenizer={sample_tokenizer_dir}"],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert result.returncode == 2

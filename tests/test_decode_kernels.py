@@ -1,4 +1,4 @@
-"""The decode step's Gated DeltaNet kernels (`occamy_mtp.selfgen.decode_kernels`): each PyTorch
+"""The decode step's Gated DeltaNet kernels (`occamy_mtp.base.decode_kernels`): each PyTorch
 reference against transformers' own function (its recurrent gated delta rule, its causal-conv
 update), and each Triton kernel (under Triton's interpreter on a CPU) against its reference:
 outputs and the states updated in place, one token and a span of several."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.selfgen import decode_kernels
+from occamy_mtp.base import decode_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound

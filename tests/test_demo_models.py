@@ -13,7 +13,7 @@ from occamy_mtp.testing import demo_models as dm
 
 def test_the_shipped_build_is_the_default_build_of_the_shipped_data():
     # Fails when DemoSettings' defaults or data/sample.jsonl change without a rebuild of
-    # data/demo-models (python -m occamy_mtp.testing.demo_models --build, one thread).
+    # data/demo-models (python -m occamy_mtp demo-models --build, one thread).
     manifest = dm.reusable(dm.SHIPPED_DIR, dm.DemoSettings(), dm.SAMPLE_DATA_PATH)
     assert manifest is not None, f"{dm.SHIPPED_DIR} is not a build of DemoSettings() on {dm.SAMPLE_DATA_PATH}"
     assert manifest["files"] == dm._build_files(dm.SHIPPED_DIR)

@@ -111,10 +111,10 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from transformers import AutoTokenizer
 
     from occamy_mtp.config import load_config
-    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.data.prepare import prepare_windows
     from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.model.head import SharedWeights
-    from occamy_mtp.run import open_store, serving_text
+    from occamy_mtp.run import BaseFacts, open_store, serving_text, stop_token_ids
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
@@ -145,7 +145,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     config = load_config(trained["config"])
     assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "t0.7-p0.8"]
     for serving in config.eval.serving:
-        store = open_store(config, tokenizer, serving_text(config, serving))
+        store = open_store(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer), serving_text(config, serving))
         served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40, serving=serving)
         for k, figures in served.items():
             # greedy: integer counts; sampled: expected counts; and the figures made from them

@@ -1,6 +1,6 @@
 """Offline chained evaluation: the aggregation against a plain per-anchor loop, the
 acceptance arithmetic, exact vs approximate labelling, self-generated text, the plot and
-the `python -m occamy_mtp.evaluate` entry point on a tiny real-layout checkpoint."""
+the `python -m occamy_mtp evaluate` entry point on a tiny real-layout checkpoint."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def test_cli_refuses_missing_inputs(tmp_path, capsys):
 
 def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, capsys):
     from occamy_mtp.config import load_config, window_settings
-    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.data.prepare import prepare_windows
     from occamy_mtp.run import load_tokenizer
 
     config_path = tmp_path / "run.yaml"
@@ -234,7 +234,7 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
 def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_path, capsys):
     """--max-windows N: the first N heldout windows, the ones validate sends with --prompts N."""
     from occamy_mtp.model import checkpoint as ckpt_io
-    from occamy_mtp.data.windows import prepare_windows
+    from occamy_mtp.data.prepare import prepare_windows
     from occamy_mtp.model.head import SharedWeights
     from occamy_mtp.serve.validate import heldout_window_contexts
     from transformers import AutoTokenizer

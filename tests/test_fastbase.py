@@ -15,9 +15,9 @@ import warnings
 import pytest
 import torch
 
-from occamy_mtp.targets import fastbase
+from occamy_mtp.base import fastbase
 from occamy_mtp.compat import torch_function
-from occamy_mtp.targets.fastbase import (
+from occamy_mtp.base.fastbase import (
     FastBasePass,
     Kernels,
     PackLayout,

@@ -1,4 +1,4 @@
-"""The static batch decoder (`occamy_mtp.selfgen.fastdecode`) against the generator it replaces on a GPU
+"""The static batch decoder (`occamy_mtp.base.fastdecode`) against the generator it replaces on a GPU
 (`greedy.greedy_generate`) and against the base's full forward, on tiny float32 models."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.selfgen.fastdecode import BatchDecoder, fast_greedy_generate
-from occamy_mtp.selfgen.greedy import greedy_generate
+from occamy_mtp.base.fastdecode import BatchDecoder, fast_greedy_generate
+from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
@@ -98,8 +98,8 @@ def test_every_step_s_logits_are_the_full_forward_s(base):
 def decode_through_the_kernels() -> None:
     """Run in a process started with TRITON_INTERPRET=1: the decoder's Gated DeltaNet then runs
     `decode_kernels`' Triton kernels (interpreted) on the CPU, as it runs them on a GPU."""
-    from occamy_mtp.selfgen import decode_kernels
-    from occamy_mtp.selfgen.fastdecode import StaticRunner
+    from occamy_mtp.base import decode_kernels
+    from occamy_mtp.base.fastdecode import StaticRunner
 
     model, _ = random_models(tiny_text_config(), seed=3)
     model = model.float().eval().requires_grad_(False)
@@ -123,7 +123,7 @@ def test_grouped_attention_is_transformers_attention(base):
     """gqa_decode_attention against transformers' eager attention (key/value heads repeated)."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    from occamy_mtp.selfgen.fastdecode import gqa_decode_attention
+    from occamy_mtp.base.fastdecode import gqa_decode_attention
 
     generator = torch.Generator().manual_seed(4)
     query, key, value = (torch.randn(2, heads, length, 8, generator=generator) for heads, length in ((4, 1), (2, 6), (2, 6)))
@@ -259,7 +259,7 @@ def test_a_span_pass_is_one_step_a_token_and_the_full_forward(base, span, chunks
     """`StaticRunner` feeding the text in spans (what a verify pass is) against feeding it one
     step a token and against one full forward: the same argmax, hidden states and logits to
     float32 rounding, and a rollback (snapshot, restore) inside the text changes nothing."""
-    from occamy_mtp.selfgen.fastdecode import StaticRunner
+    from occamy_mtp.base.fastdecode import StaticRunner
 
     text = prompts_of((sum(chunks),), seed=7)[0]
     with torch.no_grad():
@@ -286,7 +286,7 @@ def test_a_span_pass_is_one_step_a_token_and_the_full_forward(base, span, chunks
 
 
 def test_a_span_runner_refuses_what_it_cannot_hold(base):
-    from occamy_mtp.selfgen.fastdecode import StaticRunner
+    from occamy_mtp.base.fastdecode import StaticRunner
 
     with pytest.raises(ValueError, match="span must be >= 1"):
         StaticRunner(base, positions=8, span=0)
@@ -300,7 +300,7 @@ def test_a_span_runner_refuses_what_it_cannot_hold(base):
 def test_captured_spans_give_the_eager_spans_logits_on_gpu():
     """bf16 on the GPU, as export's decoder check runs: each span length captured once and
     replayed gives the eager span step's logits, across a rollback."""
-    from occamy_mtp.selfgen.fastdecode import StaticRunner
+    from occamy_mtp.base.fastdecode import StaticRunner
 
     model, _ = random_models(tiny_text_config(), seed=3)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)

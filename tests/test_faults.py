@@ -27,8 +27,8 @@ from safetensors.torch import load_file
 from occamy_mtp.export import assemble as asm
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import dump_yaml
-from occamy_mtp.data import windows as D
-from occamy_mtp import generate as G
+from occamy_mtp.data import prepare, reader, report, split, windows
+from occamy_mtp.selfgen import regenerate as G
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from test_assemble import assert_serves_head, base_tensors, head_variant, tree_state, write_head
@@ -403,8 +403,8 @@ def train_side_only(models, path: Path) -> Path:
     """The run's conversations whose split key puts them on the train side of a half/half split."""
     kept = []
     for line in models["data"].read_text().splitlines(keepends=True):
-        conversation = D.normalise_record(json.loads(line), "sample")
-        if D.split_key(conversation.content_hash, seed=0) >= 0.5:
+        conversation = reader.normalise_record(json.loads(line), "sample")
+        if split.split_key(conversation.content_hash, seed=0) >= 0.5:
             kept.append(line)
     assert len(kept) >= 6
     path.write_text("".join(kept))
@@ -806,7 +806,7 @@ class CountingTokenizer:
 def sample_texts() -> list[str]:
     """The sample answers: real sentences, punctuation, numbers."""
     records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()]
-    return [D.normalise_record(r, "sample").messages[-1].content for r in records]
+    return [reader.normalise_record(r, "sample").messages[-1].content for r in records]
 
 
 def long_text(characters: int, offset: int = 0) -> str:
@@ -829,9 +829,9 @@ def chat(user: str, answer: str, system: str | None = None) -> dict:
     return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
 
-def assert_window_equals_the_whole(tokenizer, prompt: str, span: str, context_tokens: int, answer_tokens: int) -> D.WindowTokens:
-    whole = D.tokenize_turn(tokenizer, prompt, span)
-    bounded = D.tokenize_window(tokenizer, prompt, span, context_tokens, answer_tokens)
+def assert_window_equals_the_whole(tokenizer, prompt: str, span: str, context_tokens: int, answer_tokens: int) -> windows.WindowTokens:
+    whole = windows.tokenize_turn(tokenizer, prompt, span)
+    bounded = windows.tokenize_window(tokenizer, prompt, span, context_tokens, answer_tokens)
     assert bounded.context_ids == whole.prompt_ids[-context_tokens:]
     assert bounded.answer_ids == whole.span_ids[:answer_tokens]
     assert bounded.boundary_retokenized == whole.boundary_retokenized
@@ -848,13 +848,13 @@ def test_a_byte_order_mark_is_read_past_and_bad_utf8_is_named_by_line(tmp_path, 
     with_bom = tmp_path / "bom.jsonl"
     with_bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
     settings = dict(heldout_conversations=0)
-    want = D.prepare_windows([plain], sample_tokenizer, **settings)
-    got = D.prepare_windows([with_bom], sample_tokenizer, **settings)
+    want = prepare.prepare_windows([plain], sample_tokenizer, **settings)
+    got = prepare.prepare_windows([with_bom], sample_tokenizer, **settings)
     assert [w.input_ids for w in got.train] == [w.input_ids for w in want.train] and len(got.train) == 2
     broken = tmp_path / "broken.jsonl"
     broken.write_bytes(plain.read_bytes() + b'{"messages": "caf\xe9"}\n')
-    with pytest.raises(D.DataError, match=r"broken\.jsonl:3: not UTF-8 text \(invalid continuation byte at byte \d+ of the file\)"):
-        D.prepare_windows([broken], sample_tokenizer, **settings)
+    with pytest.raises(reader.DataError, match=r"broken\.jsonl:3: not UTF-8 text \(invalid continuation byte at byte \d+ of the file\)"):
+        prepare.prepare_windows([broken], sample_tokenizer, **settings)
 
 
 def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_tokenizer, capsys, sample_tokenizer_dir):
@@ -868,32 +868,32 @@ def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_t
     ]
     path = write_jsonl(tmp_path / "data.jsonl", records)
 
-    result = D.prepare_windows([path], sample_tokenizer, max_record_bytes=limit, heldout_conversations=0)
+    result = prepare.prepare_windows([path], sample_tokenizer, max_record_bytes=limit, heldout_conversations=0)
 
-    assert result.excluded == {D.RECORD_TOO_LARGE: 3}
+    assert result.excluded == {reader.RECORD_TOO_LARGE: 3}
     assert result.conversations_read == 5 and result.conversations_kept == 2
-    assert result.excluded_examples[D.RECORD_TOO_LARGE][0] == (
+    assert result.excluded_examples[reader.RECORD_TOO_LARGE][0] == (
         f"{path}:2: 2001 bytes of text, over the limit of 2000 (max_record_bytes)"
     )
     assert result.provenance()["max_record_bytes"] == limit
-    assert D.RECORD_TOO_LARGE in D.EXCLUSION_REASONS
+    assert reader.RECORD_TOO_LARGE in reader.EXCLUSION_REASONS
 
-    assert D.main([f"data.files=[{path}]", f"model.tokenizer={sample_tokenizer_dir}", f"data.max_record_bytes={limit}", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["excluded"][D.RECORD_TOO_LARGE] == 3
+    assert report.main([f"data.files=[{path}]", f"model.tokenizer={sample_tokenizer_dir}", f"data.max_record_bytes={limit}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["excluded"][reader.RECORD_TOO_LARGE] == 3
     with pytest.raises(ValueError, match="max_record_bytes must be >= 1, got 0"):
-        D.prepare_windows([path], sample_tokenizer, max_record_bytes=0)
+        prepare.prepare_windows([path], sample_tokenizer, max_record_bytes=0)
 
 
 def test_a_huge_record_is_refused_by_default_without_being_tokenized(tmp_path, sample_tokenizer):
-    huge = long_text(D.DEFAULT_MAX_RECORD_BYTES)
+    huge = long_text(reader.DEFAULT_MAX_RECORD_BYTES)
     path = write_jsonl(tmp_path / "data.jsonl", [chat(huge, "Fine."), chat("Hi", "Hello there.")])
     counting = CountingTokenizer(sample_tokenizer)
 
-    result = D.prepare_windows([path], counting, heldout_conversations=0)
+    result = prepare.prepare_windows([path], counting, heldout_conversations=0)
 
-    assert result.excluded == {D.RECORD_TOO_LARGE: 1} and result.conversations_kept == 1
+    assert result.excluded == {reader.RECORD_TOO_LARGE: 1} and result.conversations_kept == 1
     text_bytes = len((huge + "Fine.").encode("utf-8"))
-    assert f"{text_bytes} bytes of text, over the limit of {D.DEFAULT_MAX_RECORD_BYTES}" in result.excluded_examples[D.RECORD_TOO_LARGE][0]
+    assert f"{text_bytes} bytes of text, over the limit of {reader.DEFAULT_MAX_RECORD_BYTES}" in result.excluded_examples[reader.RECORD_TOO_LARGE][0]
     assert max(counting.lengths) < 1000
 
 
@@ -907,7 +907,7 @@ def test_the_run_config_sets_the_record_size_limit(tmp_path, sample_tokenizer_di
                                 "data.train_conversations=3", "data.validation_conversations=0", "data.heldout_conversations=1",
                                 "train.select_every_steps=0"])
     data = prepare_data(config, sample_tokenizer)
-    assert data.excluded[D.RECORD_TOO_LARGE] == 2 and data.summary()["conversations_kept"] == 2
+    assert data.excluded[reader.RECORD_TOO_LARGE] == 2 and data.summary()["conversations_kept"] == 2
     assert data.max_record_bytes == 1000 and data.provenance()["max_record_bytes"] == 1000
 
 
@@ -916,7 +916,7 @@ def test_a_line_separator_inside_a_json_string_stays_in_its_record(tmp_path, sep
     answer = f"one line{separator}the same answer"
     path = write_jsonl(tmp_path / "chats.jsonl", [chat("a?", answer), chat("b?", "plain")])
     assert separator in path.read_text(encoding="utf-8")  # written raw (ensure_ascii=False), not escaped
-    records = list(D.read_records(path))
+    records = list(reader.read_records(path))
     assert [location for location, _ in records] == [f"{path}:1", f"{path}:2"]
     assert records[0][1]["messages"][-1]["content"] == answer
 
@@ -924,14 +924,14 @@ def test_a_line_separator_inside_a_json_string_stays_in_its_record(tmp_path, sep
 def test_crlf_line_ends_are_read_as_line_ends(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_bytes(b"".join(json.dumps(chat(q, "yes")).encode() + b"\r\n" for q in ("a?", "b?")))
-    assert [location for location, _ in D.read_records(path)] == [f"{path}:1", f"{path}:2"]
+    assert [location for location, _ in reader.read_records(path)] == [f"{path}:1", f"{path}:2"]
 
 
 def test_generate_reads_prompts_with_the_same_limit(tmp_path, sample_tokenizer):
     path = write_jsonl(tmp_path / "data.jsonl", [chat("Hi", "Hello there."), chat("x" * 600, "y" * 600)])
     read = G.read_prompts([path], sample_tokenizer, max_record_bytes=1000)
-    windows = D.prepare_windows([path], sample_tokenizer, max_record_bytes=1000, heldout_conversations=0)
-    assert read.excluded == windows.excluded == {D.RECORD_TOO_LARGE: 1}
+    windows = prepare.prepare_windows([path], sample_tokenizer, max_record_bytes=1000, heldout_conversations=0)
+    assert read.excluded == windows.excluded == {reader.RECORD_TOO_LARGE: 1}
     assert read.excluded_examples == windows.excluded_examples
     assert len(read.prompts) == 1
 
@@ -949,7 +949,7 @@ def test_no_heldout_or_validation_window_shares_a_context_or_answer_with_train(t
             records += [chat(prompt, answer), chat(prompt, f"Let me count: {answer} That is all.")]
         else:  # the same first tokens, so the same window, once cut to its answer budget
             records += [chat(prompt, answer + " " + "Extra words. " * 10), chat(prompt, answer + " " + "Other words. " * 10)]
-    data = D.prepare_windows([write_jsonl(tmp_path / "chats.jsonl", records)], sample_tokenizer, context_tokens=16,
+    data = prepare.prepare_windows([write_jsonl(tmp_path / "chats.jsonl", records)], sample_tokenizer, context_tokens=16,
                              answer_tokens=12, train_conversations=40, validation_conversations=10, heldout_conversations=10)
 
     def keys(windows, part):
@@ -979,12 +979,12 @@ def test_a_long_record_is_tokenized_only_around_its_window(tmp_path, sample_toke
     short_record = chat(long_text(40_000) + " " + near_the_answer, answer[:20_000], system="You are a helpful assistant.")
     counting = CountingTokenizer(sample_tokenizer)
 
-    [window] = D.prepare_windows([write_jsonl(tmp_path / "long.jsonl", [long_record])], counting, heldout_conversations=0).train
-    [reference] = D.prepare_windows([write_jsonl(tmp_path / "short.jsonl", [short_record])], sample_tokenizer, heldout_conversations=0).train
+    [window] = prepare.prepare_windows([write_jsonl(tmp_path / "long.jsonl", [long_record])], counting, heldout_conversations=0).train
+    [reference] = prepare.prepare_windows([write_jsonl(tmp_path / "short.jsonl", [short_record])], sample_tokenizer, heldout_conversations=0).train
 
     assert window.input_ids == reference.input_ids and window.answer_start == reference.answer_start
-    assert window.answer_start == D.DEFAULT_CONTEXT_TOKENS and window.answer_length == D.DEFAULT_ANSWER_TOKENS
-    bound = 8 * (D.DEFAULT_ANSWER_TOKENS + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+    assert window.answer_start == windows.DEFAULT_CONTEXT_TOKENS and window.answer_length == windows.DEFAULT_ANSWER_TOKENS
+    bound = 8 * (windows.DEFAULT_ANSWER_TOKENS + windows.CUT_MARGIN_TOKENS) * windows.CUT_CHARS_PER_TOKEN
     assert max(counting.lengths) <= bound, counting.lengths  # 50 MB whole took minutes and gigabytes
 
 
@@ -996,11 +996,11 @@ def test_bounded_tokenization_equals_the_whole_on_the_sample_data(sample_tokeniz
     records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()]
     cut = 0
     for number, record in enumerate(records, start=1):
-        conversation = D.normalise_record(record, f"sample:{number}")
-        for turn in D.selected_turns(conversation, "every"):
-            prompt, span = D.render_turn(sample_tokenizer, conversation.messages, turn)
+        conversation = reader.normalise_record(record, f"sample:{number}")
+        for turn in windows.selected_turns(conversation, "every"):
+            prompt, span = windows.render_turn(sample_tokenizer, conversation.messages, turn)
             assert_window_equals_the_whole(sample_tokenizer, prompt, span, **settings)
-            budget = (settings["answer_tokens"] + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+            budget = (settings["answer_tokens"] + windows.CUT_MARGIN_TOKENS) * windows.CUT_CHARS_PER_TOKEN
             cut += len(span) > budget
     if settings["answer_tokens"] == 40:
         assert cut > 100  # the bounded path was taken
@@ -1023,17 +1023,17 @@ HARD_TEXTS = {
 }
 # (margin, characters per token of the first cut): the defaults, and none at all, where
 # the kept tokens always reach the cut and only the moved-cut checks keep them exact.
-CUT_SETTINGS = [(D.CUT_MARGIN_TOKENS, D.CUT_CHARS_PER_TOKEN), (0, 1)]
+CUT_SETTINGS = [(windows.CUT_MARGIN_TOKENS, windows.CUT_CHARS_PER_TOKEN), (0, 1)]
 
 
 @pytest.mark.parametrize("margin, chars_per_token", CUT_SETTINGS)
 @pytest.mark.parametrize("name", sorted(HARD_TEXTS))
 def test_bounded_tokenization_equals_the_whole_on_hard_texts(sample_tokenizer, monkeypatch, name, margin, chars_per_token):
-    monkeypatch.setattr(D, "CUT_MARGIN_TOKENS", margin)
-    monkeypatch.setattr(D, "CUT_CHARS_PER_TOKEN", chars_per_token)
+    monkeypatch.setattr(windows, "CUT_MARGIN_TOKENS", margin)
+    monkeypatch.setattr(windows, "CUT_CHARS_PER_TOKEN", chars_per_token)
     text = HARD_TEXTS[name]
-    conversation = D.Conversation((D.Message("user", text), D.Message("assistant", text[::-1] + " " + text)), "hard")
-    prompt, span = D.render_turn(sample_tokenizer, conversation.messages, 1)
+    conversation = reader.Conversation((reader.Message("user", text), reader.Message("assistant", text[::-1] + " " + text)), "hard")
+    prompt, span = windows.render_turn(sample_tokenizer, conversation.messages, 1)
     for context_tokens, answer_tokens in [(1, 1), (128, 382), (5000, 5000)]:
         assert_window_equals_the_whole(sample_tokenizer, prompt, span, context_tokens, answer_tokens)
 
@@ -1042,24 +1042,24 @@ def test_a_run_at_the_end_of_the_prompt_is_cut_at_its_start(sample_tokenizer):
     """The premise of the moved-cut check: two cuts an even number of characters apart
     inside a run of "s" give the same wrong tokens; one character apart they differ."""
     text = "x" + "s" * 6002 + "y"  # cut 2304 or 4608 characters from the end: 2303 or 4607 s, and 6002 in the whole
-    whole = D._encode(sample_tokenizer, text)[-8:]
-    same_phase = [D._encode(sample_tokenizer, text[-length:])[-8:] for length in (2304, 4608)]
+    whole = windows._encode(sample_tokenizer, text)[-8:]
+    same_phase = [windows._encode(sample_tokenizer, text[-length:])[-8:] for length in (2304, 4608)]
     assert same_phase[0] == same_phase[1] != whole
-    assert D._encode(sample_tokenizer, text[-2305:])[-8:] != same_phase[0]
-    assert D._last_tokens(sample_tokenizer, text, 8)[0] == whole
+    assert windows._encode(sample_tokenizer, text[-2305:])[-8:] != same_phase[0]
+    assert windows._last_tokens(sample_tokenizer, text, 8)[0] == whole
 
 
 @pytest.mark.parametrize("margin, chars_per_token", CUT_SETTINGS)
 def test_bounded_tokenization_equals_the_whole_on_long_sample_prompts(sample_tokenizer, monkeypatch, margin, chars_per_token):
     """Sample conversations strung into one long multi-turn chat: every turn's window."""
-    monkeypatch.setattr(D, "CUT_MARGIN_TOKENS", margin)
-    monkeypatch.setattr(D, "CUT_CHARS_PER_TOKEN", chars_per_token)
+    monkeypatch.setattr(windows, "CUT_MARGIN_TOKENS", margin)
+    monkeypatch.setattr(windows, "CUT_CHARS_PER_TOKEN", chars_per_token)
     records = [json.loads(line) for line in SAMPLE_DATA_PATH.read_text(encoding="utf-8").splitlines()[:12]]
-    messages = tuple(m for number, r in enumerate(records) for m in D.normalise_record(r, f"sample:{number}").messages
+    messages = tuple(m for number, r in enumerate(records) for m in reader.normalise_record(r, f"sample:{number}").messages
                      if m.role != "system")
-    conversation = D.Conversation(messages, "strung")
-    for turn in D.selected_turns(conversation, "every"):
-        prompt, span = D.render_turn(sample_tokenizer, conversation.messages, turn)
+    conversation = reader.Conversation(messages, "strung")
+    for turn in windows.selected_turns(conversation, "every"):
+        prompt, span = windows.render_turn(sample_tokenizer, conversation.messages, turn)
         for context_tokens, answer_tokens in [(8, 40), (128, 382)]:
             assert_window_equals_the_whole(sample_tokenizer, prompt, span, context_tokens, answer_tokens)
 
@@ -1073,20 +1073,20 @@ def test_text_after_the_end_of_turn_is_never_kept(sample_tokenizer):
         + "(a footer the template writes after every message) " * 40
         + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    conversation = D.Conversation((D.Message("user", "Hi"), D.Message("assistant", "Hello there.")), "footer")
-    prompt, span = D.render_turn(tokenizer, conversation.messages, 1)
-    assert len(span) > (40 + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN  # the head is cut
+    conversation = reader.Conversation((reader.Message("user", "Hi"), reader.Message("assistant", "Hello there.")), "footer")
+    prompt, span = windows.render_turn(tokenizer, conversation.messages, 1)
+    assert len(span) > (40 + windows.CUT_MARGIN_TOKENS) * windows.CUT_CHARS_PER_TOKEN  # the head is cut
     bounded = assert_window_equals_the_whole(tokenizer, prompt, span, 4, 40)
     assert tokenizer.decode(bounded.answer_ids) == "Hello there.<|im_end|>"
 
 
 def test_end_of_turn_just_beyond_a_cut(sample_tokenizer):
     """An answer whose <|im_end|> straddles the first head cut, and one that ends right at it."""
-    budget = (40 + D.CUT_MARGIN_TOKENS) * D.CUT_CHARS_PER_TOKEN
+    budget = (40 + windows.CUT_MARGIN_TOKENS) * windows.CUT_CHARS_PER_TOKEN
     for shift in range(-12, 4):
         answer = "b" * (budget + shift - 3) + " ok"  # the template adds <|im_end|> and a newline after it
-        conversation = D.Conversation((D.Message("user", "Hi"), D.Message("assistant", answer)), "edge")
-        prompt, span = D.render_turn(sample_tokenizer, conversation.messages, 1)
+        conversation = reader.Conversation((reader.Message("user", "Hi"), reader.Message("assistant", answer)), "edge")
+        prompt, span = windows.render_turn(sample_tokenizer, conversation.messages, 1)
         assert_window_equals_the_whole(sample_tokenizer, prompt, span, 4, 40)
         bounded = assert_window_equals_the_whole(sample_tokenizer, prompt, span, 4, 5000)
         assert bounded.answer_ids[-1] == sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -1103,8 +1103,8 @@ def test_boundary_retokenization_is_counted_as_the_whole_text_counts_it(sample_t
     flags = []
     for answer in ("Hello there.", "yes", "The quick brown fox.", "42 is the answer.", " spaced", "-dash"):
         for user in ("Hi", long_text(50_000)):
-            conversation = D.Conversation((D.Message("user", user), D.Message("assistant", answer)), "boundary")
-            prompt, span = D.render_turn(tokenizer, conversation.messages, 1)
+            conversation = reader.Conversation((reader.Message("user", user), reader.Message("assistant", answer)), "boundary")
+            prompt, span = windows.render_turn(tokenizer, conversation.messages, 1)
             flags.append(assert_window_equals_the_whole(tokenizer, prompt, span, 16, 16).boundary_retokenized)
     assert any(flags) and not all(flags)  # both outcomes were checked
 
@@ -1112,7 +1112,7 @@ def test_boundary_retokenization_is_counted_as_the_whole_text_counts_it(sample_t
 def test_generate_round_trip_reads_only_the_answer_of_a_long_prompt(sample_tokenizer):
     im_end = sample_tokenizer.convert_tokens_to_ids("<|im_end|>")
     answer_ids = sample_tokenizer("Hello there.", add_special_tokens=False)["input_ids"] + [im_end]
-    messages = [D.Message("user", long_text(300_000)), D.Message("assistant", "Hello there.")]
+    messages = [reader.Message("user", long_text(300_000)), reader.Message("assistant", "Hello there.")]
     counting = CountingTokenizer(sample_tokenizer)
     assert G.roundtrip_outcome(counting, messages, answer_ids, True, im_end) == G.ROUNDTRIP_EXACT
     assert max(counting.lengths) < 10_000
@@ -1130,12 +1130,12 @@ def store_config(models, store: Path, base: str = "base"):
 
 def opened_store(config):
     """A run's store and windows as `open_run` has them once its models are loaded."""
-    from occamy_mtp.run import load_tokenizer, open_store, prepare_data, self_generated_needed
+    from occamy_mtp.run import BaseFacts, load_tokenizer, open_store, prepare_data, self_generated_needed, stop_token_ids
     from occamy_mtp.sampling import GREEDY_TEXT
 
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
-    return open_store(config, tokenizer), self_generated_needed(config, data)[GREEDY_TEXT]
+    return open_store(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer)), self_generated_needed(config, data)[GREEDY_TEXT]
 
 
 def embedded_writer(config):
@@ -1325,7 +1325,7 @@ def prompt_records(count: int) -> list[dict]:
     """The sample conversations cut before their first answer, in the three shapes a prompt set comes in."""
     records = []
     for index, line in enumerate(SAMPLE_DATA_PATH.read_text().splitlines()[:count]):
-        conversation = D.normalise_record(json.loads(line), "sample")
+        conversation = reader.normalise_record(json.loads(line), "sample")
         user = next(m.content for m in conversation.messages if m.role == "user")
         shape = index % 3
         if shape == 0:
@@ -1340,10 +1340,10 @@ def prompt_records(count: int) -> list[dict]:
 def test_prompt_records_make_windows_only_when_the_base_writes_the_answers(tmp_path, sample_tokenizer):
     path = write_jsonl(tmp_path / "prompts.jsonl", prompt_records(12) + [chat("What is 2 + 2?", "4.")])
     settings = dict(context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=10)  # room for all
-    refused = D.prepare_windows([path], sample_tokenizer, **settings)
-    assert refused.excluded == {D.NO_ASSISTANT_TURN: 12} and refused.conversations_kept == 1
-    assert "usable when the base writes the answers" in refused.excluded_examples[D.NO_ASSISTANT_TURN][0]
-    taken = D.prepare_windows([path], sample_tokenizer, prompts=True, **settings)
+    refused = prepare.prepare_windows([path], sample_tokenizer, **settings)
+    assert refused.excluded == {reader.NO_ASSISTANT_TURN: 12} and refused.conversations_kept == 1
+    assert "usable when the base writes the answers" in refused.excluded_examples[reader.NO_ASSISTANT_TURN][0]
+    taken = prepare.prepare_windows([path], sample_tokenizer, prompts=True, **settings)
     assert taken.conversations_kept == 13 and not taken.excluded
     windows = taken.train + taken.heldout
     assert sum(not w.has_answer for w in windows) == 12 == sum(taken.summary()["prompt_windows"].values())

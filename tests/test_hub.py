@@ -15,7 +15,7 @@ import pytest
 
 from occamy_mtp import hub
 from occamy_mtp.cli import parse, parser
-from occamy_mtp.data import windows as D
+from occamy_mtp.data import prepare
 from occamy_mtp.record import checkpoint_identity
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
@@ -106,14 +106,14 @@ def test_a_hub_id_that_cannot_be_resolved_is_one_error_line(offline, tmp_path, c
 
 def test_a_hub_dataset_reads_as_its_files_do(offline, sample_tokenizer):
     settings = dict(context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
-    named = D.prepare_windows(["hf:occamy-test/chats?split=train&column=messages"], sample_tokenizer, **settings)
-    local = D.prepare_windows([offline["chats"] / "data" / "train.jsonl"], sample_tokenizer, **settings)
+    named = prepare.prepare_windows(["hf:occamy-test/chats?split=train&column=messages"], sample_tokenizer, **settings)
+    local = prepare.prepare_windows([offline["chats"] / "data" / "train.jsonl"], sample_tokenizer, **settings)
     assert [w.input_ids for w in named.train + named.heldout] == [w.input_ids for w in local.train + local.heldout]
     assert named.conversations_read == len(offline["lines"]) == 30
     [described] = named.provenance()["files"]
     assert described["hub"]["revision"] == COMMIT and described["hub"]["split"] == "train"
     assert {f["name"] for f in described["hub"]["files"]} == {"data/train.jsonl", "data/test.jsonl"}
-    other = D.prepare_windows(["hf:occamy-test/chats?split=test&column=messages"], sample_tokenizer, **settings)
+    other = prepare.prepare_windows(["hf:occamy-test/chats?split=test&column=messages"], sample_tokenizer, **settings)
     assert other.conversations_read == 10
 
 
@@ -127,7 +127,7 @@ def test_a_hub_dataset_reads_as_its_files_do(offline, sample_tokenizer):
 ])
 def test_a_bad_dataset_name_is_refused_naming_what_is_wrong(offline, sample_tokenizer, spec, message):
     with pytest.raises(hub.HubError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        D.prepare_windows([spec], sample_tokenizer, train_conversations=20, heldout_conversations=8)
+        prepare.prepare_windows([spec], sample_tokenizer, train_conversations=20, heldout_conversations=8)
 
 
 def test_a_prompt_column_reads_as_prompts(offline, tmp_path, sample_tokenizer):
@@ -135,7 +135,7 @@ def test_a_prompt_column_reads_as_prompts(offline, tmp_path, sample_tokenizer):
     prompts.mkdir()
     (prompts / "train.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + {i}?"}) + "\n" for i in range(12)))
     cache_repo(offline["cache"], "dataset", "occamy-test/prompts", prompts)
-    data = D.prepare_windows(["hf:occamy-test/prompts?split=train&column=question"], sample_tokenizer, prompts=True,
+    data = prepare.prepare_windows(["hf:occamy-test/prompts?split=train&column=question"], sample_tokenizer, prompts=True,
                              context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
     assert data.conversations_kept == 12 and sum(data.summary()["prompt_windows"].values()) == 12
 

@@ -1,4 +1,4 @@
-"""`python -m occamy_mtp.inspect`: what it reports for configs and checkpoints, that it
+"""`python -m occamy_mtp inspect`: what it reports for configs and checkpoints, that it
 reads no weights, and that it finds every kind of problem."""
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ def no_weight_reads(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
 def test_real_size_config_from_the_command_line(tmp_path, capsys, monkeypatch):
-    """`python -m occamy_mtp.inspect config.json --json` on the real model's bare config
+    """`python -m occamy_mtp inspect config.json --json` on the real model's bare config
     (no weights exist), run as __main__ in this interpreter to spare a second start-up."""
     config = write_config(tmp_path / "config.json", QWEN3_5_35B_A3B, multimodal=True)
-    monkeypatch.setattr(sys, "argv", ["python -m occamy_mtp.inspect", str(config), "--json"])
+    monkeypatch.setattr(sys, "argv", ["occamy_mtp", "inspect", str(config), "--json"])
     with pytest.raises(SystemExit) as exited:
-        runpy.run_module("occamy_mtp.inspect", run_name="__main__")
+        runpy.run_module("occamy_mtp", run_name="__main__")
     assert exited.value.code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["head_parameters"] == 844_640_768

@@ -16,8 +16,8 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from occamy_mtp.selfgen import decode_kernels  # noqa: E402
-from occamy_mtp.targets import moe_kernels  # noqa: E402
+from occamy_mtp.base import decode_kernels  # noqa: E402
+from occamy_mtp.base import moe_kernels  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Qwen3.5-35B-A3B's widths: 16 key heads and 32 value heads of 128 in the Gated DeltaNet (conv

@@ -10,7 +10,7 @@ import torch
 
 from occamy_mtp import memory
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
-from occamy_mtp.selfgen.fastdecode import BatchDecoder
+from occamy_mtp.base.fastdecode import BatchDecoder
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -112,7 +112,7 @@ def test_the_cache_pass_takes_as_many_tokens_as_fit(monkeypatch):
     from transformers import Qwen3_5MoeTextConfig
 
     from occamy_mtp import cache as CP
-    from occamy_mtp.targets.fastbase import token_bytes
+    from occamy_mtp.base.fastbase import token_bytes
 
     # At real size the fast pass's peak was 164.8 KiB a token over the weights (H200, 65,536 tokens)
     assert abs(token_bytes(Qwen3_5MoeTextConfig()) / 1024 - 164.8) / 164.8 < 0.05
@@ -175,7 +175,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     from occamy_mtp.config import Serving
     from occamy_mtp.evaluation import evaluate
     from occamy_mtp.model import loss
-    from occamy_mtp.targets.base import chunked_greedy
+    from occamy_mtp.base.logits import chunked_greedy
 
     device, vocab, dim, rows = torch.device("cuda"), 248_320, 2048, 512
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ import importlib
 import pytest
 import torch
 
-from occamy_mtp.targets import fastbase
-from occamy_mtp.targets import moe_kernels
+from occamy_mtp.base import fastbase
+from occamy_mtp.base import moe_kernels
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from occamy_mtp.targets import tuning
+from occamy_mtp.base import tuning
 
 KERNEL_FIELDS = {"kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg"}
 
@@ -56,7 +56,7 @@ def test_an_sm90_card_gets_the_configs_and_other_cards_autotune(monkeypatch):
 
     fla_cache = fake_gpu(monkeypatch, (9, 0))
     said = tuning.use_tuned_kernel_configs(torch.device("cuda", 0))
-    assert "fixed configs from targets/tuned/sm90" in said
+    assert "fixed configs from base/tuned/sm90" in said
     assert os.environ["FLA_CONFIG_DIR"] == str(tuning.TUNED / "sm90") and fla_cache.FLA_CACHE_MODE == "fuzzy"
     fake_gpu(monkeypatch, (8, 0))
     assert "no fixed configs for compute capability 8.0" in tuning.use_tuned_kernel_configs(torch.device("cuda", 0))
@@ -78,7 +78,7 @@ def test_a_user_s_own_fla_settings_are_left_alone(monkeypatch):
 # is set only by a benchmark or a disk-cache hit), every one used must hold a config.
 _FRESH_PROCESS = textwrap.dedent("""
     import json, sys, torch
-    from occamy_mtp.targets.fastbase import fla_kernels
+    from occamy_mtp.base.fastbase import fla_kernels
     kernels = fla_kernels()
     from fla.modules.causal_conv1d import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule

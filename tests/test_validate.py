@@ -87,7 +87,7 @@ def servers(tiny):
         for name, flags in SERVERS.items():
             log = open(tiny["root"] / f"{name}.stderr", "w")
             processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "occamy_mtp.serve_reference", "--base", str(tiny["base"]), "--port", "0", *flags],
+                [sys.executable, "-m", "occamy_mtp", "serve-reference", "--base", str(tiny["base"]), "--port", "0", *flags],
                 stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=REPO,
             )
             log.close()
@@ -137,7 +137,7 @@ def test_identical_server_passes(recorded, servers, tmp_path):
     """The "one server restarted between" protocol: a recorded reference, the live server,
     through the real entry point (stdlib only: no --data, the recording holds the prompts)."""
     result = subprocess.run(
-        [sys.executable, "-m", "occamy_mtp.validate", "--reference", str(recorded["path"]),
+        [sys.executable, "-m", "occamy_mtp", "validate", "--reference", str(recorded["path"]),
          "--candidate", servers["urls"]["greedy"], "--out", str(tmp_path), "--quiet", "--timeout", str(REQUEST_TIMEOUT_SECONDS),
          "--allow-no-drafts"],
         capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -197,11 +197,11 @@ def test_mtp_off_candidate_fails_for_drafting_nothing(recorded, servers, tmp_pat
 def test_window_contexts_go_as_token_ids_to_completions(tiny, servers, tmp_path):
     """--prompt-source windows: the heldout windows' contexts, as token ids, exactly the prompts
     `occamy_mtp.evaluation.evaluate --reference-decoder` decodes; acceptance read from /v1/completions."""
-    from occamy_mtp.data import windows as D
+    from occamy_mtp.data import prepare
 
     split = dict(train_conversations=4, heldout_conversations=3)
     prompts = V.heldout_window_contexts([tiny["data"]], tiny["tokenizer"], **split)
-    windows = D.prepare_windows([tiny["data"]], tiny["tokenizer"], **split).heldout
+    windows = prepare.prepare_windows([tiny["data"]], tiny["tokenizer"], **split).heldout
     assert [p.prompt_ids for p in prompts] == [tuple(w.input_ids[: w.answer_start]) for w in windows]
     completions = E.RequestSettings(endpoint=E.COMPLETIONS, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
     body = V.request_body(prompts[0], completions, "m")

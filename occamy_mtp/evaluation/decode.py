@@ -17,8 +17,8 @@ from occamy_mtp import sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.selfgen.fastdecode import StaticRunner, static_decoding
-from occamy_mtp.selfgen.greedy import check_prompts
+from occamy_mtp.base.fastdecode import StaticRunner, static_decoding
+from occamy_mtp.base.generate import check_prompts
 from occamy_mtp.model.head import ChainKV
 
 # (anchor position a, chain step k = 1..K, drafted token) -> token to propose instead for

@@ -29,7 +29,8 @@ from occamy_mtp.evaluation.metrics import (
     expected_acceptance,
     replayed_acceptance,
 )
-from occamy_mtp.targets.base import base_outputs, chunked_greedy
+from occamy_mtp.base.logits import chunked_greedy
+from occamy_mtp.targets.base import base_outputs
 
 TEACHER_FORCED = "teacher_forced"
 SELF_GENERATED = "self_generated"
@@ -612,7 +613,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    cli = command_line("python -m occamy_mtp.evaluate",
+    cli = command_line("python -m occamy_mtp evaluate",
                        "Served acceptance (exact, on the base's own text, per serving configuration), agreement and NLL of "
                        "MTP heads, side by side.",
                        config_required=False)
@@ -664,8 +665,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     donor = run.models.head
     for param in donor.parameters():  # as served: every tensor in the model dtype
         param.data = param.data.to(dtype)
-    text_config = ckpt_io.read_config(config.model.base).text_config
-    trained = ckpt_io.load_head(head_path, text_config, donor.shared, dtype=dtype, device=device,
+    trained = ckpt_io.load_head(head_path, run.base_facts.text_config, donor.shared, dtype=dtype, device=device,
                                 attn_implementation=config.model.attn_implementation)[0]
     heads = {"donor": donor, "trained": trained}
     steps, served_steps, budget = config.eval.draft_steps, config.eval.served_steps, config.data.answer_tokens
@@ -752,7 +752,3 @@ def _format_decoder_checks(checks_by_head: dict) -> str:
                                  f"decodes; z of accepted drafts {check['z']['accepted']:+.2f}, of verify passes "
                                  f"{check['z']['verify_passes']:+.2f}")
     return "".join(lines)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""What a checkpoint holds, before a long run: `python -m occamy_mtp.export.checkpoint_report PATH [--json]`.
+"""What a checkpoint holds, before a long run: `python -m occamy_mtp inspect PATH [--json]`.
 
 PATH is a checkpoint directory or a bare config.json. The report gives the
 architecture and dimensions, whether `mtp.*` tensors are present and in which expert
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -261,7 +260,7 @@ def format_report(report: dict) -> str:
 @command
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp.export.checkpoint_report",
+        prog="python -m occamy_mtp inspect",
         description="Report what a Qwen3.5-MoE / Qwen3-Next checkpoint (or config.json) holds, before a long run.",
     )
     parser.add_argument("path", type=Path, help="checkpoint directory or config.json")
@@ -271,6 +270,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if report["problems"] else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

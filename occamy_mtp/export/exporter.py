@@ -33,11 +33,10 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.decode import decodes_runner
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_acceptance
-from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock
+from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
 
 METRICS_FORMAT = 3  # 3: served figures per serving configuration
 HEADLINE = (
@@ -161,14 +160,14 @@ def decoder_check(run: Run, head, runner=None) -> dict:
 
 
 def export(config: RunConfig, allow_worse: bool = False, log=log_stderr) -> dict:
-    """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir."""
-    config = resolve(config)  # models named by Hub id -> their local snapshots
-    check_run(config)
+    """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir.
+    `config`'s models are local directories (the command line resolves Hub ids: `cli.parse`)."""
+    base = check_run(config)
     with output_lock(config):
-        return _export(config, allow_worse, log)
+        return _export(config, base, allow_worse, log)
 
 
-def _export(config: RunConfig, allow_worse: bool, log) -> dict:
+def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
     started = time.perf_counter()
     run_dir = RunDir.of(config)
     if not run_dir.train_summary.is_file():
@@ -179,7 +178,7 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
         for stale in files.stale_temporaries(path):
             stale.unlink()
 
-    run = open_run(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"), log=log)
+    run = open_run(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log)
     head = run.models.head
     dtype = ckpt_io.DTYPES[config.model.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype
@@ -221,7 +220,7 @@ def _export(config: RunConfig, allow_worse: bool, log) -> dict:
     donor_disk = _donor_disk(config, layout, run.models.donor_layout, donor_state)
     # A fused expert tensor trained in the module is one tensor per expert on a per-expert disk.
     trained_disk = {key: disk[key] for key in ckpt_io.head_checkpoint_tensors({k: state[k] for k in masters}, layout)}
-    head_config = head_config_json(ckpt_io.read_config(config.model.base).text_config, layout, list(trained_disk), disk)
+    head_config = head_config_json(run.base_facts.text_config, layout, list(trained_disk), disk)
     hash_cache = rec.load_hash_cache(run_dir.hash_cache)
     identities = {name: rec.checkpoint_identity(Path(path), hash_cache, log)
                   for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
@@ -325,7 +324,3 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: the trained head is worse than the donor; written because --allow-worse was given", file=sys.stderr)
     print(f"wrote {RunDir.of(config).head} and {RunDir.of(config).record.name}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Protocol
 
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.memory import fitting
-from occamy_mtp.selfgen.fastdecode import DEFAULT_MAX_BATCH, BatchDecoder, fast_greedy_generate, static_decoding
-from occamy_mtp.selfgen.greedy import greedy_generate
+from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, BatchDecoder, fast_greedy_generate, static_decoding
+from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 
@@ -146,7 +145,7 @@ class EmbeddedWriter:
         return EmbeddedWriter(self.base, self.batch_size, sampling)
 
     def details(self) -> dict:
-        decoder = "occamy_mtp.selfgen.fastdecode.BatchDecoder" if self.static else "occamy_mtp.selfgen.greedy.greedy_generate"
+        decoder = "occamy_mtp.base.fastdecode.BatchDecoder" if self.static else "occamy_mtp.base.generate.greedy_generate"
         return {"decoder": decoder, "batch_size": self.batch_size or "sized to the memory (data.self_generate_batch_size 0)"}
 
     def describe(self) -> str:
@@ -196,18 +195,18 @@ class EmbeddedWriter:
                                                                 uniforms=uniforms)
 
 
-def store_identity(base_dir: str | Path, dtype: str, attn_implementation: str, max_new_tokens: int, stop_token_ids: Collection[int],
-                   writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT) -> dict:
-    """What a store's continuations are a function of (the fields of COMPARED_FIELDS); `writer`
-    is who writes them (EMBEDDED or ENGINE): a store is never extended by the other one;
-    `sampling` how (greedy, or sampled with its settings and seed)."""
-    base = ckpt_io.checkpoint_fingerprint(base_dir)
+def store_identity(base_fingerprint: dict, vocab_size: int, dtype: str, attn_implementation: str, max_new_tokens: int,
+                   stop_token_ids: Collection[int], writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT) -> dict:
+    """What a store's continuations are a function of (the fields of COMPARED_FIELDS): the base
+    (`checkpoint.checkpoint_fingerprint` and its vocabulary) and the settings; `writer` is who
+    writes them (EMBEDDED or ENGINE): a store is never extended by the other one; `sampling`
+    how (greedy, or sampled with its settings and seed)."""
     optional = {} if sampling.greedy else {"sampling": sampling.to_dict()}
     return {
         "format": STORE_FORMAT,
-        "base_config_sha256": base["config_sha256"],
-        "base_weights_sample_sha256": base["weights_sample_sha256"],
-        "vocab_size": int(ckpt_io.read_config(Path(base_dir)).text_config.vocab_size),
+        "base_config_sha256": base_fingerprint["config_sha256"],
+        "base_weights_sample_sha256": base_fingerprint["weights_sample_sha256"],
+        "vocab_size": int(vocab_size),
         "dtype": dtype,
         "attn_implementation": attn_implementation,
         "max_new_tokens": int(max_new_tokens),
@@ -343,7 +342,7 @@ class SelfGeneratedStore:
         if missing:
             raise SelfGenError(
                 f"{self.directory}: {len(missing)} of {len(windows)} windows have no self-generated continuation yet "
-                "(the base was not loaded to write them); run `python -m occamy_mtp.cache --config ...`, which writes "
+                "(the base was not loaded to write them); run `python -m occamy_mtp cache --config ...`, which writes "
                 "them with the target cache, or train without data.target_cache"
             )
         return [with_continuation(w, self._continuations[context_digest(context_of(w))]) for w in windows]

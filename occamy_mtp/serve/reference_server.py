@@ -336,7 +336,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     from transformers import AutoTokenizer
 
     from occamy_mtp.model import checkpoint as ckpt_io
-    from occamy_mtp.selfgen.greedy import default_eos_token_ids
+    from occamy_mtp.base.generate import default_eos_token_ids
     from occamy_mtp.model.head import SharedWeights
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -366,7 +366,7 @@ class _Server(HTTPServer):
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occamy_mtp.serve_reference", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m occamy_mtp serve-reference", description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
     parser.add_argument("--head", type=Path, help="MTP head (file or directory; default: the base's own mtp.* tensors)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --base)")
@@ -403,7 +403,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

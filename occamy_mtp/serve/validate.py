@@ -81,22 +81,18 @@ class ValidationPrompt:
 def heldout_prefixes(paths, tokenizer, **split) -> list[ValidationPrompt]:
     """The messages before each heldout window's assistant turn, in split order.
 
-    The heldout split is `occamy_mtp.data.windows.prepare_windows`' (pass the settings training
+    The heldout split is `occamy_mtp.data.prepare.prepare_windows`' (pass the settings training
     used, e.g. train_conversations=..., heldout_conversations=..., split_seed=...).
     """
-    from occamy_mtp.data import windows as D
+    from occamy_mtp.data.prepare import prepare_windows
+    from occamy_mtp.data.reader import DEFAULT_EXCLUSIONS, ChatReader
 
-    prepared = D.prepare_windows(paths, tokenizer, **split)
+    prepared = prepare_windows(paths, tokenizer, **split)
     wanted = {(w.conversation_hash, w.turn_index) for w in prepared.heldout}
-    conversations = {}
-    for path in paths:
-        for location, record in D.read_records(Path(path)):
-            try:
-                conversation = D.normalise_record(record, location)
-            except D.DataError:
-                continue  # prepare_windows raised or counted it already
-            if isinstance(conversation, D.Conversation):
-                conversations.setdefault(conversation.content_hash, conversation)
+    hashes = {conversation_hash for conversation_hash, _ in wanted}
+    read = ChatReader(paths, exclude=split.get("exclude", DEFAULT_EXCLUSIONS), skip_bad_records=True,  # refused or counted above
+                      max_record_bytes=prepared.max_record_bytes)
+    conversations = {c.content_hash: c for c in read if c.content_hash in hashes}
     prompts = []
     for window in prepared.heldout:
         key = (window.conversation_hash, window.turn_index)
@@ -115,9 +111,9 @@ def heldout_window_contexts(paths, tokenizer, **split) -> list[ValidationPrompt]
     --reference-decoder` decodes, so that the engine's acceptance and the library's are
     measured on the same prompts, token for token. Pass the window and split settings of
     training (context_tokens=..., answer_tokens=..., train_conversations=..., ...)."""
-    from occamy_mtp.data import windows as D
+    from occamy_mtp.data.prepare import prepare_windows
 
-    prepared = D.prepare_windows(paths, tokenizer, **split)
+    prepared = prepare_windows(paths, tokenizer, **split)
     return [ValidationPrompt(f"window-{w.conversation_hash[:12]}-{w.turn_index}", "window", (), tuple(w.input_ids[: w.answer_start]))
             for w in prepared.heldout]
 
@@ -641,7 +637,7 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    cli = command_line("python -m occamy_mtp.validate",
+    cli = command_line("python -m occamy_mtp validate",
                        "Compare two OpenAI-compatible servers (MTP off vs on) token for token, and read the MTP-on server's acceptance. "
                        "--config (the run's) gives data.files, whose heldout prefixes join the authored prompts, the tokenizer "
                        "and the split.", config_required=False)
@@ -713,7 +709,3 @@ def main(argv: list[str] | None = None) -> int:
     if not report["passed"]:
         print(f"validation failed: {'; '.join(report['failures'])}", file=sys.stderr)
     return 0 if report["passed"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

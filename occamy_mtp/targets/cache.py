@@ -50,9 +50,8 @@ def window_digest(input_ids: Sequence[int]) -> str:
     return token_ids_sha256(input_ids)
 
 
-def base_fingerprint(base_dir: Path) -> dict:
-    """The base part of the identity (`checkpoint.checkpoint_fingerprint`, without the summary digest)."""
-    fingerprint = ckpt_io.checkpoint_fingerprint(base_dir)
+def base_part(fingerprint: dict) -> dict:
+    """The base part of the identity: its `checkpoint.checkpoint_fingerprint` without the summary digest."""
     return {k: fingerprint[k] for k in ("config_sha256", "index_sha256", "method", "files")}
 
 
@@ -122,9 +121,10 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def cache_identity(base_dir: Path, windows: Sequence[Window], window_settings: dict, dtype: str, attn_implementation: str) -> CacheIdentity:
-    """The identity a run with this base, these windows (built with `window_settings`,
-    `PreparedData.settings`) and these settings expects."""
+def cache_identity(base_fingerprint: dict, windows: Sequence[Window], window_settings: dict, dtype: str,
+                   attn_implementation: str) -> CacheIdentity:
+    """The identity a run with this base (its `checkpoint.checkpoint_fingerprint`), these windows
+    (built with `window_settings`, `PreparedData.settings`) and these settings expects."""
     if dtype not in ckpt_io.DTYPES:
         raise ValueError(f"dtype must be one of {sorted(ckpt_io.DTYPES)}, got {dtype!r}")
     settings = {
@@ -133,7 +133,7 @@ def cache_identity(base_dir: Path, windows: Sequence[Window], window_settings: d
         "attn_implementation": attn_implementation,
         "windows": dict(window_settings),
     }
-    return CacheIdentity(base_fingerprint(base_dir), data_fingerprint(windows), settings)
+    return CacheIdentity(base_part(base_fingerprint), data_fingerprint(windows), settings)
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def _producer(computed: int, seconds: float) -> dict:
 def read_manifest(directory: Path) -> dict:
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
-        raise CacheError(f"{directory}: no target cache here ({MANIFEST_NAME} missing); build it with `python -m occamy_mtp.cache --config CONFIG`")
+        raise CacheError(f"{directory}: no target cache here ({MANIFEST_NAME} missing); build it with `python -m occamy_mtp cache --config CONFIG`")
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -388,7 +388,7 @@ class TargetCache:
             raise CacheError(
                 f"{directory}: the target cache was built for another base, data or settings; refusing to reuse it:\n  "
                 + "\n  ".join(cached.differences(expected))
-                + "\nrebuild it (python -m occamy_mtp.cache --config CONFIG) into a new directory"
+                + "\nrebuild it (python -m occamy_mtp cache --config CONFIG) into a new directory"
             )
         done = sum(s["sha256"] is not None for s in manifest["shards"])
         if not manifest["complete"] or done < len(manifest["shards"]):

@@ -13,7 +13,7 @@ This reproduces, at toy size and on CPU, the situation the library exists for:
    per-expert tensors that still carries the donor's stale `mtp.*` tensors, each with
    the tokenizer and its chat template.
 
-Run `python -m occamy_mtp.testing.demo_models --out runs/demo/models`. The build is
+Run `python -m occamy_mtp demo-models --out runs/demo/models`. The build is
 deterministic for a given number of threads and skipped when `--out` already holds a
 build of the same settings and data. The repository ships the default build
 (`data/demo-models/`, built by this module with one thread; about 35 minutes on two
@@ -253,7 +253,7 @@ def build_demo_models(
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build the demo's donor and fine-tuned base from the sample chats.")
+    parser = argparse.ArgumentParser(prog="python -m occamy_mtp demo-models", description="Build the demo's donor and fine-tuned base from the sample chats.")
     parser.add_argument("--out", default="runs/demo/models", help="output directory (tokenizer/, donor/, base/)")
     parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
     parser.add_argument("--linear-head-dim", type=int, default=DemoSettings.linear_head_dim,
@@ -263,7 +263,3 @@ def main(argv: list[str] | None = None) -> int:
     build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data),
                       use_shipped=not args.build)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -32,9 +32,9 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.console import Progress
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
-from occamy_mtp.data.windows import PreparedData, Window
+from occamy_mtp.data.prepare import PreparedData
+from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.hub import resolve
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate
@@ -68,10 +68,10 @@ class TrainState:
 
 
 def train(config: RunConfig, resume: bool = False) -> dict:
-    """Train the head's trainable tensors; returns the train summary written to the run dir."""
-    config = resolve(config)  # models named by Hub id -> their local snapshots
+    """Train the head's trainable tensors; returns the train summary written to the run dir.
+    `config`'s models are local directories (the command line resolves Hub ids: `cli.parse`)."""
     run_dir = RunDir.of(config)
-    check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
+    base = check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
         cpu=not torch.cuda.is_available(),
@@ -96,7 +96,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             recorded = checkpoint_data(existing, config)
             check_data = lambda data: same_data(existing, recorded, data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
-        run = open_run(config, accelerator.device, log=log, writer_first=accelerator.main_process_first,
+        run = open_run(config, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data)
         trainable = [p for p in run.models.head.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=config.train.lr, betas=(config.train.adam_beta1, config.train.adam_beta2),
@@ -480,7 +480,3 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse(cli, argv)
     train(config, resume=args.resume)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

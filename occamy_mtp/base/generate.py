@@ -1,7 +1,7 @@
 """Batched decoding with the frozen base: how the base writes its own text.
 
 `greedy_generate` is what the self-generated store (`occamy_mtp.selfgen.store`) and the
-answer-regeneration tool (`occamy_mtp.generate`) decode with: greedy, or sampled under a
+answer-regeneration command (`occamy_mtp.selfgen.regenerate`) decode with: greedy, or sampled under a
 `sampling.TextSampling` from one seeded uniform stream per prompt; `default_eos_token_ids`
 is where a continuation ends.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp.data import windows as D
+from occamy_mtp.data import reader, windows
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 
@@ -158,10 +158,10 @@ def default_eos_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[
 
 def template_end_of_turn_id(tokenizer) -> int | None:
     """The special token that closes an assistant turn in the chat template (Qwen: <|im_end|>)."""
-    messages = [D.Message("user", "Hi"), D.Message("assistant", "Hello")]
-    rendered = D.render_turn(tokenizer, messages, 1)
-    if isinstance(rendered, D.Excluded):
+    messages = [reader.Message("user", "Hi"), reader.Message("assistant", "Hello")]
+    rendered = windows.render_turn(tokenizer, messages, 1)
+    if isinstance(rendered, reader.Excluded):
         return None
-    span_ids = D.tokenize_turn(tokenizer, *rendered).span_ids
+    span_ids = windows.tokenize_turn(tokenizer, *rendered).span_ids
     special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
     return span_ids[-1] if span_ids and span_ids[-1] in special else None

@@ -1,4 +1,4 @@
-"""Self-distilled data (occamy_mtp.generate): batched greedy decoding against a plain
+"""Self-distilled data (occamy_mtp.selfgen.regenerate): batched greedy decoding against a plain
 one-prompt-at-a-time full-forward oracle, the regenerated JSONL, resume, refusals, CLI.
 
 Two tiny bases: a random one (real dynamics, for the oracle and resume), and a
@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp import generate as G
-from occamy_mtp.data.windows import DataError, Message, prepare_windows
+from occamy_mtp.base.generate import greedy_generate
+from occamy_mtp.selfgen import regenerate as G
+from occamy_mtp.selfgen import store
+from occamy_mtp.data.reader import DataError, Message
+from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.testing.checkpoints import (
     build_tiny_checkpoint,
     random_models,
@@ -140,7 +143,7 @@ def test_batched_greedy_equals_one_by_one_full_forward(family):
     eos = {reference_greedy(base, prompts[0], 3, set())[2]}
 
     expected = [reference_greedy(base, p, max_new_tokens, eos) for p in prompts]
-    got = G.greedy_generate(base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=4)
+    got = greedy_generate(base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=4)
 
     assert got == expected
     assert len(got[0]) == 3 and got[0][-1] in eos
@@ -176,27 +179,27 @@ def test_sampled_generation_is_the_one_by_one_draws_and_batch_free():
     prompts = [torch.randint(0, text_config.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 1, 6)]
     uniforms = [sampling.uniforms(f"context-{i}", 7) for i in range(len(prompts))]
     expected = [reference_sampled(base, p, u, sampling, set()) for p, u in zip(prompts, uniforms)]
-    greedy = G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4)
+    greedy = greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4)
     assert expected != greedy  # sampling changed the text
     for batch_size in (1, 4):
-        got = G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=batch_size,
+        got = greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=batch_size,
                                 sampling=sampling, uniforms=uniforms)
         assert got == expected, batch_size
     with pytest.raises(ValueError, match="one uniform stream per prompt"):
-        G.greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4, sampling=sampling)
+        greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4, sampling=sampling)
     with pytest.raises(ValueError, match="fewer than max_new_tokens=9"):
-        G.greedy_generate(base, prompts, max_new_tokens=9, eos_token_ids=set(), batch_size=4, sampling=sampling,
+        greedy_generate(base, prompts, max_new_tokens=9, eos_token_ids=set(), batch_size=4, sampling=sampling,
                           uniforms=uniforms)
 
 
 def test_greedy_generate_rejects_bad_arguments(random_base):
     _, base = random_base
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        G.greedy_generate(base, [[1], []], max_new_tokens=2, eos_token_ids={0}, batch_size=2)
+        greedy_generate(base, [[1], []], max_new_tokens=2, eos_token_ids={0}, batch_size=2)
     with pytest.raises(ValueError, match="batch_size"):
-        G.greedy_generate(base, [[1]], max_new_tokens=2, eos_token_ids={0}, batch_size=0)
+        greedy_generate(base, [[1]], max_new_tokens=2, eos_token_ids={0}, batch_size=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        G.greedy_generate(base, [[1]], max_new_tokens=0, eos_token_ids={0}, batch_size=1)
+        greedy_generate(base, [[1]], max_new_tokens=0, eos_token_ids={0}, batch_size=1)
 
 
 # ---------------------------------------------------------------------------- records
@@ -281,7 +284,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, sample_tokenize
     # of the second are complete, the next line is cut mid-write.
     killed = tmp_path / "killed.jsonl"
     calls = {"n": 0}
-    real_greedy = G.greedy_generate
+    real_greedy = store.greedy_generate
 
     def killed_after_first_batch(*args, **kwargs):
         calls["n"] += 1
@@ -289,7 +292,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, sample_tokenize
             raise KeyboardInterrupt
         return real_greedy(*args, **kwargs)
 
-    monkeypatch.setattr(G, "greedy_generate", killed_after_first_batch)
+    monkeypatch.setattr(store, "greedy_generate", killed_after_first_batch)
     with pytest.raises(KeyboardInterrupt):
         regenerate(chats, sample_tokenizer, base_dir, base, killed)
     monkeypatch.undo()
@@ -356,19 +359,19 @@ def test_resume_refuses_other_settings_base_or_files(chats, sample_tokenizer, ra
 def test_cli_writes_readable_output_and_reports_errors(chats, sample_tokenizer, scripted_base, tmp_path, capsys):
     base_dir, _, answer = scripted_base
     out = tmp_path / "cli.jsonl"
-    common = ["--base", str(base_dir), "--out", str(out), "--device", "cpu", "--dtype", "float32", "--no-progress"]
-    assert G.main(common + ["--data", str(chats), "--max-new-tokens", str(len(answer) + 1), "--batch-size", "4"]) == 0
+    common = [f"model.base={base_dir}", "--out", str(out), "--device", "cpu", "model.dtype=float32", "--no-progress"]
+    assert G.main(common + [f"data.files=[{chats}]", f"data.answer_tokens={len(answer) + 1}", "data.self_generate_batch_size=4"]) == 0
     printed = capsys.readouterr().out
     assert f"{KEPT} records ({KEPT} finished" in printed and "exact 6" in printed and "tool_call_roles 1" in printed
     assert len(out.read_text().splitlines()) == KEPT
 
-    assert G.main(["--base", str(tmp_path / "nowhere"), "--data", str(chats), "--out", str(out)]) == 2
+    assert G.main([f"model.base={tmp_path / 'nowhere'}", f"data.files=[{chats}]", "--out", str(out)]) == 2
     assert "no config.json" in capsys.readouterr().err
-    assert G.main(common + ["--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert G.main(common + [f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(CONVERSATIONS[0]) + "\n{broken\n")
-    assert G.main(common[:2] + ["--out", str(tmp_path / "bad-out.jsonl"), "--data", str(bad), "--dtype", "float32", "--no-progress"]) == 2
+    assert G.main([common[0], "--out", str(tmp_path / "bad-out.jsonl"), f"data.files=[{bad}]", "model.dtype=float32", "--no-progress"]) == 2
     assert f"{bad}:2: malformed JSON" in capsys.readouterr().err
     assert not (tmp_path / "bad-out.jsonl").exists()  # nothing written before the data is known to be good
     with pytest.raises(DataError):  # the API raises what the CLI prints

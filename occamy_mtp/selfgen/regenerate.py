@@ -1,35 +1,37 @@
-"""Self-distilled data: the frozen base's own greedy answers to a chat dataset's prompts.
+"""The `generate` command: a chat dataset's answers rewritten by the frozen base (greedy), as a
+resumable JSONL file of records, through the self-generated store's writer.
 
 docs/REGENERATE.md sets out the details.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from occamy_mtp.cli import command
+from occamy_mtp.cli import command, parse
+from occamy_mtp.cli import parser as command_line
+from occamy_mtp.config import ConfigError
 from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.files import sha256_file, write_json
-from occamy_mtp.data import windows as D
-from occamy_mtp.selfgen.greedy import default_eos_token_ids, greedy_generate, template_end_of_turn_id
+from occamy_mtp.files import write_json
+from occamy_mtp.data import reader, windows
+from occamy_mtp.config import TURN_CHOICES
+from occamy_mtp.base.generate import default_eos_token_ids, template_end_of_turn_id
+from occamy_mtp.selfgen.store import EmbeddedWriter
 
 # ---------------------------------------------------------------------------- settings
 
-DEFAULT_MAX_NEW_TOKENS = D.DEFAULT_ANSWER_TOKENS  # a window scores at most this many answer tokens
-DEFAULT_BATCH_SIZE = 8
+DEFAULT_MAX_NEW_TOKENS = windows.DEFAULT_ANSWER_TOKENS  # a window scores at most this many answer tokens
 SIDECAR_SUFFIX = ".meta.json"
 SIDECAR_FORMAT = 1
 # Settings that change what the generated text is: a resume must match them.
@@ -60,7 +62,7 @@ class GenerateError(OccamyError, ValueError):
 class Prompt:
     """One assistant turn to regenerate: the messages before it, rendered and tokenized."""
 
-    conversation: D.Conversation
+    conversation: reader.Conversation
     turn_index: int  # index of the regenerated assistant message in conversation.messages
     prompt_ids: tuple[int, ...]
 
@@ -85,9 +87,9 @@ def read_prompts(
     tokenizer,
     *,
     turns: str = "last",
-    exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
+    exclude: Collection[str] = reader.DEFAULT_EXCLUSIONS,
     skip_bad_records: bool = False,
-    max_record_bytes: int = D.DEFAULT_MAX_RECORD_BYTES,
+    max_record_bytes: int = reader.DEFAULT_MAX_RECORD_BYTES,
 ) -> Prompts:
     """The prompts of the selected assistant turns, in file order, with data.py's exclusions.
 
@@ -95,71 +97,31 @@ def read_prompts(
     same `turns` and `exclude` (the same reasons, counted the same way, duplicates
     included); its prompt is the window's context before truncation.
     """
-    if turns not in D.TURN_CHOICES:
-        raise ValueError(f"turns must be {' or '.join(D.TURN_CHOICES)}, got {turns!r}")
-    if max_record_bytes < 1:
-        raise ValueError(f"max_record_bytes must be >= 1, got {max_record_bytes!r}")
+    if turns not in TURN_CHOICES:
+        raise ValueError(f"turns must be {' or '.join(TURN_CHOICES)}, got {turns!r}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise D.DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-    excluded: dict[str, int] = {}
-    examples: dict[str, list[str]] = {}
-
-    def count(reason: str, location: str, detail: str = "") -> None:
-        excluded[reason] = excluded.get(reason, 0) + 1
-        kept = examples.setdefault(reason, [])
-        if len(kept) < D.EXAMPLE_LOCATIONS_KEPT:
-            kept.append(f"{location}: {detail}" if detail else location)
-
+        raise reader.DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    read = reader.ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
     prompts: list[Prompt] = []
-    files: list[dict[str, Any]] = []
-    first_location: dict[str, str] = {}
-    conversations_read = 0
-    for path in (Path(p) for p in paths):
-        records = 0
-        for location, record in D.read_records(path):
-            records += 1
-            conversations_read += 1
-            try:
-                conversation = D.normalise_record(
-                    record, location, drop_non_text=D.NON_TEXT_CONTENT not in exclude, max_record_bytes=max_record_bytes
-                )
-            except D.DataError as err:
-                if not skip_bad_records:
-                    raise
-                count(D.BAD_RECORD, location, str(err).removeprefix(f"{location}: "))
-                continue
-            if isinstance(conversation, D.Excluded):
-                count(conversation.reason, location, conversation.detail)
-                continue
-            if conversation.content_hash in first_location:
-                count(D.DUPLICATE_CONVERSATION, location, f"same as {first_location[conversation.content_hash]}")
-                continue
-            first_location[conversation.content_hash] = location
-            # The window builder is the judge of what is kept, so both modules exclude alike.
-            built = D.conversation_windows(tokenizer, conversation, turns=turns, exclude=exclude)
-            if isinstance(built, D.Excluded):
-                count(built.reason, location, built.detail)
-                continue
-            for turn_index in D.selected_turns(conversation, turns):
-                prompt_text, _ = D.render_turn(tokenizer, conversation.messages, turn_index)
-                prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
-                prompts.append(Prompt(conversation, turn_index, prompt_ids))
-        files.append({"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size, "records": records})
-    order = {reason: i for i, reason in enumerate(D.EXCLUSION_REASONS)}
-    return Prompts(
-        prompts=prompts,
-        files=files,
-        conversations_read=conversations_read,
-        excluded={r: excluded[r] for r in sorted(excluded, key=order.__getitem__)},
-        excluded_examples={r: examples[r] for r in sorted(examples, key=order.__getitem__)},
-    )
+    for conversation in read:
+        # The window builder is the judge of what is kept, so both exclude alike.
+        built = windows.conversation_windows(tokenizer, conversation, turns=turns, exclude=exclude)
+        if isinstance(built, reader.Excluded):
+            read.exclude(built.reason, conversation.location, built.detail)
+            continue
+        for turn_index in windows.selected_turns(conversation, turns):
+            prompt_text, _ = windows.render_turn(tokenizer, conversation.messages, turn_index)
+            prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+            prompts.append(Prompt(conversation, turn_index, prompt_ids))
+    return Prompts(prompts=prompts, files=read.files, conversations_read=read.conversations_read,
+                   excluded=read.excluded(), excluded_examples=read.excluded_examples())
 
 
 # ---------------------------------------------------------------------------- records
 
 
 def roundtrip_outcome(
-    tokenizer, messages: Sequence[D.Message], generated_ids: Sequence[int], finished: bool, end_of_turn_id: int | None
+    tokenizer, messages: Sequence[reader.Message], generated_ids: Sequence[int], finished: bool, end_of_turn_id: int | None
 ) -> str:
     """Whether chat template + tokenizer turn the record's text back into `generated_ids`.
 
@@ -175,14 +137,14 @@ def roundtrip_outcome(
         return LOSSY_DECODE
     if any(token in text for token in _special_token_texts(tokenizer)):
         return SPECIAL_TOKEN_IN_TEXT
-    rendered = D.render_turn(tokenizer, messages, len(messages) - 1)
+    rendered = windows.render_turn(tokenizer, messages, len(messages) - 1)
     end_text = "" if end_of_turn_id is None else _decode(tokenizer, [end_of_turn_id])
-    if isinstance(rendered, D.Excluded) or not rendered[1].startswith(text + end_text):
+    if isinstance(rendered, reader.Excluded) or not rendered[1].startswith(text + end_text):
         return TEMPLATE_REWROTE_TEXT
     expected = content_ids + ([] if end_of_turn_id is None else [end_of_turn_id])
     # Only the answer's first len(expected) tokens are compared: the prompt, however
     # long, is not tokenized for it (one context token is the least a window asks for).
-    answer_ids = D.tokenize_window(tokenizer, *rendered, 1, len(expected)).answer_ids
+    answer_ids = windows.tokenize_window(tokenizer, *rendered, 1, len(expected)).answer_ids
     return ROUNDTRIP_EXACT if answer_ids == expected else RETOKENIZED
 
 
@@ -241,7 +203,7 @@ def make_record(
     generated_ids = [int(t) for t in generated_ids]
     finished = bool(generated_ids) and generated_ids[-1] in eos_token_ids
     text = _decode(tokenizer, generated_ids[:-1] if finished else generated_ids)
-    messages = list(prompt.conversation.messages[: prompt.turn_index]) + [D.Message("assistant", text)]
+    messages = list(prompt.conversation.messages[: prompt.turn_index]) + [reader.Message("assistant", text)]
     return {
         "messages": [{"role": m.role, "content": m.content} for m in messages],
         "meta": {
@@ -297,7 +259,7 @@ def read_existing_output(path: Path) -> ExistingOutput:
             ours = False
         if not ours:
             raise GenerateError(
-                f"{path}:{line_number}: not a record written by occamy_mtp.generate; "
+                f"{path}:{line_number}: not a record written by `python -m occamy_mtp generate`; "
                 "only a torn LAST line is repaired on resume: fix the file or choose another --out"
             ) from None
         metas.append(meta)
@@ -362,14 +324,15 @@ def regenerate_answers(
     base_identity: dict[str, Any],
     turns: str = "last",
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int = 0,
+    log: Callable[[str], None] | None = None,
     resume: bool = True,
     eos_token_ids: Collection[int] | None = None,
     limit: int | None = None,
-    exclude: Collection[str] = D.DEFAULT_EXCLUSIONS,
+    exclude: Collection[str] = reader.DEFAULT_EXCLUSIONS,
     skip_bad_records: bool = False,
     progress: bool = False,
-    max_record_bytes: int = D.DEFAULT_MAX_RECORD_BYTES,
+    max_record_bytes: int = reader.DEFAULT_MAX_RECORD_BYTES,
 ) -> GenerateReport:
     """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
 
@@ -383,8 +346,8 @@ def regenerate_answers(
     out_path = Path(out_path)
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"max_new_tokens and batch_size must be >= 1, got {max_new_tokens} and {batch_size}")
+    if max_new_tokens < 1 or batch_size < 0:
+        raise ValueError(f"max_new_tokens must be >= 1 and batch_size >= 0 (0: as many as fit), got {max_new_tokens} and {batch_size}")
     eos = frozenset(int(t) for t in (default_eos_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids))
     if not eos:
         raise ValueError("eos_token_ids is empty: every answer would run to max_new_tokens")
@@ -399,7 +362,7 @@ def regenerate_answers(
         "skip_bad_records": skip_bad_records,
         "max_record_bytes": max_record_bytes,  # recorded, not compared on resume: it only keeps prompts out
     }
-    tokenizer_identity = D.tokenizer_identity(tokenizer)
+    tokenizer_identity = windows.tokenizer_identity(tokenizer)
     sidecar = {"format": SIDECAR_FORMAT, "library_version": __version__, "settings": settings, "base": dict(base_identity), "tokenizer": tokenizer_identity}
 
     # 1. What is already there: refuse before touching anything.
@@ -439,29 +402,30 @@ def regenerate_answers(
 
     end_of_turn_id = template_end_of_turn_id(tokenizer)
     metas = list(existing.metas)
-    regenerated = 0
+    contexts = [list(p.prompt_ids) for p in selected]
+    missing_flags = [p.key not in done for p in selected]
     bar = Progress(len(missing), "generate", "answer", enabled=progress)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("a", encoding="utf-8") as stream:
-        for start in range(0, len(selected), batch_size):
-            batch = selected[start : start + batch_size]
-            todo = [p.key not in done for p in batch]
-            if not any(todo):
-                continue
-            continuations = greedy_generate(
-                base, [p.prompt_ids for p in batch], max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=len(batch)
-            )
-            for prompt, needed, generated_ids in zip(batch, todo, continuations):
-                if not needed:
-                    regenerated += 1
-                    continue
-                record = make_record(tokenizer, prompt, generated_ids, eos, end_of_turn_id)
+    regenerated = 0
+    log = log or (lambda message: None)
+    if missing:
+        # The store's writer: the fast static decoder on CUDA, transformers' decoding elsewhere.
+        writer = EmbeddedWriter(base, batch_size)
+        size = writer.batch_for(contexts, max_new_tokens, log)
+        writer = EmbeddedWriter(base, size)
+        runs[-1]["batch_size"] = size
+        regenerated = sum(not missing_flags[i] for start in range(0, len(selected), size)
+                          if any(missing_flags[start:start + size]) for i in range(start, min(start + size, len(selected))))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with out_path.open("a", encoding="utf-8") as stream:
+            for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, log):
+                prompt = selected[index]
+                record = make_record(tokenizer, prompt, continuation.tokens, eos, end_of_turn_id)
                 stream.write(record_line(record))
                 stream.flush()
+                os.fsync(stream.fileno())
                 metas.append(record["meta"])
                 done.add(prompt.key)
-            os.fsync(stream.fileno())
-            bar.update(sum(todo))
+                bar.update(1)
     bar.close()
 
     report = GenerateReport(
@@ -519,73 +483,48 @@ def _format_report(report: GenerateReport) -> str:
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp.generate",
-        description="Regenerate a chat dataset's answers with the frozen base (greedy, thinking disabled, resumable).",
-    )
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--data", required=True, nargs="+", type=Path, help="JSONL, JSON or parquet chat files")
-    parser.add_argument("--out", required=True, type=Path, help="output JSONL (appended to and resumed when it exists)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory with the chat template (default: --base)")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    parser.add_argument("--turns", choices=D.TURN_CHOICES, default="last", help="which assistant turns to regenerate")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--dtype", choices=sorted(ckpt_io.DTYPES), default="bfloat16", help="dtype of the base")
-    parser.add_argument("--limit", type=int, help="regenerate only the first N prompts (a later run continues)")
-    parser.add_argument("--skip-bad-records", action="store_true", help="count malformed records instead of stopping at the first")
-    parser.add_argument(
-        "--max-record-bytes", type=int, default=D.DEFAULT_MAX_RECORD_BYTES,
-        help=f"exclude (and count) a conversation with more text than this (default {D.DEFAULT_MAX_RECORD_BYTES})",
-    )
-    parser.add_argument("--no-resume", action="store_true", help="refuse an existing output instead of continuing it")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-
-    tokenizer_dir = args.tokenizer or args.base
-    problems = [f"--data {p}: no such file" for p in args.data if not p.is_file()]
-    if not (args.base / "config.json").is_file():
-        problems.insert(0, f"--base {args.base}: no config.json (not a checkpoint directory)")
-    if not tokenizer_dir.is_dir():
-        problems.append(f"--tokenizer {tokenizer_dir}: no such directory")
+    cli = command_line(
+        "python -m occamy_mtp generate",
+        "Regenerate the answers of data.files with the frozen base model.base (greedy, thinking disabled, resumable): "
+        "data.turns chooses the turns, data.answer_tokens bounds each answer, data.self_generate_batch_size the batch.",
+        config_required=False)
+    cli.add_argument("--out", required=True, type=Path, help="output JSONL (appended to and resumed when it exists)")
+    cli.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
+    cli.add_argument("--limit", type=int, help="regenerate only the first N prompts (a later run continues)")
+    cli.add_argument("--no-resume", action="store_true", help="refuse an existing output instead of continuing it")
+    cli.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args, config = parse(cli, argv)
+    data = config.data
+    if not data.files:
+        raise ConfigError("data.files: no chat data files given (data.files=[a.jsonl,b.jsonl], or --config RUN.yaml)")
+    missing = reader.missing_sources(data.files)
+    if missing:  # before the slow imports and the model load: a typo fails at once
+        raise ConfigError(f"data.files: {missing[0]}: no such file")
+    if not (Path(config.model.base) / "config.json").is_file():
+        raise ConfigError(f"model.base: {config.model.base}: no config.json (not a checkpoint directory)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        problems.append(f"--device {args.device}: CUDA is not available on this machine")
-    for name, least in (("max_new_tokens", 1), ("batch_size", 1), ("limit", 0), ("max_record_bytes", 1)):
-        value = getattr(args, name)
-        if value is not None and value < least:
-            problems.append(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
-    if problems:  # before the slow imports and the model load: a typo fails at once
-        for problem in problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    except (OSError, ValueError) as err:
-        print(f"error: --tokenizer {tokenizer_dir}: cannot load ({err})", file=sys.stderr)
-        return 2
-    identity = checkpoint_fingerprint(args.base)
-    base = ckpt_io.load_base(args.base, dtype=ckpt_io.DTYPES[args.dtype], device=args.device)
+        raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError(f"--limit must be >= 0, got {args.limit}")
+    tokenizer = windows.load_tokenizer(config)
+    identity = checkpoint_fingerprint(config.model.base)
+    base = ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=args.device,
+                             attn_implementation=config.model.attn_implementation)
     report = regenerate_answers(
-        args.data,
+        data.files,
         tokenizer,
         base,
         args.out,
         base_identity=identity,
-        turns=args.turns,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
+        turns=data.turns,
+        max_new_tokens=data.answer_tokens,
+        batch_size=data.self_generate_batch_size,
         resume=not args.no_resume,
-        eos_token_ids=default_eos_token_ids(tokenizer, args.base),
+        eos_token_ids=default_eos_token_ids(tokenizer, config.model.base),
         limit=args.limit,
-        skip_bad_records=args.skip_bad_records,
+        skip_bad_records=data.skip_bad_records,
         progress=not args.no_progress,
-        max_record_bytes=args.max_record_bytes,
+        max_record_bytes=data.max_record_bytes,
     )
     print(_format_report(report))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

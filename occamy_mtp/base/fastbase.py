@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from occamy_mtp.targets import moe_kernels
+from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
-from occamy_mtp.targets.base import chunked_greedy, greedy_chunk_tokens
-from occamy_mtp.targets.tuning import use_tuned_kernel_configs
+from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
+from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
@@ -200,7 +200,7 @@ def fla_kernels(
 
     fused_norms: fla's fused (residual +) RMSNorm kernels; False: the modules' own norms.
     grouped_moe: `grouped_moe_block`; False: the MoE block's own forward.
-    fused_moe_glue: with grouped_moe, the Triton kernels of `occamy_mtp.targets.moe_kernels` around
+    fused_moe_glue: with grouped_moe, the Triton kernels of `occamy_mtp.base.moe_kernels` around
         the expert GEMMs.
     repeat_kv_heads: hand the delta rule query/key heads repeated up to the value heads
         (what transformers <= 5.1x does) instead of relying on fla's grouped value heads.
@@ -289,7 +289,7 @@ def grouped_experts(
     routing weights, accumulating in fp32.
 
     fused_glue: SiLU * up, and the un-sort + weighted sum, each in one Triton kernel
-        (`occamy_mtp.targets.moe_kernels`), and for decode-sized batches the ordering by
+        (`occamy_mtp.base.moe_kernels`), and for decode-sized batches the ordering by
         expert too (`moe_kernels.align`), and for up to `moe_kernels.EXPERT_MAX_TOKENS` bf16
         tokens the two GEMMs with it (`moe_kernels.expert_mlp`); else in PyTorch (a sort, a
         gather, a batched matmul).
@@ -361,7 +361,7 @@ def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch
 
 
 def fused_moe_block(block, x: torch.Tensor) -> torch.Tensor:
-    """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.targets.moe_kernels`)."""
+    """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.base.moe_kernels`)."""
     return grouped_moe_block(block, x, fused_glue=True)
 
 

@@ -28,10 +28,10 @@ from collections.abc import Collection, Sequence
 import torch
 
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.selfgen.decode_kernels import conv_steps_, gated_delta_steps_
+from occamy_mtp.base.decode_kernels import conv_steps_, gated_delta_steps_
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
-from occamy_mtp.selfgen.greedy import check_prompts, check_uniforms
-from occamy_mtp.targets.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
+from occamy_mtp.base.generate import check_prompts, check_uniforms
+from occamy_mtp.base.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 # Bytes a step's transient tensors take per logit of a row, beside the row's state: the
@@ -127,7 +127,7 @@ def _kernels(device: torch.device) -> Kernels:
 def _moe(device: torch.device):
     """The MoE block: `fastbase.fused_moe_block` (Triton routing, experts and glue) on CUDA; the module's own elsewhere."""
     if device.type == "cuda":
-        from occamy_mtp.targets.fastbase import fused_moe_block
+        from occamy_mtp.base.fastbase import fused_moe_block
 
         return fused_moe_block
 

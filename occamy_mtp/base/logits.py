@@ -1,0 +1,34 @@
+"""The base's greedy choice from its hidden states, a chunk of positions at a time.
+
+The logits for a whole (window x vocabulary) batch are never materialised: at real size
+one 128x512 batch of full bf16 logits is 15 GiB. A chunk is at most
+`DEFAULT_LOGITS_CHUNK_TOKENS` positions, fewer where the GPU has less free
+(`memory.logit_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from occamy_mtp import memory
+from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
+
+
+def greedy_chunk_tokens(lm_head: torch.nn.Module) -> int:
+    """Positions of `chunked_greedy`'s chunk that fit on the GPU now (`memory.logit_rows`; the
+    logits in lm_head's dtype are all a chunk holds)."""
+    weight = lm_head.weight
+    return memory.logit_rows(weight.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+
+
+@torch.no_grad()
+def chunked_greedy(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk_tokens: int | None = None) -> torch.Tensor:
+    """argmax over the vocabulary of lm_head(hidden), `chunk_tokens` positions at a time (None:
+    as many as fit, `greedy_chunk_tokens`)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk_tokens = chunk_tokens or greedy_chunk_tokens(lm_head)
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=hidden.device)
+    for start in range(0, flat.shape[0], chunk_tokens):
+        stop = start + chunk_tokens
+        out[start:stop] = lm_head(flat[start:stop].to(lm_head.weight.dtype)).argmax(dim=-1)
+    return out.view(hidden.shape[:-1])

@@ -1,0 +1,274 @@
+"""Chat data -> the run's windows, split, with every exclusion counted: `prepare_windows` reads
+the sources (`data.reader.ChatReader`), builds each conversation's windows (`data.windows`)
+and splits them (`data.split`); `PreparedData` holds the result and its provenance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from occamy_mtp.config import TURN_CHOICES, DataSettings
+from occamy_mtp.data.reader import (BEYOND_SPLIT_SIZE, DEFAULT_EXCLUSIONS, DEFAULT_MAX_RECORD_BYTES, OPTIONAL_EXCLUSIONS,
+                                    ChatReader, DataError, Excluded)
+from occamy_mtp.data.split import HELDOUT, TRAIN, VALIDATION, assign_split, default_fractions, keep_apart, split_key
+from occamy_mtp.data.windows import Window, conversation_windows, tokenizer_identity
+
+# The defaults of the window settings are a run's (`config.DataSettings`, where defaults
+# live), but for the validation side: the function splits two ways unless asked; runs and
+# commands ask.
+_DEFAULTS = DataSettings()
+NO_VALIDATION = 0
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Windows of the train, validation and heldout conversations, and how they were obtained.
+
+    Heldout is what every reported metric is measured on; validation (empty unless asked
+    for) is what training may choose among its checkpoints with, so that the choice
+    never sees the heldout conversations.
+    """
+
+    train: list[Window]
+    heldout: list[Window]
+    files: list[dict[str, Any]]
+    conversations_read: int
+    excluded: dict[str, int]
+    excluded_examples: dict[str, list[str]]
+    train_hashes: list[str]
+    heldout_hashes: list[str]
+    boundary_retokenized: int
+    settings: dict[str, Any]
+    tokenizer_identity: dict[str, Any]
+    validation: list[Window] = field(default_factory=list)
+    validation_hashes: list[str] = field(default_factory=list)
+    # Kept out of `settings` (which the target cache's identity compares): it decides
+    # which conversations are kept, never what a window holds, and the cache compares
+    # the windows themselves too.
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+    kept_apart: dict[str, int] = field(default_factory=dict)
+    """Windows dropped because another side holds their context or answer (`keep_apart`)."""
+
+    @property
+    def conversations_kept(self) -> int:
+        return len(self.train_hashes) + len(self.validation_hashes) + len(self.heldout_hashes)
+
+    def summary(self) -> dict[str, Any]:
+        """The counts a user checks before training (what the CLI prints)."""
+        return {
+            "files": [f["path"] for f in self.files],
+            "conversations_read": self.conversations_read,
+            "conversations_kept": self.conversations_kept,
+            "excluded": dict(self.excluded),
+            "windows_built": len(self.train) + len(self.validation) + len(self.heldout),
+            "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.validation) + _span_tokens(self.heldout),
+            "train_conversations": len(self.train_hashes),
+            "validation_conversations": len(self.validation_hashes),
+            "heldout_conversations": len(self.heldout_hashes),
+            "train_windows": len(self.train),
+            "validation_windows": len(self.validation),
+            "heldout_windows": len(self.heldout),
+            "prompt_windows": self.prompt_windows(),
+            "kept_apart": dict(self.kept_apart),
+        }
+
+    def prompt_windows(self) -> dict[str, int]:
+        """Windows of prompts (no recorded answer) on each side: trained and measured on the base's text only."""
+        return {side: sum(not w.has_answer for w in windows)
+                for side, windows in ((TRAIN, self.train), (VALIDATION, self.validation), (HELDOUT, self.heldout))}
+
+    def members(self) -> dict[str, Any]:
+        """What a resumed run must find again: the files by content and each side's conversations."""
+        return {
+            "files": [{"path": f["path"], "sha256": f["sha256"]} for f in self.files],
+            TRAIN: list(self.train_hashes),
+            VALIDATION: list(self.validation_hashes),
+            HELDOUT: list(self.heldout_hashes),
+        }
+
+    def members_changed(self, recorded: dict[str, Any]) -> list[str]:
+        """How `members()` differs from `recorded` (an earlier `members()`), one phrase per difference."""
+        now = self.members()
+        changes = []
+        before_files = {f["path"]: f["sha256"] for f in recorded.get("files", [])}
+        now_files = {f["path"]: f["sha256"] for f in now["files"]}
+        for path in sorted(before_files.keys() | now_files.keys()):
+            if before_files.get(path) != now_files.get(path):
+                was, is_ = before_files.get(path), now_files.get(path)
+                changes.append(f"data.files {path}: " + ("not read then" if was is None else "not read now" if is_ is None
+                                                          else f"sha256 {was[:12]}... then, {is_[:12]}... now"))
+        for side in (TRAIN, VALIDATION, HELDOUT):
+            before, after = set(recorded.get(side, [])), set(now[side])
+            if before != after:
+                changes.append(f"the {side} split: {len(before - after)} of its {len(before)} conversations are gone, "
+                               f"{len(after - before)} are new")
+        return changes
+
+    def provenance(self) -> dict[str, Any]:
+        """JSON-able record for TRAINING.json: inputs, counts, the split and the settings."""
+        return {
+            "files": [dict(f) for f in self.files],
+            "conversations_read": self.conversations_read,
+            "conversations_kept": self.conversations_kept,
+            "excluded": dict(self.excluded),
+            "excluded_examples": {reason: list(places) for reason, places in self.excluded_examples.items()},
+            "windows": {
+                "built": len(self.train) + len(self.validation) + len(self.heldout),
+                "train": len(self.train),
+                "validation": len(self.validation),
+                "heldout": len(self.heldout),
+                "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.validation) + _span_tokens(self.heldout),
+                "train_assistant_tokens": _span_tokens(self.train),
+                "validation_assistant_tokens": _span_tokens(self.validation),
+                "heldout_assistant_tokens": _span_tokens(self.heldout),
+                "boundary_retokenized": self.boundary_retokenized,
+                "kept_apart": dict(self.kept_apart),
+                "prompts": self.prompt_windows(),
+            },
+            "split": {
+                "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
+                "heldout_fraction, validation below heldout_fraction + validation_fraction, train above; "
+                "each side keeps its lowest keys up to its size",
+                "seed": self.settings["split_seed"],
+                "heldout_fraction": self.settings["heldout_fraction"],
+                "validation_fraction": self.settings["validation_fraction"],
+                "train_conversations": len(self.train_hashes),
+                "validation_conversations": len(self.validation_hashes),
+                "heldout_conversations": len(self.heldout_hashes),
+                "train_hashes": list(self.train_hashes),
+                "validation_hashes": list(self.validation_hashes),
+                "heldout_hashes": list(self.heldout_hashes),
+            },
+            "settings": dict(self.settings),
+            "max_record_bytes": self.max_record_bytes,
+            "tokenizer": dict(self.tokenizer_identity),
+        }
+
+
+def _span_tokens(windows: Iterable[Window]) -> int:
+    return sum(window.answer_length for window in windows)
+
+
+def prepare_windows(
+    paths: Iterable[str | Path],
+    tokenizer,
+    *,
+    context_tokens: int = _DEFAULTS.context_tokens,
+    answer_tokens: int = _DEFAULTS.answer_tokens,
+    turns: str = _DEFAULTS.turns,
+    train_conversations: int = _DEFAULTS.train_conversations,
+    heldout_conversations: int = _DEFAULTS.heldout_conversations,
+    split_seed: int = _DEFAULTS.split_seed,
+    heldout_fraction: float | None = None,
+    skip_bad_records: bool = _DEFAULTS.skip_bad_records,
+    exclude: Collection[str] = DEFAULT_EXCLUSIONS,
+    validation_conversations: int = NO_VALIDATION,
+    max_record_bytes: int = _DEFAULTS.max_record_bytes,
+    prompts: bool = False,
+) -> PreparedData:
+    """Read chat files, build assistant-only windows, split them; see the module docstring.
+
+    `tokenizer` is a transformers tokenizer with a chat template (the base's own).
+    With `skip_bad_records`, malformed records are counted as BAD_RECORD (first few
+    locations in the report) instead of raising DataError; a missing or unreadable file
+    always raises. `exclude` lists which of OPTIONAL_EXCLUSIONS apply; the other reasons
+    always do. A conversation with more than `max_record_bytes` of text is excluded
+    (RECORD_TOO_LARGE) before it is rendered. With `prompts` (the base writes the answers),
+    a conversation that ends with the user's message also gives its open turn's window, with
+    no answer (`conversation_windows`); without, a record that is only a prompt is
+    NO_ASSISTANT_TURN, the detail saying why. Windows are ordered by split key, then turn.
+    """
+    _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    reader = ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
+    windows_by_hash: dict[str, list[Window]] = {}  # the conversations that produced windows
+    first_location: dict[str, str] = {}  # content hash -> where it was read
+    boundary_retokenized = 0
+    for conversation in reader:
+        built = conversation_windows(
+            tokenizer, conversation, context_tokens=context_tokens, answer_tokens=answer_tokens, turns=turns, exclude=exclude,
+            prompts=prompts,
+        )
+        if isinstance(built, Excluded):
+            reader.exclude(built.reason, conversation.location, built.detail)
+            continue
+        windows, retokenized = built
+        windows_by_hash[conversation.content_hash] = windows
+        first_location[conversation.content_hash] = conversation.location
+        boundary_retokenized += retokenized
+
+    default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
+    fraction = default_heldout if heldout_fraction is None else heldout_fraction
+    assignment = assign_split(
+        windows_by_hash, train_conversations=train_conversations, heldout_conversations=heldout_conversations, seed=split_seed,
+        heldout_fraction=fraction, validation_conversations=validation_conversations, validation_fraction=validation_fraction,
+    )
+    members: dict[str, list[str]] = {TRAIN: [], VALIDATION: [], HELDOUT: []}
+    for content_hash in sorted(windows_by_hash, key=lambda h: split_key(h, split_seed)):
+        side = assignment[content_hash]
+        if side == BEYOND_SPLIT_SIZE:
+            reader.exclude(BEYOND_SPLIT_SIZE, first_location[content_hash])
+        else:
+            members[side].append(content_hash)
+
+    settings = {
+        "context_tokens": context_tokens,
+        "answer_tokens": answer_tokens,
+        "turns": turns,
+        "train_conversations": train_conversations,
+        "heldout_conversations": heldout_conversations,
+        "validation_conversations": validation_conversations,
+        "split_seed": split_seed,
+        "heldout_fraction": fraction,
+        "validation_fraction": validation_fraction,
+        "skip_bad_records": skip_bad_records,
+        "exclude": sorted(exclude),
+        "enable_thinking": False,
+        "kept_apart_by": "context and answer",
+        "prompts": prompts,
+    }
+    sides = {side: [w for h in members[side] for w in windows_by_hash[h]] for side in members}
+    kept_apart = keep_apart(sides)
+    return PreparedData(
+        train=sides[TRAIN],
+        heldout=sides[HELDOUT],
+        files=reader.files,
+        conversations_read=reader.conversations_read,
+        excluded=reader.excluded(),
+        excluded_examples=reader.excluded_examples(),
+        train_hashes=members[TRAIN],
+        heldout_hashes=members[HELDOUT],
+        validation=sides[VALIDATION],
+        validation_hashes=members[VALIDATION],
+        boundary_retokenized=boundary_retokenized,
+        settings=settings,
+        tokenizer_identity=tokenizer_identity(tokenizer),
+        max_record_bytes=max_record_bytes,
+        kept_apart=kept_apart,
+    )
+
+
+def _check_settings(
+    context_tokens: int, answer_tokens: int, turns: str, train_conversations: int, heldout_conversations: int,
+    validation_conversations: int, exclude: Collection[str],
+) -> None:
+    checks = (
+        (context_tokens >= 1, "context_tokens", ">= 1", context_tokens),
+        (answer_tokens >= 1, "answer_tokens", ">= 1", answer_tokens),
+        (turns in TURN_CHOICES, "turns", " or ".join(TURN_CHOICES), turns),
+        (train_conversations >= 0, "train_conversations", ">= 0", train_conversations),
+        (heldout_conversations >= 0, "heldout_conversations", ">= 0", heldout_conversations),
+        (validation_conversations >= 0, "validation_conversations", ">= 0", validation_conversations),
+        (train_conversations + heldout_conversations + validation_conversations >= 1,
+         "train_conversations + heldout_conversations + validation_conversations", ">= 1", None),
+    )
+    for ok, name, expected, value in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {expected}" + ("" if value is None else f", got {value!r}"))
+    unknown = set(exclude) - OPTIONAL_EXCLUSIONS
+    if unknown:
+        raise ValueError(f"exclude: {sorted(unknown)} cannot be switched; optional exclusions are {sorted(OPTIONAL_EXCLUSIONS)}")
