@@ -18,7 +18,7 @@ bench_fullsize.py). Per batch size:
 * `--temperatures 0,0.7 --top-p 0.8`: the decoder greedy and sampled (each token drawn from the
   processed distribution inside the captured step: a sort of the vocabulary for top-p, a
   cumulative sum and a search), each batch timed under each;
-* `--legacy-batch`: `greedy.greedy_generate`, the generator this replaces, timed as the
+* `--legacy-batch`: `generate.greedy_generate`, the generator this replaces, timed as the
   slope between 8 and 40 new tokens;
 * `--windows N --default-batch B`: the whole self-generation of N windows (the default
   recipe's 320), every continuation the full budget (random weights never stop: the worst case);

@@ -8,7 +8,7 @@ A random-weight Qwen3.5-35B-A3B-shaped base and head are built directly on the d
 the library's own pieces:
 
 0. self-generation: the base writes its greedy continuation (up to 382 tokens) of the
-   contexts of the run's windows (`selfgen.self_generate`, `--generate-batch-size` a
+   contexts of the run's windows (`selfgen.store.self_generate`, `--generate-batch-size` a
    batch); `--generate-windows` of the 320 are timed and the whole is extrapolated from
    them (random weights never stop early, so every continuation runs the full budget:
    the worst case); `--extra-generate-batch-sizes` times one more batch at each size given

@@ -7,7 +7,7 @@ A random-weight Qwen3.5-35B-A3B-shaped base and one head are built on the device
 training run holds them (the head's trainable tensors as fp32 masters). Then:
 
 1. self-generation peaks: one batch of each `--batch-sizes` contexts (128 tokens each)
-   continued for the whole 382-token budget (`selfgen.self_generate`), with its wall time
+   continued for the whole 382-token budget (`selfgen.store.self_generate`), with its wall time
    and the peak GPU memory with the base and the head resident: what decides the default
    `data.self_generate_batch_size` (under 78 GiB);
 2. the reference decoder check (`evaluate.reference_decoder_check`, export's check) on one

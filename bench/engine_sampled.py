@@ -27,7 +27,6 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +42,7 @@ from occamy_mtp.model.head import SharedWeights  # noqa: E402
 from occamy_mtp.run import stop_token_ids  # noqa: E402
 from occamy_mtp import sampling  # noqa: E402
 from occamy_mtp.sampling import TextSampling  # noqa: E402
-from occamy_mtp.selfgen.engine_client import post_json, server_model_name, speculative_counts  # noqa: E402
+from occamy_mtp.selfgen.engine_client import post_json, server_identity, speculative_counts  # noqa: E402
 from occamy_mtp.selfgen.engines import Request, read_answer, request_body  # noqa: E402
 from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
 
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     text_config = ckpt_io.read_config(config.model.base).text_config
     request = Request(max_tokens, frozenset(stop_token_ids(config, tokenizer)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
                       TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed))
-    model = server_model_name(args.url, 30.0)
+    model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
     measured, raw = ask(args.url, model, contexts, request, tokenizer, args.draft_steps)
     asked_seconds = time.perf_counter() - started

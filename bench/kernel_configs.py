@@ -5,7 +5,7 @@
 fla's chunked delta-rule kernels (and its conv and l2norm) autotune on their first call in
 a process, ~80 s at real size on an H200, ~60 s more for the shapes transformers' forward
 hands them. Triton keeps the result on disk (the second process on a machine skips it);
-fla reads fixed configs from a folder of `{kernel}.json` files (`targets.tuning` points it at
+fla reads fixed configs from a folder of `{kernel}.json` files (`base.tuning` points it at
 ours). This script turns the `*.autotune.json` files Triton wrote during a run
 (`bench/startup_runs.sh` collects them) into that folder: for each kernel whose autotuner
 reads fla's files (`FLA_CACHED_KERNELS`), every tuning key met, with the config Triton

@@ -116,7 +116,7 @@ class DataSettings:
 TURN_CHOICES = ("last", "first", "every")
 
 # The data settings that decide which windows a run builds and how they are split; the
-# keyword arguments of `occamy_mtp.data.windows.prepare_windows`, under the same names.
+# keyword arguments of `occamy_mtp.data.prepare.prepare_windows`, under the same names.
 WINDOW_SETTINGS = (
     "context_tokens", "answer_tokens", "turns", "train_conversations", "validation_conversations",
     "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",

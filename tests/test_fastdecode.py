@@ -1,5 +1,5 @@
 """The static batch decoder (`occamy_mtp.base.fastdecode`) against the generator it replaces on a GPU
-(`greedy.greedy_generate`) and against the base's full forward, on tiny float32 models."""
+(`generate.greedy_generate`) and against the base's full forward, on tiny float32 models."""
 
 from __future__ import annotations
 

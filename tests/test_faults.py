@@ -781,7 +781,7 @@ def test_slow_phases_report_progress(run_models, tmp_path, capsys):
 
 
 # ==================================================================================
-# Chat data (occamy_mtp/data/windows.py, and generate.py's prompt reading)
+# Chat data (occamy_mtp/data/, and the generate command's prompt reading)
 # ==================================================================================
 
 

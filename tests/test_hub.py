@@ -155,3 +155,28 @@ def test_what_the_hub_answers_is_named_with_the_option(monkeypatch, error, messa
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refuse)
     with pytest.raises(hub.HubError, match=f"model.donor_head: occamy-test/somewhere@v9 {message}"):
         hub.snapshot("occamy-test/somewhere", "v9", where="model.donor_head")
+
+
+def test_generate_and_validate_read_a_hub_dataset_as_training_does(offline, sample_tokenizer, tmp_path, capsys):
+    """Every reader of data.files goes through `data.reader.ChatReader`: a Hub dataset gives
+    `generate` the same prompts, and validate the same heldout prompts, as its files do."""
+    from occamy_mtp.selfgen import regenerate
+    from occamy_mtp.serve.validate import heldout_prefixes, heldout_window_contexts
+
+    named, local = "hf:occamy-test/chats?split=train&column=messages", offline["chats"] / "data" / "train.jsonl"
+    from_hub, from_file = regenerate.read_prompts([named], sample_tokenizer), regenerate.read_prompts([local], sample_tokenizer)
+    assert from_hub.prompts and [p.prompt_ids for p in from_hub.prompts] == [p.prompt_ids for p in from_file.prompts]
+    assert from_hub.files[0]["hub"]["revision"] == COMMIT and from_hub.excluded == from_file.excluded
+
+    split = dict(context_tokens=32, answer_tokens=16, train_conversations=20, heldout_conversations=8)
+    for read in (heldout_prefixes, heldout_window_contexts):
+        hub_prompts, file_prompts = read([named], sample_tokenizer, **split), read([local], sample_tokenizer, **split)
+        assert hub_prompts and hub_prompts == file_prompts
+
+    # The command: data.files may name the dataset (a missing local file is still refused at once).
+    out = tmp_path / "regenerated.jsonl"
+    argv = [f"model.base={offline['base']}", f'data.files=["{named}"]', "model.dtype=float32", "data.answer_tokens=2",
+            "--out", str(out), "--device", "cpu", "--limit", "2", "--no-progress"]
+    assert regenerate.main(argv) == 0, capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 2
+    assert json.loads(regenerate.sidecar_path(out).read_text())["data"]["files"][0]["path"] == named

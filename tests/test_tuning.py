@@ -1,4 +1,4 @@
-"""The fixed configs of fla's autotuned kernels (`targets.tuning`): the shipped files in fla's
+"""The fixed configs of fla's autotuned kernels (`base.tuning`): the shipped files in fla's
 format, when they are used, and on the GPU that fla's kernels then run without autotuning."""
 
 from __future__ import annotations

@@ -63,10 +63,6 @@ class PackLayout:
     def max_length(self) -> int:
         return max(self.lengths)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) packed or (W, T, ...) uniform -> (W, L, ...) right-padded windows."""
         if self.uniform:

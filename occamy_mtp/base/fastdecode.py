@@ -17,7 +17,7 @@ and the Gated DeltaNet's conv and rule `decode_kernels`' (two kernels a layer); 
 the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once). `tests/test_fastdecode.py` holds both
-against `greedy.greedy_generate`, one step a token and the full forward.
+against `generate.greedy_generate`, one step a token and the full forward.
 """
 
 from __future__ import annotations
@@ -359,7 +359,7 @@ class BatchDecoder:
                  uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
         """Continuations of `prompts` (at most `batch`), greedy or drawn as the decoder's `sampling`
         says with one stream of `uniforms` per prompt: up to `max_new_tokens` ids each, ending with
-        the first token of `eos_token_ids` when one is generated (as `greedy.greedy_generate`)."""
+        the first token of `eos_token_ids` when one is generated (as `generate.greedy_generate`)."""
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"1 to {self.batch} prompts a batch, got {len(prompts)}")
         check_prompts(prompts, max_new_tokens)
@@ -461,14 +461,14 @@ class StaticRunner:
 
 def static_decoding(base) -> bool:
     """Whether self-generation decodes `base` with `BatchDecoder`: a Qwen3.5-MoE base on CUDA
-    (elsewhere `greedy.greedy_generate`, whose cost there is not the launches)."""
+    (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
     return base.lm_head.weight.device.type == "cuda" and base.config.model_type == "qwen3_5_moe_text"
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
                          batch_size: int, cuda_graph: bool | None = None, sampling: TextSampling = GREEDY_TEXT,
                          uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
-    """`greedy.greedy_generate` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
+    """`generate.greedy_generate` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:

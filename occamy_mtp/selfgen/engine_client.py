@@ -245,10 +245,6 @@ def server_identity(base_url: str, timeout: float) -> dict:
     return {"model": card["id"], "engine": engine, "version": version if isinstance(version, str) else None}
 
 
-def server_model_name(base_url: str, timeout: float) -> str:
-    return server_identity(base_url, timeout)["model"]
-
-
 # ----------------------------------------------------------------------------------
 # Reading a response: tokens, logprobs, speculative counts (every field checked)
 # ----------------------------------------------------------------------------------

@@ -230,7 +230,7 @@ def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenize
 
 
 class EngineWriter:
-    """The servers of `connect` as the self-generated store's writer (`selfgen.Writer`)."""
+    """The servers of `connect` as the self-generated store's writer (`store.Writer`)."""
 
     source = ENGINE
 

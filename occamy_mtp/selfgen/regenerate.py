@@ -91,7 +91,7 @@ def read_prompts(
     skip_bad_records: bool = False,
     max_record_bytes: int = reader.DEFAULT_MAX_RECORD_BYTES,
 ) -> Prompts:
-    """The prompts of the selected assistant turns, in file order, with data.py's exclusions.
+    """The prompts of the selected assistant turns, in file order, with training's exclusions (`data.reader`, `data.windows`).
 
     A conversation is kept iff `prepare_windows` would build windows from it with the
     same `turns` and `exclude` (the same reasons, counted the same way, duplicates
@@ -153,7 +153,7 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
 
 
 def _special_token_texts(tokenizer) -> list[str]:
-    """The tokenizer's special added tokens, as data.py's SPECIAL_TOKEN_IN_TEXT check defines them."""
+    """The tokenizer's special added tokens, as the windows' SPECIAL_TOKEN_IN_TEXT check defines them."""
     return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
 
 

@@ -89,7 +89,7 @@ def self_generate(
 ) -> list[Continuation]:
     """The base's continuations of `contexts` (greedy, or sampled with each context's own stream),
     batched (`batch_size` 0: as many as fit, `EmbeddedWriter.batch_for`): `fastdecode` where it
-    runs (`static_decoding`), else `greedy.greedy_generate`."""
+    runs (`static_decoding`), else `generate.greedy_generate`."""
     stop = frozenset(int(t) for t in stop_token_ids)
     size = EmbeddedWriter(base, batch_size, sampling).batch_for(contexts, max_new_tokens, log)
     generate = fast_greedy_generate if static_decoding(base) else greedy_generate
@@ -127,7 +127,7 @@ class EmbeddedWriter:
     greedy or under `sampling`.
 
     On CUDA a Qwen3.5-MoE base decodes through `fastdecode.BatchDecoder` (static state,
-    one CUDA graph a step); elsewhere through `greedy.greedy_generate`. Batches are fixed
+    one CUDA graph a step); elsewhere through `generate.greedy_generate`. Batches are fixed
     chunks of the sorted contexts, and a batch with any context missing is generated
     whole, so a resumed run computes every continuation in the same batch as an
     uninterrupted one. A sampled continuation draws from its context's own uniform

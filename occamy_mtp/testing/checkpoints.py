@@ -10,7 +10,6 @@ expert layout. Everything is deterministic in the seed.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,7 +214,3 @@ def build_tiny_checkpoint(
         out_dir, text_config, base, head if with_head else None,
         layout=layout, multimodal=multimodal, tokenizer_dir=tokenizer_dir,
     )
-
-
-def read_index(path: Path) -> dict:
-    return json.loads((Path(path) / ckpt_io.INDEX_NAME).read_text())
