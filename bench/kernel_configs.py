@@ -9,7 +9,8 @@ fla reads fixed configs from a folder of `{kernel}.json` files (`base.tuning` po
 ours). This script turns the `*.autotune.json` files Triton wrote during a run
 (`bench/startup_runs.sh` collects them) into that folder: for each kernel whose autotuner
 reads fla's files (`FLA_CACHED_KERNELS`), every tuning key met, with the config Triton
-chose (the fastest median). Other kernels (fla's layer norms) keep autotuning on first use.
+chose (the fastest median), added to the entries the folder's files hold already (a key met
+again takes the new choice). Other kernels (fla's layer norms) keep autotuning on first use.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def main() -> int:
     files = config_files(read_results(args.source), args.triton)
     args.out.mkdir(parents=True, exist_ok=True)
     for name, content in sorted(files.items()):
+        existing = args.out / f"{name}.json"
+        if existing.is_file():  # keep the keys tuned before (another run's shapes)
+            kept = json.loads(existing.read_text())
+            content["autotune_entries"] = {**kept.get("autotune_entries", {}), **content["autotune_entries"]}
         (args.out / f"{name}.json").write_text(json.dumps(content, indent=1, sort_keys=True) + "\n")
         print(f"{name}: {len(content['autotune_entries'])} keys")
     return 0

@@ -33,8 +33,8 @@ from occamy_mtp.run import (
     quiet,
     run_windows,
     self_generated_needed,
-    stop_token_ids,
 )
+from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -127,7 +127,7 @@ def build_for_config(
     """
     facts = BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
-    stop_ids = stop_token_ids(config, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, config.model.base)
     data = prepare_data(config, tokenizer)
     needed = self_generated_needed(config, data)
     stores = open_stores(config, facts, stop_ids, needed)

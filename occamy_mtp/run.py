@@ -30,7 +30,7 @@ from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig, window_settings
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
-from occamy_mtp.data.windows import Window, load_tokenizer
+from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
@@ -260,13 +260,6 @@ def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> No
                 f"{'train on' if side == TRAIN else 'measure'}; check data.files and {option} "
                 "(see `python -m occamy_mtp data`)"
             )
-
-
-def stop_token_ids(config: RunConfig, tokenizer) -> set[int]:
-    """Where the base's continuations end: eos, the template's end of turn, generation_config's eos."""
-    from occamy_mtp.base.generate import default_eos_token_ids
-
-    return default_eos_token_ids(tokenizer, config.model.base)
 
 
 def open_store(config: RunConfig, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
@@ -512,7 +505,7 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
     """
     facts = base or BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
-    stop_ids = stop_token_ids(config, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, config.model.base)
     data = prepare_data(config, tokenizer, log=log)
     check_split(config, data, splits)
     if check_data is not None:

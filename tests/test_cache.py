@@ -177,7 +177,8 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     """train() once online and once with `data.target_cache` set: the trained tensors are
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
-    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed, stop_token_ids
+    from occamy_mtp.data.windows import stop_token_ids
+    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -187,7 +188,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
-    stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(cached_config, world["tokenizer"]),
+    stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
                          self_generated_needed(cached_config, data))
     windows = run_windows(cached_config, data, stores).all()
     # self-generated (the heldout ones under each serving configuration: greedy, sampled), + recorded heldout

@@ -114,7 +114,8 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from occamy_mtp.data.prepare import prepare_windows
     from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.model.head import SharedWeights
-    from occamy_mtp.run import BaseFacts, open_store, serving_text, stop_token_ids
+    from occamy_mtp.data.windows import stop_token_ids
+    from occamy_mtp.run import BaseFacts, open_store, serving_text
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
@@ -145,7 +146,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     config = load_config(trained["config"])
     assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "t0.7-p0.8"]
     for serving in config.eval.serving:
-        store = open_store(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer), serving_text(config, serving))
+        store = open_store(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), serving_text(config, serving))
         served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40, serving=serving)
         for k, figures in served.items():
             # greedy: integer counts; sampled: expected counts; and the figures made from them

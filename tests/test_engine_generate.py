@@ -26,7 +26,8 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.selfgen import engines as G
 from occamy_mtp.config import load_config
 from occamy_mtp.run import (BaseFacts, continuation_writer, load_tokenizer, open_stores, prepare_data, run_windows,
-                            self_generated_needed, stop_token_ids)
+                            self_generated_needed)
+from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.sampling import GREEDY_TEXT
 from occamy_mtp.selfgen.store import META_FILE, STORE_FILE, SelfGenError
 from occamy_mtp.testing.loopback import LoopbackServer
@@ -64,8 +65,8 @@ def write_store(config, base=None):
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
     needed = self_generated_needed(config, data)
-    stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer), needed)
-    run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(config, tokenizer), base))
+    stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
+    run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), base))
     return stores[GREEDY_TEXT], len(needed[GREEDY_TEXT])
 
 
@@ -167,8 +168,8 @@ def test_servers_write_sampled_text_seeded_per_context(world, embedded, servers,
         tokenizer = load_tokenizer(config)
         data = prepare_data(config, tokenizer)
         needed = self_generated_needed(config, data)
-        stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer), needed)
-        run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(config, tokenizer)))
+        stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
+        run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)))
         assert set(needed) == {GREEDY_TEXT, text}  # validation and heldout greedy (eval.serving), train sampled
         return stores[text].directory
 

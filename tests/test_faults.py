@@ -1130,12 +1130,13 @@ def store_config(models, store: Path, base: str = "base"):
 
 def opened_store(config):
     """A run's store and windows as `open_run` has them once its models are loaded."""
-    from occamy_mtp.run import BaseFacts, load_tokenizer, open_store, prepare_data, self_generated_needed, stop_token_ids
+    from occamy_mtp.data.windows import stop_token_ids
+    from occamy_mtp.run import BaseFacts, load_tokenizer, open_store, prepare_data, self_generated_needed
     from occamy_mtp.sampling import GREEDY_TEXT
 
     tokenizer = load_tokenizer(config)
     data = prepare_data(config, tokenizer)
-    return open_store(config, BaseFacts(config.model.base), stop_token_ids(config, tokenizer)), self_generated_needed(config, data)[GREEDY_TEXT]
+    return open_store(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)), self_generated_needed(config, data)[GREEDY_TEXT]
 
 
 def embedded_writer(config):

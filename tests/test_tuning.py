@@ -7,7 +7,7 @@ import hashlib
 import json
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 import types
 
 import pytest
@@ -73,36 +73,11 @@ def test_a_user_s_own_fla_settings_are_left_alone(monkeypatch):
     assert os.environ["FLA_CACHE_MODE"] == "strict" and fla_cache.FLA_CACHE_MODE == "disabled" and "FLA_CONFIG_DIR" not in os.environ
 
 
-# The cache pass's delta rule and conv at real size (fastbase.fla_kernels' calls), in a fresh
-# process with an empty Triton cache: no autotuner may have benchmarked (`configs_timings`
-# is set only by a benchmark or a disk-cache hit), every one used must hold a config.
-_FRESH_PROCESS = textwrap.dedent("""
-    import json, sys, torch
-    from occamy_mtp.base.fastbase import fla_kernels
-    kernels = fla_kernels()
-    from fla.modules.causal_conv1d import causal_conv1d
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.utils.cache import CachedAutotuner
-    import fla.ops.common.chunk_delta_h, fla.ops.common.chunk_o, fla.ops.gated_delta_rule.chunk_fwd
-    import fla.ops.gated_delta_rule.wy_fast, fla.ops.utils.cumsum, fla.modules.norm.l2norm, fla.modules.causal_conv1d.ops
-    T, device = 8192, "cuda"
-    cu = torch.tensor([0, 510, 1020, 4000, T], dtype=torch.int32, device=device)
-    q, k = (torch.randn(1, T, 16, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(1, T, 32, 128, device=device, dtype=torch.bfloat16)
-    g = -torch.rand(1, T, 32, device=device)
-    beta = torch.rand(1, T, 32, device=device, dtype=torch.bfloat16)
-    chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
-    x = torch.randn(1, T, 8192, device=device, dtype=torch.bfloat16)
-    causal_conv1d(x, weight=torch.randn(8192, 4, device=device, dtype=torch.bfloat16), bias=None, activation="silu", cu_seqlens=cu)
-    torch.cuda.synchronize()
-    used = {}
-    for module in [m for n, m in sys.modules.items() if n.startswith("fla.")]:
-        for name, value in vars(module).items():
-            if isinstance(value, CachedAutotuner) and value.cache:
-                used[value.kernel_name] = getattr(value, "configs_timings", None) is None
-    print(json.dumps(used))
-""")
+# The cache pass's delta rule and conv at real size on packed windows (bench/tune_fla_varlen.py),
+# in a fresh process with an empty Triton cache: no autotuner may have benchmarked
+# (`configs_timings` is set only by a benchmark or a disk-cache hit), every one used must hold
+# a config.
+TUNE_SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "tune_fla_varlen.py"
 
 
 @pytest.mark.gpu
@@ -111,7 +86,7 @@ def test_fla_s_kernels_run_without_autotuning_on_a_fresh_machine(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLA_")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")  # nothing kept from an earlier process
-    done = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(TUNE_SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     used = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(used) >= 6 and all(used.values()), used  # each kernel ran on a shipped config, none benchmarked

@@ -2,19 +2,16 @@
 
 `greedy_generate` is what the self-generated store (`occamy_mtp.selfgen.store`) and the
 answer-regeneration command (`occamy_mtp.selfgen.regenerate`) decode with: greedy, or sampled under a
-`sampling.TextSampling` from one seeded uniform stream per prompt; `default_eos_token_ids`
-is where a continuation ends.
+`sampling.TextSampling` from one seeded uniform stream per prompt, until one of the stop
+tokens (`data.windows.stop_token_ids`).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Sequence
-from pathlib import Path
 
 import torch
 
-from occamy_mtp.data import reader, windows
 from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 
@@ -139,29 +136,3 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=1)
         step_positions = step_positions[:, -1:] + 1
     return generated
-
-
-def default_eos_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[int]:
-    """The tokenizer's eos, the template's end of turn, and the base's generation_config eos ids."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    end_of_turn = template_end_of_turn_id(tokenizer)
-    if end_of_turn is not None:
-        ids.add(end_of_turn)
-    path = Path(base_dir) / "generation_config.json" if base_dir is not None else None
-    if path is not None and path.is_file():
-        configured = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(int(t) for t in (configured if isinstance(configured, list) else [configured]) if t is not None)
-    return ids
-
-
-def template_end_of_turn_id(tokenizer) -> int | None:
-    """The special token that closes an assistant turn in the chat template (Qwen: <|im_end|>)."""
-    messages = [reader.Message("user", "Hi"), reader.Message("assistant", "Hello")]
-    rendered = windows.render_turn(tokenizer, messages, 1)
-    if isinstance(rendered, reader.Excluded):
-        return None
-    span_ids = windows.tokenize_turn(tokenizer, *rendered).span_ids
-    special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return span_ids[-1] if span_ids and span_ids[-1] in special else None

@@ -269,6 +269,35 @@ def _special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 
+# ---------------------------------------------------------------------------- where a turn ends
+
+
+def stop_token_ids(tokenizer, base_dir: str | Path | None = None) -> set[int]:
+    """The tokenizer's eos, the template's end of turn, and the base's generation_config eos ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    end_of_turn = template_end_of_turn_id(tokenizer)
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
+    path = Path(base_dir) / "generation_config.json" if base_dir is not None else None
+    if path is not None and path.is_file():
+        configured = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(int(t) for t in (configured if isinstance(configured, list) else [configured]) if t is not None)
+    return ids
+
+
+def template_end_of_turn_id(tokenizer) -> int | None:
+    """The special token that closes an assistant turn in the chat template (Qwen: <|im_end|>)."""
+    messages = [Message("user", "Hi"), Message("assistant", "Hello")]
+    rendered = render_turn(tokenizer, messages, 1)
+    if isinstance(rendered, Excluded):
+        return None
+    span_ids = tokenize_turn(tokenizer, *rendered).span_ids
+    special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return span_ids[-1] if span_ids and span_ids[-1] in special else None
+
+
 def tokenizer_identity(tokenizer) -> dict[str, Any]:
     """What identifies the rendering: the tokenizer's name, size, eos and chat template."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template, sort_keys=True)

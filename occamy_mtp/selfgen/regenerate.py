@@ -26,7 +26,6 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.files import write_json
 from occamy_mtp.data import reader, windows
 from occamy_mtp.config import TURN_CHOICES
-from occamy_mtp.base.generate import default_eos_token_ids, template_end_of_turn_id
 from occamy_mtp.selfgen.store import EmbeddedWriter
 
 # ---------------------------------------------------------------------------- settings
@@ -126,7 +125,7 @@ def roundtrip_outcome(
     """Whether chat template + tokenizer turn the record's text back into `generated_ids`.
 
     `messages` end with the generated assistant turn (its text); `end_of_turn_id` is
-    `template_end_of_turn_id(tokenizer)`. See the module docstring for the outcomes,
+    `data.windows.template_end_of_turn_id(tokenizer)`. See the module docstring for the outcomes,
     checked in ROUNDTRIP_OUTCOMES order.
     """
     text = messages[-1].content
@@ -337,7 +336,7 @@ def regenerate_answers(
     """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
 
     `base_identity` is `checkpoint_fingerprint(base_dir)` (compared on resume).
-    `eos_token_ids` defaults to `default_eos_token_ids(tokenizer)`. `limit` keeps the
+    `eos_token_ids` defaults to `data.windows.stop_token_ids(tokenizer)`. `limit` keeps the
     first N prompts (in file order); a later run without it continues the same file.
     With `resume=False` an existing non-empty output is an error, never overwritten.
     Raises DataError for bad data and GenerateError for an output it must not touch.
@@ -348,7 +347,7 @@ def regenerate_answers(
         raise ValueError(f"limit must be >= 0, got {limit}")
     if max_new_tokens < 1 or batch_size < 0:
         raise ValueError(f"max_new_tokens must be >= 1 and batch_size >= 0 (0: as many as fit), got {max_new_tokens} and {batch_size}")
-    eos = frozenset(int(t) for t in (default_eos_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids))
+    eos = frozenset(int(t) for t in (windows.stop_token_ids(tokenizer) if eos_token_ids is None else eos_token_ids))
     if not eos:
         raise ValueError("eos_token_ids is empty: every answer would run to max_new_tokens")
     parameter = next(base.parameters())
@@ -400,7 +399,7 @@ def regenerate_answers(
     sidecar.update(status="running", runs=runs, data=_data_section(read, limit))
     write_json(meta_path, sidecar)
 
-    end_of_turn_id = template_end_of_turn_id(tokenizer)
+    end_of_turn_id = windows.template_end_of_turn_id(tokenizer)
     metas = list(existing.metas)
     contexts = [list(p.prompt_ids) for p in selected]
     missing_flags = [p.key not in done for p in selected]
@@ -520,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=data.answer_tokens,
         batch_size=data.self_generate_batch_size,
         resume=not args.no_resume,
-        eos_token_ids=default_eos_token_ids(tokenizer, config.model.base),
+        eos_token_ids=windows.stop_token_ids(tokenizer, config.model.base),
         limit=args.limit,
         skip_bad_records=data.skip_bad_records,
         progress=not args.no_progress,

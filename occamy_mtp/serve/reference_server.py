@@ -336,7 +336,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     from transformers import AutoTokenizer
 
     from occamy_mtp.model import checkpoint as ckpt_io
-    from occamy_mtp.base.generate import default_eos_token_ids
+    from occamy_mtp.data.windows import stop_token_ids
     from occamy_mtp.model.head import SharedWeights
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
@@ -353,7 +353,7 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
         text_config = ckpt_io.read_config(base_dir).text_config
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
         head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=dtype, device=device)[0].eval()
-    stop = default_eos_token_ids(tokenizer, base_dir)
+    stop = stop_token_ids(tokenizer, base_dir)
     return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name, draft=draft)
 
 
