@@ -431,7 +431,8 @@ def load_models(config: RunConfig, facts: BaseFacts, device, with_base: bool = T
     size = sum(f.stat().st_size for f in files) / 2**30
     if with_base:
         log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
-        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation)
+        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation,
+                                 config=facts.config)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
         tuned = use_tuned_kernel_configs(torch.device(device))
         if tuned:
@@ -439,7 +440,7 @@ def load_models(config: RunConfig, facts: BaseFacts, device, with_base: bool = T
     else:
         log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
         base = None
-        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device)
+        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device, config=facts.config)
     head, layout = ckpt_io.load_head(
         config.model.donor_head,
         facts.text_config,

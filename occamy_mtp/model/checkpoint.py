@@ -554,15 +554,16 @@ def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="c
     return model
 
 
-def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa"):
+def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
+              config=None):
     """Load the frozen base text model from a checkpoint directory.
 
     Tensors are read one at a time straight into the module (no second copy of a
     shard). Vision and `mtp.*` tensors are skipped. Missing, unexpected or mis-shaped
     text tensors are an error listing all of them. Returns the model in eval mode with
-    every parameter frozen.
+    every parameter frozen. `config`: the directory's `read_config`, when the caller has it.
     """
-    config = read_config(directory)
+    config = config or read_config(directory)
     ckpt = SafetensorsCheckpoint(directory)
     model = build_base_model(config.text_config, dtype, device, attn_implementation)
     load_base_weights(model, ckpt, dtype=dtype, device=device)
@@ -670,16 +671,17 @@ def load_head(
     return head, layout
 
 
-def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device="cpu", config=None):
     """Only the base's `embed_tokens` and `lm_head` (what the head borrows), not its layers.
 
     With the target cache the head trains and is evaluated without the base's 34.7B
     parameters: these two tensors are 2 x 248,320 x 2048 (~2 GB in bf16) at real size.
+    `config`: the directory's `read_config`, when the caller has it.
     """
     from occamy_mtp.model.head import SharedWeights
 
     base_dir = Path(base_dir)
-    text_config = read_config(base_dir).text_config
+    text_config = (config or read_config(base_dir)).text_config
     ckpt = SafetensorsCheckpoint(base_dir)
     embed_key = base_text_prefix(ckpt) + "embed_tokens.weight"
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
