@@ -1,1 +1,2 @@
-"""The base's own text: greedy decoding (batched, or the static batch decoder on CUDA), serving engines, the store."""
+"""The base's own text: the store of its continuations and who writes them (the base through
+`occamy_mtp.base`'s decoders, or serving engines), and the `generate` command."""

@@ -1,1 +1,1 @@
-"""The frozen base's targets: its forward over windows (plain and packed) and the offline cache's format."""
+"""The frozen base's targets: online (its forward through `occamy_mtp.base`) and the offline cache's format."""
