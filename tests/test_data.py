@@ -456,3 +456,15 @@ def test_cli_errors_are_one_line(tmp_path, sample_tokenizer_dir):
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: data.files: {tmp_path / 'missing.jsonl'}: no such file"
     assert "Traceback" not in result.stderr
+
+
+def test_the_reader_counts_one_pass_and_refuses_a_second(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    chats.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    read = reader.ChatReader([chats])
+    assert [c.messages[-1].content for c in read] == ["hello"]  # the second is the first again
+    assert read.conversations_read == 2 and read.excluded() == {reader.DUPLICATE_CONVERSATION: 1}
+    assert [f["records"] for f in read.files] == [2]
+    with pytest.raises(RuntimeError, match="reads its sources once"):
+        list(read)

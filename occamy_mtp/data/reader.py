@@ -147,8 +147,12 @@ class ChatReader:
         self.tally = Tally()
         self.files: list[dict[str, Any]] = []
         self.conversations_read = 0
+        self._started = False
 
     def __iter__(self) -> Iterator[Conversation]:
+        if self._started:  # the counts are of one pass
+            raise RuntimeError("a ChatReader reads its sources once; make another to read them again")
+        self._started = True
         first_location: dict[str, str] = {}  # content hash -> where it was first read
         for source in self.sources:
             records, described = open_source(source)

@@ -412,8 +412,9 @@ def regenerate_answers(
         size = writer.batch_for(contexts, max_new_tokens, log)
         writer = EmbeddedWriter(base, size)
         runs[-1]["batch_size"] = size
-        regenerated = sum(not missing_flags[i] for start in range(0, len(selected), size)
-                          if any(missing_flags[start:start + size]) for i in range(start, min(start + size, len(selected))))
+        # The writer decodes a batch with any record missing whole: the others are computed again, not written.
+        batches = [range(start, min(start + size, len(selected))) for start in range(0, len(selected), size)]
+        regenerated = sum(not missing_flags[i] for batch in batches if any(missing_flags[i] for i in batch) for i in batch)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with out_path.open("a", encoding="utf-8") as stream:
             for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, log):
