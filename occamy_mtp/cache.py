@@ -140,7 +140,7 @@ def build_for_config(
     base = None
     lacking = any(stores[sampling].missing(windows) for sampling, windows in needed.items())
     if lacking and not config.data.self_generate_endpoints:
-        base = _load_base(config)  # it writes the continuations (servers write them when named)
+        base = _load_base(config, facts)  # it writes the continuations (servers write them when named)
     windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, facts, stop_ids, base), log).all()
     identity = cache_identity(facts.fingerprint, windows, data.settings, config.model.dtype, config.model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
@@ -149,7 +149,7 @@ def build_for_config(
             if all(shard_problem(directory, s, identity.key) is None for s in manifest["shards"]):
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
-    base = base or _load_base(config)
+    base = base or _load_base(config, facts)
     compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens, max(len(w.input_ids) for w in windows), log)
     log(f"target cache: {len(windows)} windows -> {directory} ({compute_name})")
     return build_cache(
@@ -164,11 +164,10 @@ def build_for_config(
     )
 
 
-def _load_base(config):
+def _load_base(config, facts: BaseFacts):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return ckpt_io.load_base(
-        config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=device, attn_implementation=config.model.attn_implementation
-    )
+    return ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=device,
+                             attn_implementation=config.model.attn_implementation, config=facts.config)
 
 
 def _tokens_or_auto(text: str) -> int | None:
