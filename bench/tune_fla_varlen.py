@@ -1,6 +1,6 @@
 """Autotune fla's kernels at real size on packed, variable-length windows, for bench/kernel_configs.py.
 
-    TRITON_CACHE_DIR=/tmp/tc python3 bench/tune_fla_varlen.py && \\
+    TRITON_CACHE_DIR=/tmp/tc PYTHONPATH=. python3 bench/tune_fla_varlen.py && \\
         python3 bench/kernel_configs.py /tmp/tc occamy_mtp/base/tuned/sm90 --triton "$(python3 -c 'import triton; print(triton.__version__)')"
 
 The cache pass packs windows of different lengths into one sequence (`fastbase.PackLayout`,
