@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -339,7 +340,9 @@ def regenerate_answers(
     `eos_token_ids` defaults to `data.windows.stop_token_ids(tokenizer)`. `limit` keeps the
     first N prompts (in file order); a later run without it continues the same file.
     With `resume=False` an existing non-empty output is an error, never overwritten.
-    Raises DataError for bad data and GenerateError for an output it must not touch.
+    `batch_size` 0 sizes the batch to the GPU (`store.EmbeddedWriter.batch_for`), which says
+    what it chose and why to `log`. Raises DataError for bad data and GenerateError for an
+    output it must not touch.
     """
     started = time.perf_counter()
     out_path = Path(out_path)
@@ -405,7 +408,8 @@ def regenerate_answers(
     missing_flags = [p.key not in done for p in selected]
     bar = Progress(len(missing), "generate", "answer", enabled=progress)
     regenerated = 0
-    log = log or (lambda message: None)
+    quiet = lambda message: None  # noqa: E731
+    log = log or quiet
     if missing:
         # The store's writer: the fast static decoder on CUDA, transformers' decoding elsewhere.
         writer = EmbeddedWriter(base, batch_size)
@@ -417,7 +421,7 @@ def regenerate_answers(
         regenerated = sum(not missing_flags[i] for batch in batches if any(missing_flags[i] for i in batch) for i in batch)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         with out_path.open("a", encoding="utf-8") as stream:
-            for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, log):
+            for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, quiet):  # the bar shows it
                 prompt = selected[index]
                 record = make_record(tokenizer, prompt, continuation.tokens, eos, end_of_turn_id)
                 stream.write(record_line(record))
@@ -525,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         skip_bad_records=data.skip_bad_records,
         progress=not args.no_progress,
         max_record_bytes=data.max_record_bytes,
+        log=lambda line: print(line, file=sys.stderr, flush=True),  # the batch chosen, and why
     )
     print(_format_report(report))
     return 0
