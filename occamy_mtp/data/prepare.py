@@ -12,9 +12,9 @@ from typing import Any
 
 from occamy_mtp.config import TURN_CHOICES, DataSettings
 from occamy_mtp.data.reader import (BEYOND_SPLIT_SIZE, DEFAULT_EXCLUSIONS, DEFAULT_MAX_RECORD_BYTES, OPTIONAL_EXCLUSIONS,
-                                    ChatReader, DataError, Excluded)
+                                    ChatReader, Excluded)
 from occamy_mtp.data.split import HELDOUT, TRAIN, VALIDATION, assign_split, default_fractions, keep_apart, split_key
-from occamy_mtp.data.windows import Window, conversation_windows, tokenizer_identity
+from occamy_mtp.data.windows import Window, conversation_windows, require_chat_template, tokenizer_identity
 
 # The defaults of the window settings are a run's (`config.DataSettings`, where defaults
 # live), but for the validation side: the function splits two ways unless asked; runs and
@@ -182,8 +182,7 @@ def prepare_windows(
     NO_ASSISTANT_TURN, the detail saying why. Windows are ordered by split key, then turn.
     """
     _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    require_chat_template(tokenizer)
     reader = ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
     windows_by_hash: dict[str, list[Window]] = {}  # the conversations that produced windows
     first_location: dict[str, str] = {}  # content hash -> where it was read

@@ -15,7 +15,7 @@ import jinja2
 
 from occamy_mtp.config import ConfigError, DataSettings, RunConfig
 from occamy_mtp.data.reader import (DEFAULT_EXCLUSIONS, EMPTY_ANSWER, NO_ASSISTANT_TURN, SPECIAL_TOKEN_IN_TEXT, TEMPLATE_ERROR,
-                                    TEMPLATE_PREFIX_MISMATCH, Conversation, Excluded, Message)
+                                    TEMPLATE_PREFIX_MISMATCH, Conversation, DataError, Excluded, Message)
 
 # The window sizes' defaults are a run's (`config.DataSettings`, where defaults live).
 _DEFAULTS = DataSettings()
@@ -240,7 +240,7 @@ def conversation_windows(
     recorded = [k for k in turn_indices if k < len(conversation.messages)]
     if EMPTY_ANSWER in exclude and any(not conversation.messages[k].content.strip() for k in recorded):
         return Excluded(EMPTY_ANSWER)
-    special = _special_token_texts(tokenizer)
+    special = special_token_texts(tokenizer)
     for index, message in enumerate(conversation.messages[: max(turn_indices) + 1]):
         found = [token for token in special if token in message.content]
         if found:
@@ -260,7 +260,7 @@ def conversation_windows(
     return windows, retokenized
 
 
-def _special_token_texts(tokenizer) -> list[str]:
+def special_token_texts(tokenizer) -> list[str]:
     """The texts of the tokenizer's special added tokens (chat control tokens)."""
     return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
 
@@ -294,8 +294,13 @@ def template_end_of_turn_id(tokenizer) -> int | None:
     if isinstance(rendered, Excluded):
         return None
     span_ids = tokenize_turn(tokenizer, *rendered).span_ids
-    special = {token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    return span_ids[-1] if span_ids and span_ids[-1] in special else None
+    return span_ids[-1] if span_ids and span_ids[-1] in _special_token_ids(tokenizer) else None
+
+
+def require_chat_template(tokenizer) -> None:
+    """Windows are rendered by the tokenizer's chat template: DataError without one."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
 
 
 def tokenizer_identity(tokenizer) -> dict[str, Any]:

@@ -99,8 +99,7 @@ def read_prompts(
     """
     if turns not in TURN_CHOICES:
         raise ValueError(f"turns must be {' or '.join(TURN_CHOICES)}, got {turns!r}")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise reader.DataError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    windows.require_chat_template(tokenizer)
     read = reader.ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
     prompts: list[Prompt] = []
     for conversation in read:
@@ -135,7 +134,7 @@ def roundtrip_outcome(
         return DIFFERENT_END_TOKEN
     if not _spells_valid_utf8(tokenizer, content_ids, text):
         return LOSSY_DECODE
-    if any(token in text for token in _special_token_texts(tokenizer)):
+    if any(token in text for token in windows.special_token_texts(tokenizer)):
         return SPECIAL_TOKEN_IN_TEXT
     rendered = windows.render_turn(tokenizer, messages, len(messages) - 1)
     end_text = "" if end_of_turn_id is None else _decode(tokenizer, [end_of_turn_id])
@@ -150,11 +149,6 @@ def roundtrip_outcome(
 
 def _decode(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
-def _special_token_texts(tokenizer) -> list[str]:
-    """The tokenizer's special added tokens, as the windows' SPECIAL_TOKEN_IN_TEXT check defines them."""
-    return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
