@@ -83,6 +83,9 @@ def heldout_prefixes(paths, tokenizer, **split) -> list[ValidationPrompt]:
 
     The heldout split is `occamy_mtp.data.prepare.prepare_windows`' (pass the settings training
     used, e.g. train_conversations=..., heldout_conversations=..., split_seed=...).
+    The files are read twice, through the one reader: the split is known only once every
+    conversation has been read, and the second pass keeps the heldout conversations' messages
+    alone, where one pass would hold every conversation's text until the split.
     """
     from occamy_mtp.data.prepare import prepare_windows
     from occamy_mtp.data.reader import DEFAULT_EXCLUSIONS, ChatReader
