@@ -4,4 +4,4 @@
 from occamy_mtp.export.assemble import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="assemble_head.py"))

@@ -3,4 +3,4 @@
 from occamy_mtp.export.exporter import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="export.py"))

@@ -3,4 +3,4 @@
 from occamy_mtp.train.loop import main
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(prog="train.py"))

@@ -42,10 +42,10 @@ def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
     """A command's `main`: a library error becomes `error: ...` on stderr and exit status 2."""
 
     @functools.wraps(main)
-    def wrapped(argv: list[str] | None = None) -> int:
+    def wrapped(argv: list[str] | None = None, **options) -> int:
         quiet_kernel_fallbacks()
         try:
-            return main(argv)
+            return main(argv, **options)
         except OccamyError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             return 2

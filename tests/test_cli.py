@@ -4,9 +4,15 @@ plus `section.key=value` overrides through the config loader, and a library erro
 
 from __future__ import annotations
 
+import runpy
+import sys
+from pathlib import Path
+
 import pytest
 
 from occamy_mtp.__main__ import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # command -> the flags it cannot run without (besides the config)
 RUN_COMMANDS = {
@@ -40,6 +46,23 @@ def test_the_dispatcher_names_its_commands_and_refuses_an_unknown_one(capsys):
     assert main(["trian"]) == 2
     assert capsys.readouterr().err.strip() == f"error: unknown command 'trian'; expected one of {', '.join(COMMANDS)}"
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_names_itself_as_the_dispatcher_runs_it(command, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--help"])
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m occamy_mtp {command} ")
+
+
+@pytest.mark.parametrize("script", ["train.py", "export.py", "assemble_head.py"])
+def test_the_top_level_scripts_name_themselves(script, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert stopped.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {script} ")
 
 
 def _failure_paths(tmp_path):

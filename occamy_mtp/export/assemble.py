@@ -736,9 +736,9 @@ def format_report(report: AssemblyReport) -> str:
 
 
 @command
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp assemble") -> int:
     parser = argparse.ArgumentParser(
-        prog="assemble_head.py",
+        prog=prog,
         description="A servable directory: the base's weight shards (cloned, or linked where nothing can write "
         "through the link, else copied), copies of its other files, the trained MTP head, a rewritten index and "
         "config. The base directory is never modified.",

@@ -313,8 +313,8 @@ def format_metrics(metrics: dict) -> str:
 
 
 @command
-def main(argv: list[str] | None = None) -> int:
-    cli = command_line("export.py", "Export the trained MTP head, its metrics and TRAINING.json.")
+def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp export") -> int:
+    cli = command_line(prog, "Export the trained MTP head, its metrics and TRAINING.json.")
     cli.add_argument("--allow-worse", action="store_true",
                      help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
     args, config = parse(cli, argv)

@@ -474,8 +474,8 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 
 @command
-def main(argv: list[str] | None = None) -> int:
-    cli = command_line("train.py", "Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).")
+def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp train") -> int:
+    cli = command_line(prog, "Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).")
     cli.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     args, config = parse(cli, argv)
     train(config, resume=args.resume)
