@@ -35,11 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import Serving, load_config, window_settings  # noqa: E402
-from occamy_mtp.data.windows import Window, load_tokenizer  # noqa: E402
+from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids  # noqa: E402
 from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
 from occamy_mtp.model.head import SharedWeights  # noqa: E402
-from occamy_mtp.run import stop_token_ids  # noqa: E402
 from occamy_mtp import sampling  # noqa: E402
 from occamy_mtp.sampling import TextSampling  # noqa: E402
 from occamy_mtp.selfgen.engine_client import post_json, server_identity, speculative_counts  # noqa: E402
@@ -147,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.max_tokens or config.data.answer_tokens
     contexts = heldout_window_contexts(list(config.data.files), tokenizer, **window_settings(config.data))[: args.windows]
     text_config = ckpt_io.read_config(config.model.base).text_config
-    request = Request(max_tokens, frozenset(stop_token_ids(config, tokenizer)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
+    request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
                       TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed))
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
