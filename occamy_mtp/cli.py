@@ -38,8 +38,9 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     return args, resolve(load_config(args.config, args.overrides))
 
 
-def command(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
-    """A command's `main`: a library error becomes `error: ...` on stderr and exit status 2."""
+def command(main: Callable[..., int]) -> Callable[..., int]:
+    """A command's `main(argv, **options)`: a library error becomes `error: ...` on stderr and exit
+    status 2. `options` pass through (`prog`: the name a top-level script runs it under)."""
 
     @functools.wraps(main)
     def wrapped(argv: list[str] | None = None, **options) -> int:
