@@ -3,7 +3,8 @@
 `bench/engine_check.sh` (ENGINE_STAGE=sampled) serves a head with MTP at a temperature; this
 script sends it every heldout window's context (token ids to /v1/completions, seeded per
 context as the library's engine writer seeds it, `TextSampling.request_seed`) and reads each
-answer's tokens and its per-request acceptance counts (vLLM's `metrics.speculative_decoding`).
+answer's tokens and its per-request acceptance counts (vLLM's `metrics.speculative_decoding`,
+SGLang's `sglext.spec_tokens_details`, or the library's reference server's, which are SGLang's).
 Given the text an engine wrote, its counts are random with an expectation the library computes
 exactly (`evaluate.sampled_decoder_check`: the decoder's walk over that text with each draft's
 acceptance odds given the text). Over the requests the differences engine - expected have mean
@@ -81,8 +82,9 @@ def ask(url: str, model: str, contexts, request: Request, tokenizer, steps: int)
     a server without speculation, whose texts alone are checked)."""
     measured, raw = [], []
     for prompt in contexts:
-        response = post_json(url.rstrip("/") + "/v1/completions", request_body(model, prompt.prompt_ids, request),
-                             request.timeout_seconds)
+        body = request_body(model, prompt.prompt_ids, request)
+        body["return_spec_tokens_details"] = True  # SGLang's per-request counts (vLLM ignores it), as validate asks
+        response = post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds)
         answer = read_answer(response, tokenizer, request)
         window = Window("engine", 0, tuple(prompt.prompt_ids) + answer.tokens, len(prompt.prompt_ids))
         counts = speculative_counts(response)

@@ -1,0 +1,70 @@
+"""`bench/engine_sampled.py` against the library's own reference server (sampled serving, MTP on).
+
+The script is how the real-engine check compares an engine's per-request acceptance under
+sampling with the library's exact expectation given the engine's text. Served by the
+library's reference server (whose decoder is the library's), that comparison must hold
+exactly where it is certain and within chance where it is random: under greedy drafts the
+walk given the text is certain, so the drafts proposed at each step equal their expectation;
+the accepted drafts lie within a z-score of 4.5 under either draft rule; every sampled token
+lies inside the processed distribution's support. The verify passes differ by the budget's
+last token alone: the library's walk counts the plain base step it takes there as a round,
+the server's SGLang-style count (`spec_verify_ct`) counts verify passes only. The test also
+keeps the script running as the library changes: nothing else in the suite calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from occamy_mtp.testing.demo_models import SHIPPED_DIR
+from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from test_engine_generate import start_server, stop
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import engine_sampled  # noqa: E402
+
+DRAFT_STEPS = 2
+WINDOWS = 8
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The shipped demo build, read in place (its donor head is accepted often enough to count)."""
+    root = tmp_path_factory.mktemp("engine-sampled")
+    models = SHIPPED_DIR
+    config = root / "run.yaml"
+    config.write_text(f"model:\n  base: {models / 'base'}\n  donor_head: {models / 'donor'}\n  tokenizer: {models / 'tokenizer'}\n"
+                      f"  dtype: float32\ndata:\n  files: [{SAMPLE_DATA_PATH}]\n")
+    return {"root": root, "base": models / "base", "head": models / "donor", "tokenizer": models / "tokenizer", "config": config}
+
+
+@pytest.mark.parametrize("draft", ["greedy", "sampled"])
+def test_the_engine_check_s_expectation_holds_for_the_library_s_own_server(world, draft, capsys):
+    process, url = start_server(world, "--head", str(world["head"]), "--tokenizer", str(world["tokenizer"]), "--mode", "speculative",
+                                "--draft-steps", str(DRAFT_STEPS), "--draft", draft)
+    out = world["root"] / f"{draft}.json"
+    try:
+        code = engine_sampled.main(["--url", url, "--config", str(world["config"]), "--head", "donor",
+                                    "--draft-steps", str(DRAFT_STEPS), "--temperature", "0.7", "--top-p", "0.8",
+                                    "--draft", draft, "--windows", str(WINDOWS), "--max-tokens", "32", "--out", str(out)])
+    finally:
+        stop(process)
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    check, fidelity = report["check"], report["fidelity"]
+    assert report["requests"] == WINDOWS and check["decodes"] == WINDOWS
+    assert fidelity["tokens"] > 0 and fidelity["outside_the_processed_support"] == 0
+    assert all(answer["counts"]["histogram_consistent"] for answer in report["answers"])
+    measured, expected = check["measured"], check["expected"]
+    assert measured["verify_passes"] > 0 and sum(measured["accepted"]) > 0
+    assert abs(check["z"]["accepted"]) < 4.5, check["z"]
+    if draft == "greedy":  # the walk given the text is certain
+        assert measured["proposed"] == expected["proposed"]
+        budget_ends = sum(not answer["finished"] for answer in report["answers"])  # at most one plain step each
+        assert 0 <= expected["verify_passes"] - measured["verify_passes"] <= budget_ends
