@@ -206,13 +206,11 @@ def bench_base(base, config, shape, device, variants: list[str], args) -> dict:
     for name in variants:
         if name in calls:
             fn = calls[name]
-        elif name not in passes and KERNELS.get(name) is not None:
-            runner = fastbase.FastBasePass(base, max_tokens_per_batch=tokens, kernels=KERNELS[name])
-            fn = lambda runner=runner: runner.forward_batch(windows)  # noqa: E731
-        elif name in passes:
-            if KERNELS.get(name.replace("-graph", "")) is None:
-                continue
-            runner = passes[name]()
+        elif name in passes or name in KERNELS:
+            kernels = KERNELS.get(name.replace("-graph", ""))
+            if kernels is None:
+                continue  # kernels this device lacks (fla's: CUDA only)
+            runner = passes[name]() if name in passes else fastbase.FastBasePass(base, max_tokens_per_batch=tokens, kernels=kernels)
             fn = lambda runner=runner: runner.forward_batch(windows)  # noqa: E731
             if name == "fast-graph":
                 guarded(out, "graph-vs-eager", lambda runner=runner: graph_check(runner, windows))
@@ -631,7 +629,7 @@ def main(argv=None) -> int:
 
     DEVICE = device = torch.device(args.device)
     fast_kernels = fastbase.default_kernels(device)
-    KERNELS.update({"fast": fast_kernels, "fast-nofuse": None, "fast-tmoe": None})
+    KERNELS.update({"fast": fast_kernels, "fast-nofuse": None, "fast-tmoe": None, "fast-unfused-glue": None, "fast-exact": None})
     if fast_kernels.name.startswith("fla"):
         KERNELS["fast-nofuse"] = fastbase.fla_kernels(fused_norms=False)  # transformers' norms
         KERNELS["fast-tmoe"] = fastbase.fla_kernels(grouped_moe=False)  # transformers' MoE block
