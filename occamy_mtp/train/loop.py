@@ -91,10 +91,8 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         if existing is not None and not resume:
             raise ConfigError(f"{run_dir.root} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
         log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
-        check_data = None
-        if resume and existing is not None:
-            recorded = checkpoint_data(existing, config)
-            check_data = lambda data: same_data(existing, recorded, data)  # noqa: E731
+        resumed = read_checkpoint(existing, config) if resume and existing is not None else None
+        check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
         run = open_run(config, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data)
@@ -108,8 +106,8 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         weights = step_loss_weights(config.train)
         objective = build_objective(config)
         state, best = TrainState(), None
-        if resume and existing is not None:
-            state, best = load_checkpoint(existing, config, head, optimizer)
+        if resumed is not None:
+            state, best = restore_checkpoint(resumed, existing, head, optimizer)
             log(f"resumed from {existing} at step {state.step}/{total_steps}")
         if accelerator.is_main_process:
             with files.atomic_path(run_dir.resolved_config) as tmp:
@@ -344,21 +342,11 @@ def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer
     return path
 
 
-def checkpoint_data(path: Path, config: RunConfig) -> dict:
-    """The data a checkpoint was trained on (`PreparedData.members`), read without its tensors;
-    refused when the checkpoint is of another format or was written under other settings."""
-    return _checked_payload(torch.load(path, map_location="cpu", weights_only=True, mmap=True), path, config)["data"]
-
-
-def same_data(path: Path, recorded: dict, data: PreparedData) -> None:
-    """Refuse to resume from the checkpoint at `path` on data other than its own, naming what changed."""
-    changes = data.members_changed(recorded)
-    if changes:
-        raise ConfigError(f"{path}: was trained on other data ({'; '.join(changes)}); resume with the data it was "
-                          "trained on, or start again in a new output.dir")
-
-
-def _checked_payload(payload: dict, path: Path, config: RunConfig) -> dict:
+def read_checkpoint(path: Path, config: RunConfig) -> dict:
+    """A checkpoint to resume from, read once: its data (`PreparedData.members`), checked before any
+    model loads (`same_data`), then its tensors (`restore_checkpoint`). Refused when it is of another
+    format or was written under other settings."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; "
                           "use a new output.dir")
@@ -371,9 +359,17 @@ def _checked_payload(payload: dict, path: Path, config: RunConfig) -> dict:
     return payload
 
 
-def load_checkpoint(path: Path, config: RunConfig, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
-    """Put the head and optimizer back to a checkpoint; returns its state and the best tensors so far."""
-    payload = _checked_payload(torch.load(path, map_location="cpu", weights_only=True), path, config)
+def same_data(path: Path, recorded: dict, data: PreparedData) -> None:
+    """Refuse to resume from the checkpoint at `path` on data other than its own, naming what changed."""
+    changes = data.members_changed(recorded)
+    if changes:
+        raise ConfigError(f"{path}: was trained on other data ({'; '.join(changes)}); resume with the data it was "
+                          "trained on, or start again in a new output.dir")
+
+
+def restore_checkpoint(payload: dict, path: Path, head: MTPHead, optimizer) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """Put the head and optimizer back to a checkpoint (`read_checkpoint`'s payload of the file at
+    `path`); returns its state and the best tensors so far."""
     params = dict(head.named_parameters())
     for name, tensor in payload["trainable"].items():
         if name not in params or not params[name].requires_grad:
