@@ -21,7 +21,7 @@ from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
-from occamy_mtp.config import ConfigError, RunConfig
+from occamy_mtp.config import ConfigError, RunConfig, require_set
 from occamy_mtp.run import (
     BaseFacts,
     check_store_writable,
@@ -125,6 +125,7 @@ def build_for_config(
     the pass. A complete cache of this identity that verifies is left as it is (the
     base is not loaded).
     """
+    require_set(config, "model.base", "data.files")
     facts = BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
     stop_ids = stop_token_ids(tokenizer, config.model.base)

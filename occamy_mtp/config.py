@@ -526,6 +526,22 @@ def check(config: RunConfig) -> None:
             raise ConfigError(f"{option}: expected {expected}, got {value!r}")
 
 
+def require_set(config: RunConfig, *options: str) -> None:
+    """ConfigError naming each of `options` (dotted: `model.base`, `data.files`) that still holds
+    the placeholder `UNSET`, which the shipped configs leave where the user's paths go."""
+    tree = config.to_dict()
+    unset = []
+    for option in options:
+        value = _dotted(tree, option)
+        if any(str(v).startswith(UNSET) for v in (value if isinstance(value, list) else [value])):
+            unset.append(f"{option} ({value!r})")
+    if unset:
+        raise ConfigError(
+            f"{', '.join(unset)}: still the placeholder {UNSET}; give your own on the command line, e.g. "
+            "model.base=/ckpt/occamy model.donor_head=/ckpt/donor data.files=[/data/chats.jsonl]"
+        )
+
+
 def _dotted(tree: dict, option: str):
     for part in option.split("."):
         tree = tree[part]

@@ -28,7 +28,7 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.config import ConfigError, RunConfig, window_settings
+from occamy_mtp.config import ConfigError, RunConfig, require_set, window_settings
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
@@ -107,6 +107,8 @@ class BaseFacts:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        if not self.directory.exists():
+            raise ConfigError(f"model.base: {self.directory}: no such directory (a checkpoint directory holding config.json is expected)")
         self.config = ckpt_io.read_config(self.directory)
 
     @property
@@ -158,6 +160,7 @@ def check_run(config: RunConfig) -> BaseFacts:
     the target cache by the pass that writes it); every name in
     `train.trainable` is a head submodule (checked on a head built on the meta device).
     """
+    require_set(config, "model.base", "model.donor_head", "data.files")
     base, donor = Path(config.model.base), Path(config.model.donor_head)
     facts = BaseFacts(base)
     if not donor.exists():
@@ -504,6 +507,8 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
     loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
     `check_run` read, else read here.
     """
+    if base is None:
+        require_set(config, "model.base", "data.files")
     facts = base or BaseFacts(config.model.base)
     tokenizer = load_tokenizer(config)
     stop_ids = stop_token_ids(tokenizer, config.model.base)

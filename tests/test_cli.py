@@ -75,8 +75,8 @@ def _failure_paths(tmp_path):
     uncached.write_text("model:\n  base: occamy-test/never-downloaded\n")
     (tmp_path / "chats.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     return [
-        ("train", ["--config", str(config)], str(missing)),
-        ("export", ["--config", str(config)], str(missing)),
+        ("train", ["--config", str(config)], f"model.base: {missing}: no such directory"),
+        ("export", ["--config", str(config)], f"model.base: {missing}: no such directory"),
         ("cache", ["--config", str(config), "--dir", str(tmp_path / "cache")], str(missing)),
         ("cache", ["--config", str(config)], "data.target_cache: no cache directory configured"),
         ("evaluate", ["--config", str(config), "--out", str(tmp_path / "e")],
@@ -103,3 +103,18 @@ def test_a_known_failure_is_one_error_line_never_a_traceback(case, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith("error: ") and named in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("command, argv", [
+    ("train", []), ("export", []), ("cache", ["--dir", "unused-cache"]), ("evaluate", ["--head", "head.safetensors", "--out", "unused"]),
+])
+def test_a_shipped_config_run_as_it_is_names_the_paths_still_to_give(command, argv, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing is written beside the shipped configs
+    (tmp_path / "head.safetensors").write_bytes(b"")
+    assert main([command, "--config", str(ROOT / "configs" / "512step.yaml"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    needed = ["model.base ('REPLACE_ME/occamy-base')", "data.files (['REPLACE_ME/chats.jsonl'])"]
+    if command in ("train", "export"):
+        needed.append("model.donor_head ('REPLACE_ME/donor')")
+    assert len(err) == 1 and err[0].startswith("error: ") and "still the placeholder REPLACE_ME" in err[0], err
+    assert all(option in err[0] for option in needed), err
