@@ -60,7 +60,7 @@ from occamy_mtp.targets.base import plain_compute, plain_compute_name
 from occamy_mtp import files
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.decode import decodes_runner
+from occamy_mtp.evaluation.decode import decodes_runners
 from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.base.fastbase import FastBasePass
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
@@ -325,25 +325,28 @@ def main() -> int:
     result["selection"] = {"measurements": len(selection_seconds), "seconds": sum(selection_seconds)}
 
     # 4. export: donor and trained evaluated on the heldout windows and checked by the
-    # reference decoder (as export.py's `_measure`), the head written out
+    # reference decoder (as export.py's `_measure`: every head tensor in the model dtype,
+    # so the decoder's head runner is the static one), the head written out
     checks = {}
 
     def export():
         checked = heldout[: args.decoder_check_windows]
-        runner = decodes_runner(base, [w.answer_start for w in checked], ANSWER_TOKENS, max(SERVED_STEPS)) if checked else None
+        for model in (donor, head):
+            for param in model.parameters():  # as export.py: evaluated as served
+                param.data = param.data.to(dtype)
+        runners = decodes_runners(base, donor, [w.answer_start for w in checked], ANSWER_TOKENS, max(SERVED_STEPS)) if checked else None
         for name, model in (("donor", donor), ("trained", head)):
-            with as_served(model, dtype), head_autocast(model, device, dtype):
-                phases.unit("evaluation", lambda m=model: evaluate_head(targets, m.eval(), heldout, draft_steps=3, windows_per_batch=4))
-                for k in SERVED_STEPS if checked else ():
-                    sync(device)
-                    started = time.perf_counter()
-                    check = phases.unit(f"decoder check k{k}", lambda m=model, k=k: reference_decoder_check(
-                        base, m, checked, k, ANSWER_TOKENS, set(), base_runner=runner))
-                    checks[f"{name}_k{k}"] = {"windows": len(checked), "seconds": time.perf_counter() - started,
-                                              "decode_seconds": check["decode_seconds"],
-                                              "verify_passes": check["measured"]["verify_passes"],
-                                              "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
-                                              "decisions_equal": check["decisions_equal"]}
+            phases.unit("evaluation", lambda m=model: evaluate_head(targets, m.eval(), heldout, draft_steps=3, windows_per_batch=4))
+            for k in SERVED_STEPS if checked else ():
+                sync(device)
+                started = time.perf_counter()
+                check = phases.unit(f"decoder check k{k}", lambda m=model, k=k: reference_decoder_check(
+                    base, m, checked, k, ANSWER_TOKENS, set(), runners=runners.with_head(m)))
+                checks[f"{name}_k{k}"] = {"windows": len(checked), "seconds": time.perf_counter() - started,
+                                          "decode_seconds": check["decode_seconds"],
+                                          "verify_passes": check["measured"]["verify_passes"],
+                                          "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
+                                          "decisions_equal": check["decisions_equal"]}
         tensors = {n: p.detach().to(dtype) for n, p in head.named_parameters() if "embed_tokens" not in n and "lm_head" not in n}
         files.save_safetensors(workdir / "mtp-trained.safetensors", tensors)
 

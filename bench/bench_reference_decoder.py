@@ -11,12 +11,15 @@ training run holds them (the head's trainable tensors as fp32 masters). Then:
    and the peak GPU memory with the base and the head resident: what decides the default
    `data.self_generate_batch_size` (under 78 GiB);
 2. the reference decoder check (`evaluate.reference_decoder_check`, export's check) on one
-   random heldout prompt at K = 1 and 3, each run twice (the first pays compilation and
-   autotuning), the second broken down by what it calls: the base runner's forwards
-   (prefill, verify passes, re-runs after a rollback), its snapshots and restores, the
-   head's step-1 extensions and K-step chains, and the offline replay (`chain_outcomes`).
-   Each piece is timed between two device synchronisations, so the pieces add up to a
-   little more than the unbroken run.
+   random heldout prompt at K = 1 and 3, the head in the model dtype as export holds it, one
+   pair of runners for all checks as export shares them; each check run twice (the first pays
+   compilation, autotuning and the graphs' capture), the second broken down by what it
+   calls: the base runner's forwards (prefill, verify passes, re-runs after a rollback), its
+   snapshots and restores, the head runner's step-1 extensions and K-step chains, and the
+   offline replay (`evaluate._run_batch`). Each piece is timed between two device
+   synchronisations, so the pieces add up to a little more than the unbroken run. Where the
+   head runs on `fastdecode.StaticHeadRunner` (a GPU), the same checks follow with
+   `decode.HeadRunner` (`*_eager_head`): the two in one process.
 """
 
 from __future__ import annotations
@@ -112,32 +115,42 @@ def main() -> int:
         print(f"batch {size}: {json.dumps(result[f'self_generate_batch{size}'])}", flush=True)
 
     window = Window("random", 0, random_ids(CONTEXT_TOKENS + ANSWER_TOKENS), CONTEXT_TOKENS)
-    for k in (1, 3):
-        for attempt in ("first", "second"):
-            timers = Timers(device)
-            restore = []
-            if attempt == "second":
-                runner = fastdecode.StaticRunner if fastdecode.static_decoding(base) else decode.BaseRunner
-                for attribute in ("forward", "snapshot", "restore"):
-                    restore.append((runner, attribute, timers.wrap(runner, attribute, f"base_runner.{attribute}")))
-                for attribute in ("extend", "chain"):
-                    restore.append((decode.HeadRunner, attribute,
-                                    timers.wrap(decode.HeadRunner, attribute, f"head_runner.{attribute}")))
-                restore.append((evaluate, "chain_outcomes", timers.wrap(evaluate, "chain_outcomes", "chain_outcomes")))
-            sync(device)
-            started = time.perf_counter()
-            check = evaluate.reference_decoder_check(base, head, [window], k, ANSWER_TOKENS, set())
-            sync(device)
-            seconds = time.perf_counter() - started
-            for owner, attribute, original in restore:
-                setattr(owner, attribute, original)
-            forwards = timers.calls.get("base_runner.forward", 0)
-            result[f"decoder_check_k{k}_{attempt}"] = {
-                "seconds": seconds, "verify_passes": check["measured"]["verify_passes"],
-                "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
-                "pieces": timers.report(), "base_forwards": forwards,
-                "ms_per_base_forward": 1e3 * timers.seconds.get("base_runner.forward", 0.0) / max(forwards, 1)}
-            print(f"K={k} {attempt}: {json.dumps(result[f'decoder_check_k{k}_{attempt}'])}", flush=True)
+    for param in head.parameters():  # as export evaluates it: every tensor in the model dtype
+        param.data = param.data.to(torch.bfloat16)
+    for head_runner in ("static", "eager") if fastdecode.static_head_decoding(head) else ("eager",):
+        # One pair of runners for every check, as export shares them; "eager" is decode.HeadRunner
+        # (transformers' layer on a growing cache), "static" fastdecode.StaticHeadRunner.
+        runners = decode.decodes_runners(base, head, [CONTEXT_TOKENS], ANSWER_TOKENS, 3)
+        if head_runner == "eager":
+            runners = decode.Runners(runners.base, decode.HeadRunner(head), runners.positions, runners.span)
+        for k in (1, 3):
+            for attempt in ("first", "second"):
+                timers = Timers(device)
+                restore = []
+                if attempt == "second":
+                    for attribute in ("forward", "snapshot", "restore"):
+                        restore.append((type(runners.base), attribute,
+                                        timers.wrap(type(runners.base), attribute, f"base_runner.{attribute}")))
+                    for attribute in ("extend", "chain"):
+                        restore.append((type(runners.head), attribute,
+                                        timers.wrap(type(runners.head), attribute, f"head_runner.{attribute}")))
+                    restore.append((evaluate, "_run_batch", timers.wrap(evaluate, "_run_batch", "offline_replay")))
+                sync(device)
+                started = time.perf_counter()
+                check = evaluate.reference_decoder_check(base, head, [window], k, ANSWER_TOKENS, set(), runners=runners)
+                sync(device)
+                seconds = time.perf_counter() - started
+                for owner, attribute, original in restore:
+                    setattr(owner, attribute, original)
+                forwards = timers.calls.get("base_runner.forward", 0)
+                name = f"decoder_check_k{k}_{attempt}" + ("" if head_runner == "static" else "_eager_head")
+                result[name] = {
+                    "seconds": seconds, "decode_seconds": check["decode_seconds"], "verify_passes": check["measured"]["verify_passes"],
+                    "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
+                    "decisions_equal": f"{check['decisions_equal']}/{check['decisions']}",
+                    "pieces": timers.report(), "base_forwards": forwards,
+                    "ms_per_base_forward": 1e3 * timers.seconds.get("base_runner.forward", 0.0) / max(forwards, 1)}
+                print(f"{name}: {json.dumps(result[name])}", flush=True)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(result, handle, indent=2)

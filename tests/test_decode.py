@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from occamy_mtp.data.windows import Window
+from occamy_mtp.base.fastdecode import StaticHeadRunner
 from occamy_mtp.evaluation.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
 from occamy_mtp.evaluation.evaluate import SELF_GENERATED, chain_outcomes, evaluate_head
 from occamy_mtp.evaluation.metrics import counts_from_outcomes
@@ -167,9 +168,12 @@ def test_base_snapshot_restore_undoes_a_verify_pass(models):
 
 
 @torch.no_grad()
-def test_head_chain_matches_the_offline_chain_hidden_states(models):
+@pytest.mark.parametrize("runner_class", [HeadRunner, StaticHeadRunner])
+def test_head_chain_matches_the_offline_chain_hidden_states(models, runner_class):
     """The decoder's head cache (step-1 entries of the accepted text + its own chain) gives
-    the same g1..g3 as MTPHead.forward's masked all-anchor chain, at every anchor."""
+    the same g1..g3 as MTPHead.forward's masked all-anchor chain, at every anchor: the
+    growing cache and the static one (its keys and values in fixed buffers, the chain's
+    entries written past the committed ones)."""
     base, head = models
     text = greedy_decode(base, random_prompt(6, 6), 14).text_ids
     ids = torch.tensor([text])
@@ -182,7 +186,7 @@ def test_head_chain_matches_the_offline_chain_hidden_states(models):
         step_tokens[k, 0, : length - k] = greedy[k:]
     offline = head(step_tokens, hidden)  # (K, 1, L, D)
 
-    runner = HeadRunner(head)
+    runner = HeadRunner(head) if runner_class is HeadRunner else StaticHeadRunner(head, length, span=4)
     runner.extend(list(text[1:4]), hidden[0, :3])  # anchors 0..2 in one piece
     for anchor in range(3, length - steps - 1):
         first = runner.extend([text[anchor + 1]], hidden[0, anchor : anchor + 1])[-1]
@@ -192,6 +196,32 @@ def test_head_chain_matches_the_offline_chain_hidden_states(models):
         bound = rounding_bound(offline[:, 0, anchor], torch.float32, reductions=HEAD_REDUCTIONS, width=WIDTH)
         assert_close(outputs, offline[:, 0, anchor], bound, f"chain at anchor {anchor}")
         assert runner.kv.get_seq_length() == anchor + 1  # the chain's entries were rolled back
+
+
+def test_the_static_head_runner_drafts_as_the_head_runner(models):
+    """Greedy chains (one captured graph each on a GPU) and extends of 1 to `span` tokens on the
+    static buffers: the same drafts at every anchor, the outputs g1..gK and step 1's to float32
+    rounding; a chain leaves the committed entries as they were."""
+    base, head = models
+    text = greedy_decode(base, random_prompt(5, 8), 16).text_ids
+    hidden = base.model(input_ids=torch.tensor([text]), use_cache=False).last_hidden_state[0]  # (L, D)
+    eager, static = HeadRunner(head), StaticHeadRunner(head, len(text), span=4)
+    anchor, pieces = 0, [6, 1, 2, 3, 1, 4, 1]  # an extend per piece (the first one longer than the span: never captured)
+    for size in pieces:
+        size = min(size, len(text) - 2 - anchor)
+        tokens, seen = list(text[anchor + 1 : anchor + 1 + size]), hidden[anchor : anchor + size]
+        want, got = eager.extend(tokens, seen), static.extend(tokens, seen)
+        bound = rounding_bound(want, torch.float32, reductions=HEAD_REDUCTIONS, width=WIDTH)
+        assert_close(got, want, bound, f"step 1 at anchors {anchor}..{anchor + size - 1}")
+        anchor += size
+        for steps in (3, 1, 2):
+            want_drafts, want_outputs = eager.chain(want[-1], steps)
+            drafts, outputs = static.chain(got[-1], steps)
+            assert drafts == want_drafts, (anchor, steps)
+            bound = rounding_bound(want_outputs, torch.float32, reductions=steps * HEAD_REDUCTIONS, width=WIDTH)
+            assert_close(outputs, want_outputs, bound, f"chain of {steps} at anchor {anchor - 1}")
+            assert static.kv.get_seq_length() == static.anchors == anchor
+    assert static.anchors == eager.anchors == anchor == sum(pieces)
 
 
 # ----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from occamy_mtp.base.fastdecode import BatchDecoder, fast_greedy_generate
+from occamy_mtp.base.fastdecode import BatchDecoder, StaticHeadRunner, fast_greedy_generate
 from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.interpreter import run_interpreted
@@ -206,9 +206,63 @@ def test_the_reference_decoder_on_the_static_runner_decodes_as_on_transformers_c
     assert greedy.output_ids == greedy_reference.output_ids and greedy.base_passes == greedy_reference.base_passes
 
 
+@pytest.mark.parametrize("draft_steps", [1, 3])
+def test_the_reference_decoder_on_the_static_head_runner_decodes_as_on_the_head_runner(monkeypatch, draft_steps):
+    """decode.speculative_decode with `StaticHeadRunner` against `HeadRunner`, greedy (its greedy
+    chains), with drafts drawn from the head (its chains step by step) and with rejections
+    forced: the same text, rounds and base logprobs."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.evaluation import decode
+    from test_decode import agreeable_models, random_prompt
+
+    base, head = agreeable_models(seed=1)
+    prompt = random_prompt(9, seed=0)  # drafts accepted whole and rejected, greedy and sampled
+
+    def override(anchor, step, token):
+        return token if (anchor + step) % 3 else (token + 1) % 1000
+
+    cases = [{}, {"serving": Serving(temperature=0.7, top_p=0.8, draft="sampled"), "seed": 4}, {"draft_override": override}]
+    reference = [decode.speculative_decode(base, head, prompt, 14, draft_steps, **case) for case in cases]
+    monkeypatch.setattr(decode, "static_head_decoding", lambda model: True)
+    assert isinstance(decode.decodes_runners(base, head, [9], 14, draft_steps).head, StaticHeadRunner)
+    static = [decode.speculative_decode(base, head, prompt, 14, draft_steps, **case) for case in cases]
+    for got, want in zip(static, reference):
+        assert got.output_ids == want.output_ids and got.rounds == want.rounds and got.logprobs == want.logprobs
+    assert all(any(r.accepted < len(r.drafted) for r in result.rounds) for result in static)  # rollbacks in each
+    assert all(any(r.accepted == len(r.drafted) for r in result.rounds) for result in static[:2])  # whole chains accepted
+
+
+@pytest.mark.gpu
+def test_the_captured_head_runner_decodes_as_its_eager_passes_on_gpu():
+    """On the GPU (bf16), the head runner's captured extends and greedy chains against the same
+    passes run eagerly: the same texts and rounds; and after a head tensor is replaced (as a
+    bench swaps heads), the next decodes read the new one (the graphs are captured again)."""
+    from occamy_mtp.evaluation import decode
+    from test_decode import agreeable_models, random_prompt
+
+    base, head = agreeable_models(seed=1)
+    base, head = base.to(device="cuda", dtype=torch.bfloat16), head.to(device="cuda", dtype=torch.bfloat16)
+    prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
+
+    def decodes(runners):
+        return [decode.speculative_decode(base, head, p, 14, k, runners=runners) for k in (3, 1) for p in prompts]
+
+    captured = decode.decodes_runners(base, head, [len(p) for p in prompts], 14, 3)
+    eager = decode.decodes_runners(base, head, [len(p) for p in prompts], 14, 3)
+    assert isinstance(captured.head, StaticHeadRunner) and captured.head.cuda_graph
+    eager.head.cuda_graph = False
+    before = decodes(captured)
+    assert [(r.output_ids, r.rounds) for r in before] == [(r.output_ids, r.rounds) for r in decodes(eager)]
+    assert any(r.accepted for result in before for r in result.rounds)  # the head drafts the base's tokens at times
+    head.fc.weight.data = head.fc.weight.data.flip(0)  # a new tensor: the old graphs would read the old one
+    after = decodes(captured)
+    assert [(r.output_ids, r.rounds) for r in after] == [(r.output_ids, r.rounds) for r in decodes(eager)]
+    assert [r.rounds for r in after] != [r.rounds for r in before]
+
+
 def _one_runner_for_many_decodes(device, monkeypatch):
     """Decodes of three prompts at 3 and at 1 draft steps, greedy and sampled, through one runner
-    (`decode.decodes_runner`, as export's checks share one) and through a runner each."""
+    (`decode.decodes_runners`, as export's checks share them) and through runners each."""
     from occamy_mtp.config import Serving
     from occamy_mtp.evaluation import decode
     from test_decode import agreeable_models, random_prompt
@@ -217,11 +271,12 @@ def _one_runner_for_many_decodes(device, monkeypatch):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     base, head = base.to(device=device, dtype=dtype), head.to(device=device, dtype=dtype)
     monkeypatch.setattr(decode, "static_decoding", lambda model: True)  # StaticRunner on the CPU too (eager)
+    monkeypatch.setattr(decode, "static_head_decoding", lambda model: True)  # and StaticHeadRunner
     prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
     cases = [(prompt, steps, serving) for steps in (3, 1) for prompt in prompts
-             for serving in (None, Serving(temperature=0.7, top_p=0.8))]
-    runner = decode.decodes_runner(base, [len(p) for p in prompts], 14, 3)
-    shared = [decode.speculative_decode(base, head, p, 14, k, serving=s, seed=5, base_runner=runner) for p, k, s in cases]
+             for serving in (None, Serving(temperature=0.7, top_p=0.8), Serving(temperature=0.7, top_p=0.8, draft="sampled"))]
+    runners = decode.decodes_runners(base, head, [len(p) for p in prompts], 14, 3)
+    shared = [decode.speculative_decode(base, head, p, 14, k, serving=s, seed=5, runners=runners) for p, k, s in cases]
     own = [decode.speculative_decode(base, head, p, 14, k, serving=s, seed=5) for p, k, s in cases]
     return shared, own
 

@@ -587,7 +587,8 @@ def test_the_whole_layer_trained_exports_in_a_per_expert_donor_s_layout(run_mode
         assert torch.equal(state[name], master.to(torch.bfloat16).float()), name
 
 
-def test_export_refuses_non_finite_tensors(run_models, tmp_path):
+@pytest.mark.parametrize("fault", ["non-finite", "shape"])
+def test_export_refuses_non_finite_or_misshapen_tensors(run_models, tmp_path, fault):
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -601,9 +602,15 @@ def test_export_refuses_non_finite_tensors(run_models, tmp_path):
     tensors = load_file(path)
     with safe_open(str(path), "pt") as handle:  # keep the metadata (the config fingerprint)
         metadata = handle.metadata()
-    tensors["fc.weight"][0, 0] = float("nan")
+    if fault == "non-finite":
+        tensors["fc.weight"][0, 0] = float("nan")
+        expected = "tensor fc.weight holds 1 non-finite values"
+    else:  # one row: would broadcast over the head's fc if it were copied in
+        shape = tuple(tensors["fc.weight"].shape)
+        tensors["fc.weight"] = tensors["fc.weight"][:1].contiguous()
+        expected = re.escape(f"tensor 'fc.weight' has shape (1, {shape[1]}), the head's is {shape}")
     save_file(tensors, str(path), metadata=metadata)
-    with pytest.raises(ExportError, match="tensor fc.weight holds 1 non-finite values"):
+    with pytest.raises(ExportError, match=expected):
         export(config, allow_worse=True, log=lambda m: None)
     assert not (tmp_path / "run" / "mtp-trained.safetensors").exists()
 

@@ -18,12 +18,15 @@ the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once). `tests/test_fastdecode.py` holds both
 against `generate.greedy_generate`, one step a token and the full forward.
+`StaticHeadRunner` runs the MTP head's one layer the same way for the reference decoder's
+drafts (its keys and values in a static buffer, its extends and greedy chains captured),
+held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdecode.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -314,18 +317,8 @@ class BatchDecoder:
         self._graph = self._graph_of(self.step)
 
     def _graph_of(self, run) -> torch.cuda.CUDAGraph:
-        """Warm `run` up (autotuning, lazy allocations) on a side stream, then capture it as a CUDA graph.
-
-        Both change the state; the caller resets it after."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        return graph
+        """`run` captured as a CUDA graph (`_graph_of`); it changes the state: the caller resets it after."""
+        return _graph_of(self.device, run)
 
     def _run_step(self) -> None:
         if self._graph is not None:
@@ -457,6 +450,188 @@ class StaticRunner:
             if state is not None:
                 state.copy_(saved)
         self.seen = snapshot["seen"]
+
+
+class StaticHeadRunner:
+    """The reference decoder's head runner (`decode.HeadRunner`'s interface) on static buffers.
+
+    The head's one attention layer keeps its keys and values in a `StaticKV` of `positions`
+    entries, one per anchor: `extend` writes step 1 at the next anchors and commits them
+    (the position advances); `chain` writes its steps k >= 2 just past the committed entries,
+    at their own positions, and leaves the position where it was (the rollback: the next
+    `extend` writes over them). The layer is unrolled as `BatchDecoder._layers` unrolls the
+    base's (its fused norms, MoE block and grouped attention on CUDA). On a bfloat16 head on
+    CUDA an extend of 1 to `span` tokens and a greedy chain of 1 to `span` - 1 steps are each
+    one CUDA graph, captured on first use and kept while the head's tensors stay where they
+    were (captured again when a tensor is replaced, as export swaps the trained ones in);
+    a greedy chain then waits for the GPU once, for its drafted tokens. Longer extends (the
+    prompt) and chains that pick or override drafts run the same pass eagerly.
+    """
+
+    def __init__(self, head, positions: int, span: int):
+        if span < 1:
+            raise ValueError(f"span must be >= 1, got {span}")
+        config = head.config
+        lm_head = head.shared.lm_head
+        self.head, self.positions, self.span = head, positions, span
+        self.device = lm_head.weight.device
+        dtype = lm_head.weight.dtype
+        self.kv = StaticKV([0], 1, positions, config.num_key_value_heads, config.head_dim, dtype, self.device)
+        self.moe = _moe(self.device)
+        self.kernels = _kernels(self.device)
+        self.ids = torch.zeros(positions, dtype=torch.long, device=self.device)  # an extend's tokens, a step's token
+        self.hidden = torch.zeros(positions, config.hidden_size, dtype=dtype, device=self.device)  # the hidden states they see
+        self.out = torch.zeros(positions, config.hidden_size, dtype=dtype, device=self.device)  # their post-norm outputs
+        self.offset = torch.zeros(1, dtype=torch.long, device=self.device)  # a chain step's entry past the committed ones
+        self.logits = torch.zeros(lm_head.weight.shape[0], dtype=dtype, device=self.device)  # a chain step's
+        self.first = torch.zeros(config.hidden_size, dtype=dtype, device=self.device)  # a greedy chain's step-1 output
+        self.drafted = torch.zeros(max(span - 1, 1), dtype=torch.long, device=self.device)  # a greedy chain's tokens
+        self.chain_out = torch.zeros(max(span - 1, 1), config.hidden_size, dtype=dtype, device=self.device)
+        self._arange = torch.arange(positions, device=self.device)
+        _register_attention()
+        self._cache_kwarg = cache_kwarg(head.layers[0].self_attn.forward)
+        self.cuda_graph = self.device.type == "cuda" and dtype == torch.bfloat16  # as `BatchDecoder` captures
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self._captured_from: tuple[int, ...] = ()
+        self.anchors = 0
+
+    def _tensors(self) -> list[torch.Tensor]:
+        shared = self.head.shared
+        return [*self.head.parameters(), shared.embed_tokens.weight, shared.lm_head.weight]
+
+    def reset(self) -> None:
+        """Empty: the runner of a new text (its graphs kept)."""
+        self.kv.position.zero_()
+        self.anchors = 0
+
+    # -- the pass ---------------------------------------------------------------------
+
+    def _pass(self, ids: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """The head over m tokens `ids` (m,) seeing `hidden` (m, D), its entries written at positions
+        `start` (1,) .. + m - 1, each query seeing the entries up to its own: post-norm (m, D)."""
+        head, kernels = self.head, self.kernels
+        tokens = ids.shape[0]
+        projected = head.project(ids[None], hidden[None])  # (1, m, D)
+        positions = start + self._arange[:tokens]  # (m,)
+        rotary = positions[None, None]
+        position_embeddings = head.rotary_emb(projected, rotary.expand(3, 1, -1) if head.config.model_type == "qwen3_5_moe_text" else rotary[0])
+        visible = self._arange[None, :] <= positions[:, None]  # (m, L)
+        mask = torch.zeros(tokens, self.positions, dtype=projected.dtype, device=self.device)
+        mask = mask.masked_fill(~visible, torch.finfo(projected.dtype).min)[None, None]  # (1, 1, m, L)
+        layer = head.layers[0]
+        self.kv.writes = positions
+        try:
+            with _attention_implementation(head.config, DECODE_ATTENTION):
+                normed, residual = residual_norm(layer.input_layernorm, projected, None, kernels)
+                attended, _ = layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings,
+                                              attention_mask=mask, **{self._cache_kwarg: self.kv})
+                normed, residual = residual_norm(layer.post_attention_layernorm, attended, residual, kernels)
+                out = residual_norm(head.norm, self.moe(layer.mlp, normed), residual, kernels)[0]
+        finally:
+            self.kv.writes = self.kv.position
+        return out[0]
+
+    def _extend_pass(self, tokens: int) -> None:
+        self.out[:tokens].copy_(self._pass(self.ids[:tokens], self.hidden[:tokens], self.kv.position))
+
+    def _step_pass(self) -> None:
+        """One chain step from `ids[0]` and `hidden[0]` at entry `offset` past the committed ones: output and logits."""
+        out = self._pass(self.ids[:1], self.hidden[:1], self.kv.position + self.offset)
+        self.out[:1].copy_(out)
+        self.logits.copy_(self.head.logits(out[0]))
+
+    def _greedy_chain(self, steps: int) -> None:
+        """`steps` greedy drafts from `first`: step k >= 2 embeds step k - 1's argmax and sees its output."""
+        output = self.first
+        for step in range(steps):
+            token = self.head.logits(output).argmax(-1, keepdim=True)  # (1,)
+            self.drafted[step : step + 1].copy_(token)
+            if step + 1 < steps:
+                output = self._pass(token, output[None], self.kv.position + step)[0]
+                self.chain_out[step].copy_(output)
+
+    def _run(self, kind: str, size: int, run) -> None:
+        if not self.cuda_graph:
+            run()
+            return
+        where = tuple(t.data_ptr() for t in self._tensors())
+        if where != self._captured_from:  # a tensor replaced: the graphs read the old one
+            self._graphs.clear()
+            self._captured_from = where
+        if (kind, size) not in self._graphs:
+            saved = self.kv.position.clone()
+            self._graphs[(kind, size)] = _graph_of(self.device, run)
+            self.kv.position.copy_(saved)
+        self._graphs[(kind, size)].replay()
+
+    # -- HeadRunner's interface ---------------------------------------------------------
+
+    @torch.no_grad()
+    def extend(self, next_tokens: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
+        """Step 1 at anchors anchors..anchors+m-1: embeds x_{i+1} (`next_tokens`), sees H_i
+        (`hidden`, (m, D)); returns the post-norm outputs (m, D) and commits their keys/values."""
+        m = len(next_tokens)
+        if self.anchors + m > self.positions:
+            raise ValueError(f"{self.anchors + m} anchors asked of a head runner that holds {self.positions}")
+        self.ids[:m] = torch.as_tensor(list(next_tokens), dtype=torch.long)
+        self.hidden[:m].copy_(hidden)
+        if m <= self.span:
+            self._run("extend", m, lambda: self._extend_pass(m))
+        else:
+            self._extend_pass(m)
+        self.kv.position.add_(m)
+        self.anchors += m
+        return self.out[:m].clone()
+
+    @torch.no_grad()
+    def chain(self, first: torch.Tensor, steps: int, override: Callable[[int, int], int] | None = None,
+              pick: Callable[[torch.Tensor], int] | None = None) -> tuple[list[int], torch.Tensor]:
+        """Draft `steps` tokens from step 1's output `first` (D,) at the last anchor (`decode.HeadRunner.chain`)."""
+        if self.anchors + steps - 1 > self.positions:
+            raise ValueError(f"a chain of {steps} steps at anchor {self.anchors - 1} passes the {self.positions} entries held")
+        if override is None and pick is None and steps < self.span:
+            self.first.copy_(first)
+            self._run("chain", steps, lambda: self._greedy_chain(steps))
+            return self.drafted[:steps].tolist(), torch.cat([first[None], self.chain_out[: steps - 1]])
+        drafted: list[int] = []
+        outputs = [first]
+        for step in range(1, steps + 1):
+            if step > 1:
+                self.ids[0] = drafted[-1]
+                self.hidden[0].copy_(outputs[-1])
+                self.offset.fill_(step - 2)
+                self._run("step", 1, self._step_pass)
+                outputs.append(self.out[0].clone())
+                logits = self.logits
+            else:
+                logits = self.head.logits(first)
+            token = int(logits.argmax(-1)) if pick is None else pick(logits.clone())
+            drafted.append(override(step, token) if override is not None else token)
+        return drafted, torch.stack(outputs)
+
+
+def _graph_of(device: torch.device, run) -> torch.cuda.CUDAGraph:
+    """Warm `run` up (autotuning, lazy allocations) on a side stream, then capture it as a CUDA graph.
+
+    Both change the state; the caller puts it back after."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def static_head_decoding(head) -> bool:
+    """Whether the reference decoder runs `head` with `StaticHeadRunner`: a Qwen3.5-MoE head on CUDA
+    whose tensors are all in the base's dtype, as export and serving hold it (elsewhere
+    `decode.HeadRunner`, transformers' layer on a growing cache)."""
+    lm_head = head.shared.lm_head.weight
+    return (lm_head.device.type == "cuda" and head.config.model_type == "qwen3_5_moe_text"
+            and all(p.dtype == lm_head.dtype for p in head.parameters()))
 
 
 def static_decoding(base) -> bool:

@@ -17,7 +17,7 @@ from occamy_mtp import sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.base.fastdecode import StaticRunner, static_decoding
+from occamy_mtp.base.fastdecode import StaticHeadRunner, StaticRunner, static_decoding, static_head_decoding
 from occamy_mtp.base.generate import check_prompts
 from occamy_mtp.model.head import ChainKV
 
@@ -161,9 +161,35 @@ def base_runner_for(base, positions: int, span: int = 1):
     return StaticRunner(base, positions, span) if static_decoding(base) else BaseRunner(base)
 
 
-def decodes_runner(base, prompt_lengths: Collection[int], max_new_tokens: int, draft_steps: int):
-    """One base runner for decoding every prompt of `prompt_lengths` with up to `draft_steps` drafts."""
-    return base_runner_for(base, max(prompt_lengths) + max_new_tokens + draft_steps, span=draft_steps + 1)
+def head_runner_for(head, positions: int, span: int = 1):
+    """`fastdecode.StaticHeadRunner` (extends of up to `span` tokens and greedy chains of up to
+    `span` - 1 steps captured) where `fastdecode.static_head_decoding` holds, else `HeadRunner`;
+    `positions` bounds the text the runner holds."""
+    return StaticHeadRunner(head, positions, span) if static_head_decoding(head) else HeadRunner(head)
+
+
+@dataclass(frozen=True)
+class Runners:
+    """The base's and the head's runners that many decodes share (`speculative_decode(runners=...)`
+    resets both), so that their CUDA graphs are captured once; `positions` and `span` as
+    `base_runner_for` and `head_runner_for` take them."""
+
+    base: BaseRunner | StaticRunner
+    head: HeadRunner | StaticHeadRunner
+    positions: int
+    span: int
+
+    def with_head(self, head) -> Runners:
+        """These runners for decoding with `head`: the same base runner; this head runner where it runs `head`."""
+        if self.head.head is head:
+            return self
+        return Runners(self.base, head_runner_for(head, self.positions, self.span), self.positions, self.span)
+
+
+def decodes_runners(base, head, prompt_lengths: Collection[int], max_new_tokens: int, draft_steps: int) -> Runners:
+    """The runners for decoding every prompt of `prompt_lengths` with `head` and up to `draft_steps` drafts."""
+    positions, span = max(prompt_lengths) + max_new_tokens + draft_steps, draft_steps + 1
+    return Runners(base_runner_for(base, positions, span), head_runner_for(head, positions, span), positions, span)
 
 
 # ----------------------------------------------------------------------------------
@@ -207,6 +233,10 @@ class HeadRunner:
 
     def __init__(self, head):
         self.head = head
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty: the runner of a new text."""
         self.kv = HeadKV()
         self.anchors = 0  # step-1 entries held (anchors 0..anchors-1)
 
@@ -314,7 +344,7 @@ def speculative_decode(
     draft_override: DraftOverride | None = None,
     serving: Serving | None = None,
     seed: int = 0,
-    base_runner=None,
+    runners: Runners | None = None,
 ) -> DecodeResult:
     """The base's decoding under `serving` (None or temperature 0: greedy), accelerated by drafting
     `draft_steps` tokens with the head.
@@ -332,20 +362,22 @@ def speculative_decode(
     against the base's processed p; the first rejection emits a draw from
     norm(max(p - q, 0)) and ends the round, and after every draft accepted a bonus token is
     drawn from p. The output is then a sample of the base's processed distribution.
-    `draft_override` replaces drafted tokens (tests force rejections with it). `base_runner`
-    (`decodes_runner`) is reset and used instead of a runner of this decode's own, so that
-    many decodes capture the base's CUDA graphs once.
+    `draft_override` replaces drafted tokens (tests force rejections with it). `runners`
+    (`decodes_runners`, for this `head`) are reset and used instead of runners of this
+    decode's own, so that many decodes capture their CUDA graphs once.
     """
     check_prompts([prompt_ids], max_new_tokens)
     if draft_steps < 1:
         raise ValueError(f"draft_steps must be >= 1, got {draft_steps}")
     draws = None if serving is None or serving.greedy else _Draws(serving, seed)
     prompt = list(prompt_ids)
-    if base_runner is None:
-        base_runner = decodes_runner(base, [len(prompt)], max_new_tokens, draft_steps)
+    if runners is None:
+        runners = decodes_runners(base, head, [len(prompt)], max_new_tokens, draft_steps)
     else:
-        base_runner.reset()
-    head_runner = HeadRunner(head)
+        runners = runners.with_head(head)
+        runners.base.reset()
+        runners.head.reset()
+    base_runner, head_runner = runners.base, runners.head
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
     hidden, logits = base_runner.forward(prompt)

@@ -17,7 +17,7 @@ from occamy_mtp import memory, sampling
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig, Serving
-from occamy_mtp.evaluation.decode import decodes_runner, speculative_decode
+from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.run import HELDOUT, RunDir, log_stderr, open_run
@@ -430,7 +430,7 @@ def totals_generated(measured: list[MeasuredText]) -> int:
 
 
 def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
-                            windows_per_batch: int = 4, base_runner=None) -> dict:
+                            windows_per_batch: int = 4, runners: Runners | None = None) -> dict:
     """Decode each window's context with the reference speculative decoder and replay it offline.
 
     `measured` is what the decoder counted. `replayed` is `metrics.replayed_acceptance`
@@ -442,13 +442,13 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
     run's store), that checks the stored continuations against the decoder.
     `offline_all_anchors` is the per-anchor figure over every anchor of the same text:
     another sample than the decoder's, which drafts only where a verification lands.
-    `base_runner` (`decode.decodes_runner`, for at least `draft_steps`) is the decodes' runner
-    when several checks share one; `decode_seconds` of `seconds` were the decodes.
+    `runners` (`decode.decodes_runners`, for at least `draft_steps`) are the decodes' runners
+    when several checks share them; `decode_seconds` of `seconds` were the decodes.
     """
     started = time.perf_counter()
     prompts = [list(w.input_ids[: w.answer_start]) for w in windows]
-    runner = base_runner or decodes_runner(base, [len(p) for p in prompts], max_new_tokens, draft_steps)
-    results = [speculative_decode(base, head, p, max_new_tokens, draft_steps, stop_token_ids, base_runner=runner) for p in prompts]
+    runners = runners or decodes_runners(base, head, [len(p) for p in prompts], max_new_tokens, draft_steps)
+    results = [speculative_decode(base, head, p, max_new_tokens, draft_steps, stop_token_ids, runners=runners) for p in prompts]
     decode_seconds = time.perf_counter() - started
     texts = [MeasuredText.decoded(w, r) for w, r in zip(windows, results)]
     decoded = [text.window for text in texts]
@@ -478,16 +478,16 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
 
 
 def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
-                    seeds, base_runner=None) -> list[MeasuredText]:
+                    seeds, runners: Runners | None = None) -> list[MeasuredText]:
     """Each window's context decoded once per seed by the reference decoder under sampled `serving`
-    (`base_runner` as in `reference_decoder_check`)."""
-    runner = base_runner or decodes_runner(base, [w.answer_start for w in windows], max_new_tokens, draft_steps)
+    (`runners` as in `reference_decoder_check`)."""
+    runners = runners or decodes_runners(base, head, [w.answer_start for w in windows], max_new_tokens, draft_steps)
     decodes = []
     for window in windows:
         prompt = list(window.input_ids[: window.answer_start])
         for seed in seeds:
             result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed,
-                                        base_runner=runner)
+                                        runners=runners)
             decodes.append(MeasuredText.decoded(window, result))
     return decodes
 
@@ -706,10 +706,10 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                         title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)")
         printed = format_served(results, servings, served_steps, budget, selected)
         if reference_decoder:
-            runner = decodes_runner(run.models.base, [w.answer_start for s in servings for w in run.windows.heldout[s.label()]],
-                                    budget, max(served_steps))
+            runners = decodes_runners(run.models.base, next(iter(heads.values())),
+                                      [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))
             report["reference_decoder"] = {
-                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runner)
+                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runners.with_head(head))
                                          for k in served_steps}
                        for serving in servings}
                 for name, head in heads.items()
@@ -720,16 +720,16 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     return report, printed
 
 
-def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, base_runner) -> dict:
+def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, runners: Runners) -> dict:
     """The reference decoder on the run's heldout prompts under one serving configuration."""
     config = run.config
     windows = run.windows.heldout[serving.label()]
     if serving.greedy:
         return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
-                                       run.stop_token_ids, config.eval.windows_per_batch, base_runner)
+                                       run.stop_token_ids, config.eval.windows_per_batch, runners)
     started = time.perf_counter()
     decodes = sampled_decodes(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
-                              serving, seeds, base_runner)
+                              serving, seeds, runners)
     check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, config.data.answer_tokens, serving,
                                   config.eval.windows_per_batch)
     return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}

@@ -33,7 +33,7 @@ from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.evaluation.decode import decodes_runner
+from occamy_mtp.evaluation.decode import Runners, decodes_runners
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
@@ -126,25 +126,25 @@ def _checked_windows(run: Run) -> list:
     return run.windows.heldout.get("greedy", [])[: run.config.eval.decoder_check_windows]
 
 
-def decoder_runner(run: Run):
-    """The base runner of every decoder check of an export (both heads, each served step count),
-    so that its CUDA graphs are captured once; None where no check runs."""
+def decoder_runners(run: Run) -> Runners | None:
+    """The runners of every decoder check of an export (both heads: one module, the trained tensors
+    swapped in; each served step count), so that their CUDA graphs are captured once; None where no check runs."""
     chosen = _checked_windows(run)
     if run.models.base is None or not chosen:
         return None
-    return decodes_runner(run.models.base, [w.answer_start for w in chosen], run.config.data.answer_tokens,
-                          max(run.config.eval.served_steps))
+    return decodes_runners(run.models.base, run.models.head, [w.answer_start for w in chosen], run.config.data.answer_tokens,
+                           max(run.config.eval.served_steps))
 
 
-def decoder_check(run: Run, head, runner=None) -> dict:
+def decoder_check(run: Run, head, runners: Runners | None = None) -> dict:
     """The reference decoder on the first `eval.decoder_check_windows` heldout prompts of greedy serving,
-    per served step count (the replay's counts must equal its own); `runner` from `decoder_runner`."""
+    per served step count (the replay's counts must equal its own); `runners` from `decoder_runners`."""
     config = run.config
     chosen = _checked_windows(run)
     out = {}
     for k in config.eval.served_steps:
         check = reference_decoder_check(run.models.base, head, chosen, k, config.data.answer_tokens, run.stop_token_ids,
-                                        config.eval.windows_per_batch, runner)
+                                        config.eval.windows_per_batch, runners)
         out[str(k)] = {
             "windows": check["windows"],
             "measured": check["measured"],
@@ -186,11 +186,11 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
 
     # Donor first, then the same head with the trained tensors swapped in.
     eval_started = time.perf_counter()
-    runner = decoder_runner(run)
-    donor_report, donor_check = _measure(run, head, "donor", log, runner)
+    runners = decoder_runners(run)
+    donor_report, donor_check = _measure(run, head, "donor", log, runners)
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     max_rounding = _swap_in(head, masters, dtype)
-    trained_report, trained_check = _measure(run, head, "trained", log, runner)
+    trained_report, trained_check = _measure(run, head, "trained", log, runners)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
@@ -252,7 +252,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
     return record
 
 
-def _measure(run: Run, head, name: str, log, runner) -> tuple[dict, dict]:
+def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[dict, dict]:
     """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
     config, windows = run.config, run.windows
     count = len(next(iter(windows.heldout.values())))
@@ -270,7 +270,7 @@ def _measure(run: Run, head, name: str, log, runner) -> tuple[dict, dict]:
     if reason is not None:
         return report, {"skipped": reason}
     log(f"export: reference decoder on {min(count, config.eval.decoder_check_windows)} heldout prompts ({name})")
-    return report, decoder_check(run, head, runner)
+    return report, decoder_check(run, head, runners)
 
 
 def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
@@ -280,9 +280,12 @@ def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> floa
     for name, master in masters.items():
         if name not in params:
             raise ExportError(f"trained-tensors.safetensors: tensor {name!r} is not a head parameter")
+        if master.shape != params[name].shape:
+            raise ExportError(f"trained-tensors.safetensors: tensor {name!r} has shape {tuple(master.shape)}, "
+                              f"the head's is {tuple(params[name].shape)}")
         rounded = master.to(torch.bfloat16)
         max_rounding = max(max_rounding, float((rounded.float() - master.float()).abs().max()))
-        params[name].data = rounded.to(device=params[name].device, dtype=dtype)
+        params[name].data.copy_(rounded)  # in place: the decoder's captured graphs read the head's tensors where they are
     return max_rounding
 
 
