@@ -14,12 +14,13 @@ training run holds them (the head's trainable tensors as fp32 masters). Then:
    random heldout prompt at K = 1 and 3, the head in the model dtype as export holds it, one
    pair of runners for all checks as export shares them; each check run twice (the first pays
    compilation, autotuning and the graphs' capture), the second broken down by what it
-   calls: the base runner's forwards (prefill, verify passes, re-runs after a rollback), its
-   snapshots and restores, the head runner's step-1 extensions and K-step chains, and the
-   offline replay (`evaluate._run_batch`). Each piece is timed between two device
-   synchronisations, so the pieces add up to a little more than the unbroken run. Where the
-   head runs on `fastdecode.StaticHeadRunner` (a GPU), the same checks follow with
-   `decode.HeadRunner` (`*_eager_head`): the two in one process.
+   calls: the base runner's forwards (prefill, verify passes, and the re-runs after a
+   rollback where the runner cannot keep part of a pass), its snapshots, restores and keeps,
+   the head runner's step-1 extensions and K-step chains, and the offline replay
+   (`evaluate._run_batch`). Each piece is timed between two device synchronisations, so the
+   pieces add up to a little more than the unbroken run. Where the head runs on
+   `fastdecode.StaticHeadRunner` (a GPU), the same checks follow with `decode.HeadRunner`
+   (`*_eager_head`): the two in one process.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def main() -> int:
                 timers = Timers(device)
                 restore = []
                 if attempt == "second":
-                    for attribute in ("forward", "snapshot", "restore"):
+                    for attribute in ("forward", "snapshot", "restore", "keep"):
                         restore.append((type(runners.base), attribute,
                                         timers.wrap(type(runners.base), attribute, f"base_runner.{attribute}")))
                     for attribute in ("extend", "chain"):

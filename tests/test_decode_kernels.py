@@ -100,6 +100,23 @@ def rule_case(tokens: int, seed: int = 0, dtype=torch.float32):
     return q, k, v, a, beta, A_log, dt_bias, state
 
 
+def test_the_span_reference_keeps_the_state_after_each_token():
+    """`states` holds, after token t of a span, what a span of the first t + 1 tokens leaves (to
+    float32 rounding: torch's vectorised exp may round the decay of a shorter span otherwise)."""
+    tokens = 3
+    q, k, v, a, beta, A_log, dt_bias, state = rule_case(tokens)
+    states = torch.zeros(tokens, *state.shape)
+    decode_kernels.gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state.clone(), states)
+    for t in range(tokens):
+        shorter = state.clone()
+        decode_kernels.gated_delta_steps_reference(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], a[:, : t + 1], beta[:, : t + 1],
+                                                   A_log, dt_bias, shorter)
+        assert_close(states[t], shorter, rounding_bound(shorter, torch.float32, reductions=REDUCTIONS * (t + 1), width=KEY_DIM), f"state after token {t}")
+        assert not torch.equal(states[t], states[-1]) or t == tokens - 1
+    with pytest.raises(ValueError, match="states must be a contiguous float32"):
+        decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state.clone(), torch.zeros(tokens - 1, *state.shape))
+
+
 def test_the_span_reference_is_transformers_rule_over_the_span():
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
@@ -135,14 +152,21 @@ def compare_kernels_with_references(dtype) -> None:
         assert_close(got.float(), want.float(), bound, f"conv output, {tokens} tokens")
 
         q, k, v, a, beta, A_log, dt_bias, state = rule_case(tokens, seed=tokens, dtype=dtype)
-        want_state = state.clone()
-        want = decode_kernels.gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, want_state)
-        got_state = state.clone()
-        got = decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, got_state)
+        want_state, want_states = state.clone(), torch.zeros(tokens, *state.shape)
+        want = decode_kernels.gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, want_state, want_states)
+        got_state, got_states = state.clone(), torch.full((tokens, *state.shape), float("nan"))
+        got = decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, got_state, got_states)
         assert got.dtype == dtype and got.shape == want.shape
         # The states are float32 either way; the output is rounded once to the input dtype.
         reductions = REDUCTIONS * tokens
         assert_close(got_state, want_state, rounding_bound(want_state, torch.float32, reductions=reductions, width=KEY_DIM), "state")
+        assert torch.equal(got_states[-1], got_state)  # the last token's kept state is the state
+        for t in range(tokens):  # the state after each token, as the verify pass keeps it
+            bound = rounding_bound(want_states[t], torch.float32, reductions=REDUCTIONS * (t + 1), width=KEY_DIM)
+            assert_close(got_states[t], want_states[t], bound, f"state after token {t}")
+        kept_state = state.clone()
+        assert torch.equal(decode_kernels.gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, kept_state), got)
+        assert torch.equal(kept_state, got_state)  # keeping the states changes nothing else
         bound = rounding_bound(want.float(), dtype, reductions=1, width=1) + rounding_bound(want.float(), torch.float32,
                                                                                             reductions=reductions, width=KEY_DIM)
         assert_close(got.float(), want.float(), bound, f"rule output, {tokens} tokens")

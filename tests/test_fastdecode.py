@@ -340,6 +340,52 @@ def test_a_span_pass_is_one_step_a_token_and_the_full_forward(base, span, chunks
         assert_close(got, want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=width), what)
 
 
+@pytest.mark.parametrize("runner_kind", ["static", "transformers"])
+def test_keeping_part_of_a_verify_pass_is_feeding_that_part_alone(base, runner_kind):
+    """`keep(snapshot, j)` after a pass of 4 tokens (a verify pass whose j - 1 drafts were accepted)
+    leaves the runner as one fed only the first j: the static runner from what its span kept (the
+    recurrent states after each token, the conv's inputs), with no second pass; transformers'
+    cache by restoring and feeding them again. The conv windows, recurrent states and position
+    agree to float32 rounding, and so do the next pass's logits. A keep that does not follow its
+    snapshot's forward is refused."""
+    from occamy_mtp.base.fastdecode import StaticRunner
+    from occamy_mtp.evaluation.decode import BaseRunner
+
+    prompt, span, following = prompts_of((9, 4, 2), seed=5)
+
+    def runner():
+        return StaticRunner(base, positions=20, span=4) if runner_kind == "static" else BaseRunner(base)
+
+    width = 2 * base.config.hidden_size
+    for kept in range(1, 5):
+        kept_runner, fed_runner = runner(), runner()
+        kept_runner.forward(prompt)
+        fed_runner.forward(prompt)
+        saved = kept_runner.snapshot()
+        kept_runner.forward(span)
+        if runner_kind == "static":  # a second pass would show in the span's step count
+            passes = []
+            kept_runner.decoder.span_step = lambda tokens, original=kept_runner.decoder.span_step: (passes.append(tokens), original(tokens))
+        kept_runner.keep(saved, kept)
+        fed_runner.forward(span[:kept])
+        assert kept_runner.seen == fed_runner.seen == len(prompt) + kept
+        if runner_kind == "static":
+            assert passes == []
+            got, want = kept_runner.decoder, fed_runner.decoder
+            assert int(got.kv.position) == int(want.kv.position) == len(prompt) + kept
+            assert_close(got.conv_states, want.conv_states, rounding_bound(want.conv_states, torch.float32, reductions=REDUCTIONS, width=width),
+                         f"conv windows, {kept} kept")
+            assert_close(got.recurrent_states, want.recurrent_states,
+                         rounding_bound(want.recurrent_states, torch.float32, reductions=REDUCTIONS, width=width), f"recurrent states, {kept} kept")
+            assert not torch.equal(got.recurrent_states, got.span_states[:, -1]) or kept == 4
+        _, got_logits = kept_runner.forward(following)
+        _, want_logits = fed_runner.forward(following)
+        assert_close(got_logits, want_logits, rounding_bound(want_logits, torch.float32, reductions=REDUCTIONS + 1, width=width),
+                     f"the next pass's logits, {kept} kept")
+    with pytest.raises(ValueError, match="keep: 2 tokens of a forward of 2"):
+        kept_runner.keep(saved, 2)  # the last forward did not start at this snapshot
+
+
 def test_a_span_runner_refuses_what_it_cannot_hold(base):
     from occamy_mtp.base.fastdecode import StaticRunner
 

@@ -31,13 +31,14 @@ def conv_steps(tokens: int):
     return decode_kernels._conv_steps_kernel, signature, {"tokens": tokens, "taps": 4, "has_bias": False, "block": 256}
 
 
-def gated_delta(tokens: int):
+def gated_delta(tokens: int, keep_states: bool = False):
     signature = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "a": "*bf16", "beta": "*bf16", "A_log": "*bf16",
-                 "dt_bias": "*bf16", "state": "*fp32", "out": "*bf16", "scale": "fp32", "eps": "fp32",
+                 "dt_bias": "*bf16", "state": "*fp32", "states": "*fp32", "out": "*bf16", "scale": "fp32", "eps": "fp32",
                  "softplus_threshold": "fp32", "qk_row": "i32", "qk_token": "i32", "qk_head": "i32", "v_row": "i32",
-                 "v_token": "i32", "v_head": "i32", "ab_row": "i32", "ab_token": "i32"}
+                 "v_token": "i32", "v_head": "i32", "ab_row": "i32", "ab_token": "i32", "state_size": "i32"}
     return decode_kernels._gated_delta_kernel, signature, {"tokens": tokens, "heads": KEY_HEADS, "value_heads": VALUE_HEADS,
-                                                           "key_dim": HEAD_DIM, "value_dim": HEAD_DIM, "block": 64}
+                                                           "key_dim": HEAD_DIM, "value_dim": HEAD_DIM, "block": 64,
+                                                           "keep_states": keep_states}
 
 
 def align(chunks: int):
@@ -70,6 +71,7 @@ def expert_gemm(gate_up: bool, m_tiles: int):
 CASES = {
     "conv, one token": conv_steps(1), "conv, a span of 4": conv_steps(4),
     "rule, one token": gated_delta(1), "rule, a span of 4": gated_delta(4),
+    "rule, a span of 4 keeping its states": gated_delta(4, keep_states=True),
     "align, one chunk": align(1), "align, two chunks": align(2),
     "route": route(), "silu_mul": silu_mul(), "combine": combine(),
     "expert gate_up, one token": expert_gemm(True, 1), "expert gate_up, 160 tokens": expert_gemm(True, 10),

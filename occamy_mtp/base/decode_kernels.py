@@ -80,16 +80,22 @@ def recurrent_step_reference(q, k, v, g, beta, state: torch.Tensor) -> torch.Ten
     return (state * q[..., None]).sum(-2).to(v.dtype)
 
 
-def gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) -> torch.Tensor:
+def gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor,
+                                states: torch.Tensor | None = None) -> torch.Tensor:
     """T tokens of the gated delta rule, one after another, `state` updated in place.
 
     q, k: (B, T, H, K); v: (B, T, HV, V); a: (B, T, HV), the raw projection (`log_decay`);
     beta: (B, T, HV); A_log, dt_bias: (HV,); state: (B, HV, K, V) fp32. Returns (B, T, HV, V)
-    in v's dtype.
+    in v's dtype. `states` (T, B, HV, K, V) fp32, where given, receives the state after each
+    token (what a verify pass keeps, so that a rejection needs no second pass).
     """
     g = log_decay(a, A_log, dt_bias)
-    return torch.stack([recurrent_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-                        for t in range(q.shape[1])], dim=1)
+    outputs = []
+    for t in range(q.shape[1]):
+        outputs.append(recurrent_step_reference(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state))
+        if states is not None:
+            states[t].copy_(state)
+    return torch.stack(outputs, dim=1)
 
 
 # -- kernels ---------------------------------------------------------------------------
@@ -132,10 +138,10 @@ if triton is not None:
             tl.store(window + i, tl.where(past, from_state, from_input.to(state.dtype.element_ty)), mask=mask)
 
     @triton.jit
-    def _gated_delta_kernel(q, k, v, a, beta, A_log, dt_bias, state, out, scale, eps, softplus_threshold,
-                            qk_row, qk_token, qk_head, v_row, v_token, v_head, ab_row, ab_token, tokens: tl.constexpr,
+    def _gated_delta_kernel(q, k, v, a, beta, A_log, dt_bias, state, states, out, scale, eps, softplus_threshold,
+                            qk_row, qk_token, qk_head, v_row, v_token, v_head, ab_row, ab_token, state_size, tokens: tl.constexpr,
                             heads: tl.constexpr, value_heads: tl.constexpr, key_dim: tl.constexpr,
-                            value_dim: tl.constexpr, block: tl.constexpr):
+                            value_dim: tl.constexpr, block: tl.constexpr, keep_states: tl.constexpr):
         row_head = tl.program_id(0).to(tl.int64)  # b * HV + hv
         cols = tl.program_id(1) * block + tl.arange(0, block)
         mask = cols < value_dim
@@ -143,7 +149,8 @@ if triton is not None:
         value_head = row_head % value_heads
         head = value_head // (value_heads // heads)
         keys = tl.arange(0, key_dim)
-        tile = state + row_head * key_dim * value_dim + keys[:, None] * value_dim + cols[None, :]
+        at = row_head * key_dim * value_dim + keys[:, None] * value_dim + cols[None, :]  # this tile in a state
+        tile = state + at
         h = tl.load(tile, mask=mask[None, :], other=0.0)  # (K, block), fp32
         rate = -tl.exp(tl.load(A_log + value_head).to(tl.float32))
         shift = tl.load(dt_bias + value_head).to(tl.float32)
@@ -162,6 +169,8 @@ if triton is not None:
             value = tl.sum(h * q_vec[:, None], axis=0)
             tl.store(out + (row_head + (row * (tokens - 1) + t) * value_heads) * value_dim + cols,
                      value.to(out.dtype.element_ty), mask=mask)
+            if keep_states:  # the state after token t, at the same place in `states[t]`
+                tl.store(states + t * state_size + at, h, mask=mask[None, :])
         tl.store(tile, h, mask=mask[None, :])
 
 
@@ -186,13 +195,18 @@ def conv_steps_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias
     return out
 
 
-def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) -> torch.Tensor:
-    """`gated_delta_steps_reference` in one Triton kernel: each state tile read once and written back once.
+def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor, states: torch.Tensor | None = None) -> torch.Tensor:
+    """`gated_delta_steps_reference` in one Triton kernel: each state tile read once and written back
+    once (and once a token into `states`, where given).
 
     q and k may be strided views (the conv output split into q, k, v) sharing their strides;
     each needs unit stride over its last dim."""
+    if states is not None and (states.shape != (q.shape[1], *state.shape) or states.dtype != torch.float32
+                               or not states.is_contiguous()):
+        raise ValueError(f"gated_delta_steps_: states must be a contiguous float32 {[q.shape[1], *state.shape]}, "
+                         f"got {states.dtype} {list(states.shape)}")
     if not available(state):
-        return gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state)
+        return gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state, states)
     batch, tokens, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if state.shape != (batch, value_heads, key_dim, value_dim) or state.dtype != torch.float32 or not state.is_contiguous():
@@ -207,8 +221,9 @@ def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor) ->
     out = v.new_empty(batch, tokens, value_heads, value_dim)
     block = min(64, triton.next_power_of_2(value_dim))
     _gated_delta_kernel[(batch * value_heads, triton.cdiv(value_dim, block))](
-        q, k, v, a, beta, A_log, dt_bias, state, out, key_dim**-0.5, L2NORM_EPS, SOFTPLUS_THRESHOLD,
-        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0), a.stride(1), tokens=tokens,
-        heads=heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim, block=block,
+        q, k, v, a, beta, A_log, dt_bias, state, state if states is None else states, out, key_dim**-0.5, L2NORM_EPS,
+        SOFTPLUS_THRESHOLD, q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), a.stride(0),
+        a.stride(1), state.numel(), tokens=tokens, heads=heads, value_heads=value_heads, key_dim=key_dim,
+        value_dim=value_dim, block=block, keep_states=states is not None,
     )
     return out

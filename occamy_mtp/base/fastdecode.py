@@ -16,7 +16,8 @@ RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
 and the Gated DeltaNet's conv and rule `decode_kernels`' (two kernels a layer); elsewhere
 the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
-decoder's verify pass: the experts read once). `tests/test_fastdecode.py` holds both
+decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
+after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a copy. `tests/test_fastdecode.py` holds both
 against `generate.greedy_generate`, one step a token and the full forward.
 `StaticHeadRunner` runs the MTP head's one layer the same way for the reference decoder's
 drafts (its keys and values in a static buffer, its extends and greedy chains captured),
@@ -180,6 +181,15 @@ class BatchDecoder:
                                                 dtype=torch.float32, device=self.device)
             for n, i in enumerate(linear):
                 self.conv_state[i], self.recurrent_state[i] = self.conv_states[n], self.recurrent_states[n]
+        # What a span step keeps of each Gated DeltaNet layer (`keep`): the recurrent state after
+        # each of its tokens and the conv's new inputs, so that a verify pass whose drafts are
+        # rejected needs no second pass (the reference decoder's runner only: one row).
+        self.span_states = self.span_inputs = None
+        self._recording = False
+        if linear and span > 1:
+            self.span_states = torch.zeros(len(linear), span, *self.recurrent_states.shape[1:], dtype=torch.float32, device=self.device)
+            self.span_inputs = torch.zeros(len(linear), batch, span, channels, dtype=dtype, device=self.device)
+        self._linear_index = {i: n for n, i in enumerate(linear)}
         # The step's inputs and outputs, read and written in place (so that a graph can replay them).
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # fed at this step
         self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
@@ -274,14 +284,20 @@ class BatchDecoder:
         recurrent state: one causal-conv window over the last K - 1 inputs and the T new ones,
         then T recurrent steps (both states in place). x: (B, T, D)."""
         batch, tokens = x.shape[:2]
-        mixed_qkv = conv_steps_(mixer.in_proj_qkv(x), self.conv_state[layer], mixer.conv1d.weight[:, 0], mixer.conv1d.bias)
+        projected = mixer.in_proj_qkv(x)
+        states = None
+        if self._recording:
+            n = self._linear_index[layer]
+            self.span_inputs[n, :, :tokens].copy_(projected)
+            states = self.span_states[n, :tokens]
+        mixed_qkv = conv_steps_(projected, self.conv_state[layer], mixer.conv1d.weight[:, 0], mixer.conv1d.bias)
         z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         query = query.reshape(batch, tokens, -1, mixer.head_k_dim)  # (B, T, H, K), views of the conv's output
         key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
         value = value.reshape(batch, tokens, -1, mixer.head_v_dim)  # (B, T, HV, V)
         core = gated_delta_steps_(query, key, value, mixer.in_proj_a(x), mixer.in_proj_b(x).sigmoid(), mixer.A_log, mixer.dt_bias,
-                                  self.recurrent_state[layer]).reshape(-1, mixer.head_v_dim)
+                                  self.recurrent_state[layer], states).reshape(-1, mixer.head_v_dim)
         if self.kernels.rms_norm_gated is not None:
             core = self.kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
         else:
@@ -304,10 +320,12 @@ class BatchDecoder:
         mask = torch.zeros(tokens, self.positions, dtype=hidden.dtype, device=self.device)
         mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # (1, 1, T, L)
         self.kv.writes = positions
+        self._recording = self.span_states is not None
         try:
             normed = self._layers(hidden, position_embeddings, mask)
         finally:
             self.kv.writes = self.kv.position
+            self._recording = False
         self.span_hidden[:, :tokens].copy_(normed)
         self.span_logits[:, :tokens].copy_(base.lm_head(normed))
         position.add_(tokens)
@@ -397,7 +415,8 @@ class StaticRunner:
     times), each span length captured once as a CUDA graph, and returns their post-norm
     hidden states and fp32 logits; `snapshot()`/`restore()` put the conv and recurrent
     state and the position back (keys and values past the position are masked, and written
-    over when the text goes on). `positions` bounds the text, drafts included.
+    over when the text goes on), and `keep(snapshot, j)` keeps the first j tokens of a span
+    from the states it kept. `positions` bounds the text, drafts included.
     """
 
     def __init__(self, base, positions: int, span: int = 1):
@@ -407,6 +426,7 @@ class StaticRunner:
         self.seen = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._empty = self.snapshot()
+        self._last_forward: tuple[int, list[int]] = (0, [])  # where the last forward started, and its tokens
 
     def reset(self) -> None:
         """Empty, as when built: the runner of a new text (its captured graphs kept)."""
@@ -417,6 +437,7 @@ class StaticRunner:
         if self.seen + len(tokens) > decoder.positions:
             raise ValueError(f"{self.seen + len(tokens)} positions asked of a runner that holds {decoder.positions}")
         hidden, logits = [], []
+        self._last_forward = (self.seen, list(tokens))
         for start in range(0, len(tokens), decoder.span):
             chunk = tokens[start : start + decoder.span]
             decoder.span_tokens[0, : len(chunk)] = torch.as_tensor(list(chunk), dtype=torch.long)
@@ -436,6 +457,29 @@ class StaticRunner:
             self._graphs[tokens] = decoder._graph_of(lambda: decoder.span_step(tokens))
             self.restore(saved)
         self._graphs[tokens].replay()
+
+    def keep(self, snapshot: dict, tokens: int) -> None:
+        """Of the last forward, which started at `snapshot`, keep the first `tokens`: the state as if
+        only they had been fed (a verify pass's accepted part). Where it was one span, from what the
+        span kept: the recurrent states after its `tokens`-th token, the conv windows from the
+        snapshot's and the span's inputs (the keys and values past them are masked, and written
+        over); else by restoring the snapshot and feeding them again."""
+        decoder = self.decoder
+        start, fed = self._last_forward
+        if start != snapshot["seen"] or not 1 <= tokens <= len(fed):
+            raise ValueError(f"keep: {tokens} tokens of a forward of {len(fed)} from position {start}, "
+                             f"asked against a snapshot at {snapshot['seen']}")
+        if decoder.span_states is None or len(fed) > decoder.span:
+            self.restore(snapshot)
+            self.forward(fed[:tokens])
+            return
+        decoder.kv.position.copy_(snapshot["position"] + tokens)
+        decoder.recurrent_states.copy_(decoder.span_states[:, tokens - 1])
+        window = snapshot["states"][0]  # (layers, B, C, K - 1), before the span
+        inputs = decoder.span_inputs[:, :, :tokens].transpose(-1, -2)  # (layers, B, C, tokens)
+        decoder.conv_states.copy_(torch.cat([window, inputs], dim=-1)[..., -window.shape[-1] :])
+        self.seen = start + tokens
+        self._last_forward = (start, fed[:tokens])
 
     def snapshot(self) -> dict:
         decoder = self.decoder

@@ -115,14 +115,26 @@ class BaseRunner:
         """Empty: the runner of a new text."""
         self.cache = DynamicCache(config=self.base.config)
         self.seen = 0  # tokens the cache holds
+        self._last_forward: tuple[int, list[int]] = (0, [])  # where the last forward started, and its tokens
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self._last_forward = (self.seen, list(tokens))
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, m)
         positions = torch.arange(self.seen, self.seen + len(tokens), device=self.device)[None]
         out = self.base.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache})
         self.seen += len(tokens)
         hidden = out.last_hidden_state[0]  # (m, D)
         return hidden, self.base.lm_head(hidden).float()  # (m, D), (m, V)
+
+    def keep(self, snapshot: dict, tokens: int) -> None:
+        """Of the last forward, which started at `snapshot`, keep the first `tokens`: the snapshot
+        restored and they fed again (the cache holds no state per position to go back to)."""
+        start, fed = self._last_forward
+        if start != snapshot["seen"] or not 1 <= tokens <= len(fed):
+            raise ValueError(f"keep: {tokens} tokens of a forward of {len(fed)} from position {start}, "
+                             f"asked against a snapshot at {snapshot['seen']}")
+        self.restore(snapshot)
+        self.forward(fed[:tokens])
 
     def snapshot(self) -> dict:
         linear, lengths = {}, {}
@@ -430,9 +442,8 @@ def speculative_decode(
 
         if finish is not None or len(output) == max_new_tokens:
             break
-        if accepted < steps:  # roll back the rejected drafts, re-run what was accepted
-            base_runner.restore(snapshot)
-            base_runner.forward([output[-1 - len(emitted)]] + drafted[:accepted])
+        if accepted < steps:  # roll back the rejected drafts: keep the verify pass's [x_{n-1}, d_1..d_j]
+            base_runner.keep(snapshot, accepted + 1)
         # Step 1 at anchors n-1..n-1+j on the verified hidden states (the engine's draft extend).
         step1 = head_runner.extend(emitted, hidden[: len(emitted)])[-1]
 

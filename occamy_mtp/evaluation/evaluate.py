@@ -706,10 +706,11 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                         title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)")
         printed = format_served(results, servings, served_steps, budget, selected)
         if reference_decoder:
-            runners = decodes_runners(run.models.base, next(iter(heads.values())),
-                                      [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))
+            shared = decodes_runners(run.models.base, next(iter(heads.values())),
+                                     [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))
+            runners = {name: shared.with_head(head) for name, head in heads.items()}  # one base runner, a head runner each
             report["reference_decoder"] = {
-                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runners.with_head(head))
+                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runners[name])
                                          for k in served_steps}
                        for serving in servings}
                 for name, head in heads.items()
