@@ -89,13 +89,30 @@ class Phases:
     (compilation, autotuning, graph capture) beside its work; a later unit of the same kind
     and size is work alone. start-up = first - the median of the later ones; work = the
     phase's seconds - start-up.
+
+    On CUDA it also counts, per phase, the library's hand-backs of the allocator's cache
+    (`memory.available_bytes` calls `torch.cuda.empty_cache` before sizing a batch or a
+    logits chunk) and the seconds they take with the device drained before them: what a
+    sizing costs where memory is tight (expandable segments unmap the pages handed back).
     """
 
     def __init__(self, device):
         self.device = device
         self.results: dict[str, dict] = {}
         self.units: dict[str, dict[str, list[float]]] = {}
+        self.hand_backs: dict[str, list[float]] = {}
         self._current = ""
+        if device.type == "cuda":
+            empty_cache = torch.cuda.empty_cache
+
+            def timed_empty_cache():
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                empty_cache()
+                torch.cuda.synchronize()
+                self.hand_backs.setdefault(self._current, []).append(time.perf_counter() - started)
+
+            torch.cuda.empty_cache = timed_empty_cache
 
     def unit(self, kind: str, fn):
         """Run one unit of the current phase, timed (synchronised on each side)."""
@@ -124,6 +141,8 @@ class Phases:
                                       units={kind: [round(t, 3) for t in times] for kind, times in self.units[name].items()})
         if self.device.type == "cuda":
             self.results[name]["peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            hand_backs = self.hand_backs.get(name, [])
+            self.results[name]["cache_hand_backs"] = {"calls": len(hand_backs), "seconds": round(sum(hand_backs), 3)}
         print(f"{name}: {json.dumps(self.results[name])}", flush=True)
         return value
 
