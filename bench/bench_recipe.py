@@ -353,14 +353,15 @@ def main() -> int:
         for model in (donor, head):
             for param in model.parameters():  # as export.py: evaluated as served
                 param.data = param.data.to(dtype)
-        runners = decodes_runners(base, donor, [w.answer_start for w in checked], ANSWER_TOKENS, max(SERVED_STEPS)) if checked else None
+        shared = decodes_runners(base, donor, [w.answer_start for w in checked], ANSWER_TOKENS, max(SERVED_STEPS)) if checked else None
+        runners = {model: shared.with_head(model) for model in (donor, head)} if checked else {}  # one base runner, a head runner each
         for name, model in (("donor", donor), ("trained", head)):
             phases.unit("evaluation", lambda m=model: evaluate_head(targets, m.eval(), heldout, draft_steps=3, windows_per_batch=4))
             for k in SERVED_STEPS if checked else ():
                 sync(device)
                 started = time.perf_counter()
                 check = phases.unit(f"decoder check k{k}", lambda m=model, k=k: reference_decoder_check(
-                    base, m, checked, k, ANSWER_TOKENS, set(), runners=runners.with_head(m)))
+                    base, m, checked, k, ANSWER_TOKENS, set(), runners=runners[m]))
                 checks[f"{name}_k{k}"] = {"windows": len(checked), "seconds": time.perf_counter() - started,
                                           "decode_seconds": check["decode_seconds"],
                                           "verify_passes": check["measured"]["verify_passes"],
