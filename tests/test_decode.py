@@ -322,3 +322,20 @@ def test_sampled_decoding_is_seeded():
     assert speculative_decode(base, head, prompt, 8, 2, serving=serving, seed=3) == first
     others = {speculative_decode(base, head, prompt, 8, 2, serving=serving, seed=s).output_ids for s in range(4, 12)}
     assert len(others | {first.output_ids}) > 1
+
+
+def test_the_reference_server_decodes_every_request_through_one_runner_pair(models):
+    """The server answers one request at a time through one pair of runners (made anew only for a
+    request that needs more positions): each answer is what a decode of its own gives."""
+    from occamy_mtp.serve.reference_server import SPECULATIVE, ReferenceModel
+
+    base, head = models
+    server = ReferenceModel(base, head, None, SPECULATIVE, 3, set(), "m")
+    requests = [(random_prompt(5, 1), 6), (random_prompt(11, 2), 12), (random_prompt(4, 3), 5), (random_prompt(9, 4), 9)]
+    pairs = []
+    for prompt, max_tokens in requests:
+        answer = server.generate(prompt, max_tokens)
+        alone = speculative_decode(base, head, prompt, max_tokens, 3)
+        assert answer.output_ids == list(alone.output_ids) and answer.rounds == [(len(r.drafted), r.accepted) for r in alone.rounds]
+        pairs.append(server._runners)
+    assert pairs[0] is not pairs[1] and pairs[1] is pairs[2] is pairs[3]  # anew for the longer request only

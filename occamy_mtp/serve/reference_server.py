@@ -110,6 +110,16 @@ class ReferenceModel:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.name = name
         self.vocab_size = base.lm_head.weight.shape[0]
+        self._runners = None
+
+    def _runners_for(self, prompt_length: int, max_tokens: int):
+        """The base's and the head's runners, one pair for every request (the server answers one at a
+        time; on a GPU their graphs are captured once), made anew for a request that needs more positions."""
+        from occamy_mtp.evaluation.decode import decodes_runners
+
+        if self._runners is None or self._runners.positions < prompt_length + max_tokens + self.draft_steps:
+            self._runners = decodes_runners(self.base, self.head, [prompt_length], max_tokens, self.draft_steps)
+        return self._runners
 
     def generate(self, prompt_ids: list[int], max_tokens: int, sampling: dict | None = None) -> Generation:
         """One request: greedy, or sampled with `sampling` (temperature, top_p, top_k, seed; `_sampling`)."""
@@ -120,7 +130,7 @@ class ReferenceModel:
         serving = Serving(**{k: v for k, v in sampling.items() if k != "seed"}, draft=self.draft) if sampling else None
         if self.mode == SPECULATIVE:
             result = speculative_decode(self.base, self.head, prompt_ids, max_tokens, self.draft_steps, self.stop_token_ids,
-                                        serving=serving, seed=seed)
+                                        serving=serving, seed=seed, runners=self._runners_for(len(prompt_ids), max_tokens))
         else:
             result = greedy_decode(self.base, prompt_ids, max_tokens, self.stop_token_ids, serving=serving, seed=seed)
         rounds = [(len(r.drafted), r.accepted) for r in result.rounds]
