@@ -419,3 +419,29 @@ def test_captured_spans_give_the_eager_spans_logits_on_gpu():
             start += n
         results.append(torch.cat(out))
     assert torch.equal(results[0], results[1])  # the graphs replay the very kernels of the eager spans
+
+
+@pytest.mark.gpu
+def test_a_kept_part_of_a_captured_span_is_the_eager_span_s_on_gpu():
+    """bf16 on the GPU: spans captured once and replayed keep the same per-token states as the
+    eager spans (the rule kernel writes them), so keeping part of each pass and going on gives
+    the very logits of the eager runner."""
+    from occamy_mtp.base.fastdecode import StaticRunner
+
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
+    text = prompts_of((30,), seed=4)[0]
+    results = []
+    for graphs in (True, False):
+        runner = StaticRunner(model, positions=len(text) + 4, span=4)
+        runner.decoder.cuda_graph = graphs
+        out, start = [runner.forward(text[:5])[1]], 5
+        for kept in (1, 3, 2, 4, 1, 2):
+            saved = runner.snapshot()
+            runner.forward(text[start : start + kept] + prompts_of((4 - kept,), seed=start)[0])  # drafts rejected after `kept`
+            runner.keep(saved, kept)
+            start += kept
+            out.append(runner.forward(text[start : start + 1])[1])  # the next pass, on the kept state
+            start += 1
+        results.append(torch.cat(out))
+    assert torch.equal(results[0], results[1])
