@@ -231,8 +231,9 @@ class EvalSettings:
     decoder_check_windows: int = 1
     """Heldout prompts decoded with the reference speculative decoder at export, for each head
     and served step count, to check the replayed figures against it; 0 skips the check. It
-    decodes at batch 1 (at real size on one H200, 2 to 3 minutes a prompt and step count
-    when every draft is rejected, the worst case), so the default checks one prompt."""
+    decodes at batch 1 (at real size on one H200, 6 to 16 s a prompt and step count when every
+    draft is rejected, the worst case, the first check of a process the slowest; bench/RESULTS.md),
+    so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
     serving: tuple[Serving, ...] = (Serving(), Serving(temperature=0.7, top_p=0.8))
