@@ -465,21 +465,18 @@ class StaticRunner:
         snapshot's and the span's inputs (the keys and values past them are masked, and written
         over); else by restoring the snapshot and feeding them again."""
         decoder = self.decoder
-        start, fed = self._last_forward
-        if start != snapshot["seen"] or not 1 <= tokens <= len(fed):
-            raise ValueError(f"keep: {tokens} tokens of a forward of {len(fed)} from position {start}, "
-                             f"asked against a snapshot at {snapshot['seen']}")
-        if decoder.span_states is None or len(fed) > decoder.span:
+        kept = kept_tokens(self._last_forward, snapshot, tokens)
+        if decoder.span_states is None or len(self._last_forward[1]) > decoder.span:
             self.restore(snapshot)
-            self.forward(fed[:tokens])
+            self.forward(kept)
             return
         decoder.kv.position.copy_(snapshot["position"] + tokens)
         decoder.recurrent_states.copy_(decoder.span_states[:, tokens - 1])
         window = snapshot["states"][0]  # (layers, B, C, K - 1), before the span
         inputs = decoder.span_inputs[:, :, :tokens].transpose(-1, -2)  # (layers, B, C, tokens)
         decoder.conv_states.copy_(torch.cat([window, inputs], dim=-1)[..., -window.shape[-1] :])
-        self.seen = start + tokens
-        self._last_forward = (start, fed[:tokens])
+        self.seen = snapshot["seen"] + tokens
+        self._last_forward = (snapshot["seen"], kept)
 
     def snapshot(self) -> dict:
         decoder = self.decoder
@@ -652,6 +649,16 @@ class StaticHeadRunner:
             token = int(logits.argmax(-1)) if pick is None else pick(logits.clone())
             drafted.append(override(step, token) if override is not None else token)
         return drafted, torch.stack(outputs)
+
+
+def kept_tokens(last_forward: tuple[int, list[int]], snapshot: dict, tokens: int) -> list[int]:
+    """The first `tokens` of a runner's last forward (`(where it started, its tokens)`), which must
+    have started at `snapshot`: what `keep(snapshot, tokens)` keeps."""
+    start, fed = last_forward
+    if start != snapshot["seen"] or not 1 <= tokens <= len(fed):
+        raise ValueError(f"keep: {tokens} tokens of a forward of {len(fed)} from position {start}, "
+                         f"asked against a snapshot at {snapshot['seen']}")
+    return fed[:tokens]
 
 
 def _graph_of(device: torch.device, run) -> torch.cuda.CUDAGraph:

@@ -17,7 +17,7 @@ from occamy_mtp import sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.base.fastdecode import StaticHeadRunner, StaticRunner, static_decoding, static_head_decoding
+from occamy_mtp.base.fastdecode import StaticHeadRunner, StaticRunner, kept_tokens, static_decoding, static_head_decoding
 from occamy_mtp.base.generate import check_prompts
 from occamy_mtp.model.head import ChainKV
 
@@ -129,12 +129,9 @@ class BaseRunner:
     def keep(self, snapshot: dict, tokens: int) -> None:
         """Of the last forward, which started at `snapshot`, keep the first `tokens`: the snapshot
         restored and they fed again (the cache holds no state per position to go back to)."""
-        start, fed = self._last_forward
-        if start != snapshot["seen"] or not 1 <= tokens <= len(fed):
-            raise ValueError(f"keep: {tokens} tokens of a forward of {len(fed)} from position {start}, "
-                             f"asked against a snapshot at {snapshot['seen']}")
+        kept = kept_tokens(self._last_forward, snapshot, tokens)
         self.restore(snapshot)
-        self.forward(fed[:tokens])
+        self.forward(kept)
 
     def snapshot(self) -> dict:
         linear, lengths = {}, {}

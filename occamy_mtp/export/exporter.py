@@ -276,13 +276,14 @@ def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[d
 def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
     """Put the trained masters, rounded to bf16 as the file stores them, into `head`; returns the largest rounding."""
     params = dict(head.named_parameters())
-    max_rounding = 0.0
-    for name, master in masters.items():
+    for name, master in masters.items():  # every tensor checked before any is put in
         if name not in params:
             raise ExportError(f"trained-tensors.safetensors: tensor {name!r} is not a head parameter")
         if master.shape != params[name].shape:
             raise ExportError(f"trained-tensors.safetensors: tensor {name!r} has shape {tuple(master.shape)}, "
                               f"the head's is {tuple(params[name].shape)}")
+    max_rounding = 0.0
+    for name, master in masters.items():
         rounded = master.to(torch.bfloat16)
         max_rounding = max(max_rounding, float((rounded.float() - master.float()).abs().max()))
         params[name].data.copy_(rounded)  # in place: the decoder's captured graphs read the head's tensors where they are
