@@ -17,8 +17,9 @@ and the Gated DeltaNet's conv and rule `decode_kernels`' (two kernels a layer); 
 the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
-after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a copy. `tests/test_fastdecode.py` holds both
-against `generate.greedy_generate`, one step a token and the full forward.
+after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a
+copy. `tests/test_fastdecode.py` holds both against `generate.greedy_generate`, one step a
+token and the full forward.
 `StaticHeadRunner` runs the MTP head's one layer the same way for the reference decoder's
 drafts (its keys and values in a static buffer, its extends and greedy chains captured),
 held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdecode.py.
