@@ -188,7 +188,8 @@ class BatchDecoder:
         self.span_states = self.span_inputs = None
         self._recording = False
         if linear and span > 1:
-            self.span_states = torch.zeros(len(linear), span, *self.recurrent_states.shape[1:], dtype=torch.float32, device=self.device)
+            self.span_states = torch.zeros(len(linear), span, *self.recurrent_states.shape[1:], dtype=torch.float32,
+                                           device=self.device)
             self.span_inputs = torch.zeros(len(linear), batch, span, channels, dtype=dtype, device=self.device)
         self._linear_index = {i: n for n, i in enumerate(linear)}
         # The step's inputs and outputs, read and written in place (so that a graph can replay them).
@@ -555,8 +556,10 @@ class StaticHeadRunner:
         tokens = ids.shape[0]
         projected = head.project(ids[None], hidden[None])  # (1, m, D)
         positions = start + self._arange[:tokens]  # (m,)
-        rotary = positions[None, None]
-        position_embeddings = head.rotary_emb(projected, rotary.expand(3, 1, -1) if head.config.model_type == "qwen3_5_moe_text" else rotary[0])
+        rotary = positions[None]  # (1, m); text M-RoPE takes three equal rows, as `MTPHead.backbone` gives it
+        if head.config.model_type == "qwen3_5_moe_text":
+            rotary = rotary[None].expand(3, 1, -1)
+        position_embeddings = head.rotary_emb(projected, rotary)
         visible = self._arange[None, :] <= positions[:, None]  # (m, L)
         mask = torch.zeros(tokens, self.positions, dtype=projected.dtype, device=self.device)
         mask = mask.masked_fill(~visible, torch.finfo(projected.dtype).min)[None, None]  # (1, 1, m, L)
