@@ -18,7 +18,9 @@ the library's own pieces:
    32 validation + 32 heldout, 128 + 382 tokens each) and writes the sharded cache to disk. `--compute`
    picks the pass: `fast` (`fastbase.FastBasePass`, 65,536 tokens a forward), `plain`
    (`target.plain_compute`: one transformers forward a window, the canonical targets) or
-   `both` (two caches; the recipe time uses the fast one, and the two are compared);
+   `both` (two caches; the recipe time uses the fast one, and the two are compared); `online`
+   builds none: training and export run the base's plain forward on every batch
+   (`targets.base.OnlineTargets`), as `train.py` does without `data.target_cache`;
 2. the base's decoder layers are dropped (a training run that reads the cache loads only
    `embed_tokens` and `lm_head`), unless export's decoder check needs them
    (`--decoder-check-windows`): then the training phase's peak memory includes them;
@@ -56,7 +58,7 @@ import torch
 
 from occamy_mtp.cache import sized_fastbase_tokens
 from occamy_mtp.targets import cache as target_cache
-from occamy_mtp.targets.base import plain_compute, plain_compute_name
+from occamy_mtp.targets.base import OnlineTargets, plain_compute, plain_compute_name
 from occamy_mtp import files
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data.windows import Window
@@ -187,7 +189,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compute", choices=("fast", "plain", "both"), default="both")
+    parser.add_argument("--compute", choices=("fast", "plain", "both", "online"), default="both",
+                        help="the target cache's pass (both: two caches, compared), or online: no cache, the base every step")
     parser.add_argument("--steps-per-epoch", type=int, default=TRAIN_WINDOWS, help="fewer for a smoke run")
     parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
     parser.add_argument("--generate-windows", type=int, default=64, help="contexts whose continuations are timed (0: skip)")
@@ -299,15 +302,15 @@ def main() -> int:
     # 1. the target cache. With both, the plain pass runs first: kernels the two share (fla's
     # delta rule) are compiled by the time the fast one starts; `--compute fast` alone is cold.
     caches = {}
-    for compute in (("plain", "fast") if args.compute == "both" else (args.compute,)):
+    for compute in {"both": ("plain", "fast"), "online": ()}.get(args.compute, (args.compute,)):
         caches[compute] = phases(f"cache_{compute}", lambda c=compute: build(windows, base, workdir / f"cache-{c}", c, args.fast_tokens,
                                                                           phases))
     if len(caches) == 2:
         result["fast_vs_plain_cache"] = compare_caches(caches["fast"], caches["plain"], windows)
-    targets = caches["fast" if "fast" in caches else "plain"]
+    targets = OnlineTargets(base) if args.compute == "online" else caches["fast" if "fast" in caches else "plain"]
 
     # 2. training from the cache needs only the embedding and lm_head of the base
-    if not args.decoder_check_windows:
+    if not args.decoder_check_windows and args.compute != "online":
         base.model.layers = torch.nn.ModuleList()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -387,7 +390,7 @@ def main() -> int:
 
     result["steps"] = total_steps
     result["phases"] = phases.results
-    recipe = ("cache_fast" if "fast" in caches else "cache_plain", "train", "export")
+    recipe = ("train", "export") if not caches else ("cache_fast" if "fast" in caches else "cache_plain", "train", "export")
     result["recipe_seconds"] = sum(phases.results[p]["seconds"] for p in recipe)
     if "self_generate" in result:
         result["recipe_seconds_with_self_generation_extrapolated"] = (
