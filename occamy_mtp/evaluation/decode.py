@@ -165,7 +165,7 @@ def base_runner_for(base, positions: int, span: int = 1):
     span - 1 drafts) where `fastdecode.static_decoding` holds, else `BaseRunner`;
     `positions` bounds the text the runner holds.
 
-    One runner serves any number of decodes (`speculative_decode(base_runner=...)` resets it):
+    One runner serves any number of decodes (`speculative_decode(runners=...)` resets it):
     its CUDA graphs are captured once, by the first decode that runs each span length."""
     return StaticRunner(base, positions, span) if static_decoding(base) else BaseRunner(base)
 
