@@ -445,3 +445,44 @@ def test_a_kept_part_of_a_captured_span_is_the_eager_span_s_on_gpu():
             start += 1
         results.append(torch.cat(out))
     assert torch.equal(results[0], results[1])
+
+
+def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_replaced(monkeypatch):
+    """The head runner's graph bookkeeping, on the CPU with a stand-in for the capture (a graph that
+    replays by running its pass): one capture for each extend size and chain length, kept across
+    decodes; all captured again once a head tensor is replaced; the texts those replays write
+    are the eager runner's."""
+    from occamy_mtp.base import fastdecode
+    from occamy_mtp.evaluation import decode
+    from test_decode import agreeable_models, random_prompt
+
+    captured = []
+
+    class Replayed:
+        def __init__(self, device, run):
+            run()  # the warm-up a capture runs
+            captured.append(run)
+            self.run = run
+
+        def replay(self):
+            self.run()
+
+    monkeypatch.setattr(fastdecode, "_graph_of", Replayed)
+    base, head = agreeable_models(seed=1)
+    prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
+    runners = decode.Runners(decode.BaseRunner(base), fastdecode.StaticHeadRunner(head, 40, span=4), 40, 4)
+    runners.head.cuda_graph = True
+
+    def decodes():
+        return [decode.speculative_decode(base, head, p, 14, 3, runners=runners) for p in prompts]
+
+    want = [(r.output_ids, r.rounds) for r in (decode.speculative_decode(base, head, p, 14, 3) for p in prompts)]
+    assert [(r.output_ids, r.rounds) for r in decodes()] == want
+    first = len(captured)
+    assert set(runners.head._graphs) <= {("extend", m) for m in range(1, 5)} | {("chain", k) for k in range(1, 4)}
+    assert first == len(runners.head._graphs) and ("chain", 3) in runners.head._graphs
+    decodes()
+    assert len(captured) == first  # kept across decodes
+    head.fc.weight.data = head.fc.weight.data.clone()  # the same values in a new tensor
+    assert [(r.output_ids, r.rounds) for r in decodes()] == want
+    assert len(captured) > first and len(runners.head._graphs) <= first  # captured again, the old ones dropped
