@@ -486,3 +486,32 @@ def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_rep
     head.fc.weight.data = head.fc.weight.data.clone()  # the same values in a new tensor
     assert [(r.output_ids, r.rounds) for r in decodes()] == want
     assert len(captured) > first and len(runners.head._graphs) <= first  # captured again, the old ones dropped
+
+
+def test_captured_verify_passes_are_kept_as_eager_ones(monkeypatch):
+    """The base runner's spans through the capture path (a stand-in capture on the CPU: its warm-up
+    runs the pass, the state is put back, each replay runs it again): decodes with rejections keep
+    the verify passes' states as the eager spans do: the same texts, rounds and logprobs."""
+    from occamy_mtp.base import fastdecode
+    from occamy_mtp.evaluation import decode
+    from test_decode import agreeable_models, random_prompt
+
+    class Replayed:
+        def __init__(self, device, run):
+            run()
+            self.run = run
+
+        def replay(self):
+            self.run()
+
+    monkeypatch.setattr(fastdecode, "_graph_of", Replayed)
+    base, head = agreeable_models(seed=1)
+    prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
+    results = []
+    for graphs in (True, False):
+        runners = decode.Runners(fastdecode.StaticRunner(base, 40, span=4), decode.HeadRunner(head), 40, 4)
+        runners.base.decoder.cuda_graph = graphs
+        results.append([decode.speculative_decode(base, head, p, 14, k, runners=runners) for k in (3, 1) for p in prompts])
+        assert bool(runners.base._graphs) == graphs
+    assert [(r.output_ids, r.rounds, r.logprobs) for r in results[0]] == [(r.output_ids, r.rounds, r.logprobs) for r in results[1]]
+    assert any(r.accepted < len(r.drafted) for result in results[0] for r in result.rounds)
