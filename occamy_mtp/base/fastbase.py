@@ -5,6 +5,7 @@ docs/FASTBASE.md sets out the details.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -414,6 +415,23 @@ def residual_norm(module, x: torch.Tensor, residual: torch.Tensor | None, kernel
     return module(summed), summed
 
 
+def module_moe(block, x: torch.Tensor) -> torch.Tensor:
+    """The MoE block's own forward (transformers'), its output alone."""
+    out = block(x)
+    return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
+
+
+def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels, mix, moe) -> tuple:
+    """One decoder layer as transformers computes it, unrolled: residual -> input norm -> `mix` (the
+    token mixer, on the normed input) -> residual -> post-attention norm -> `moe` (the MoE block).
+    Returns the MoE block's output and the residual stream, which the next layer (or the final
+    norm, `residual_norm`) adds."""
+    normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
+    hidden = mix(normed)
+    normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)
+    return moe(layer.mlp, normed), residual
+
+
 @torch.no_grad()
 def packed_hidden(base, input_ids: torch.Tensor, layout: PackLayout, kernels: Kernels) -> torch.Tensor:
     """Post-final-norm hidden states of a packed batch: (1, N) or uniform (W, T) ids -> (..., D).
@@ -430,20 +448,14 @@ def packed_hidden(base, input_ids: torch.Tensor, layout: PackLayout, kernels: Ke
     position_embeddings = model.rotary_emb(hidden, grid_positions[None].expand(3, -1, -1))
     mask = _causal_mask(config._attn_implementation, layout.max_length, hidden.dtype, hidden.device)
 
+    moe = kernels.sparse_moe or module_moe
     residual = None
     for layer in model.layers[: config.num_hidden_layers]:
-        normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
         if layer.block_type == "linear_attention":
-            hidden = _gated_deltanet(layer.linear_attn, normed, layout, kernels)
+            mix = functools.partial(_gated_deltanet, layer.linear_attn, layout=layout, kernels=kernels)
         else:
-            hidden = _attention(layer.self_attn, normed, position_embeddings, mask, layout)
-        normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)
-        if kernels.sparse_moe is not None:
-            hidden = kernels.sparse_moe(layer.mlp, normed)
-        else:
-            hidden = layer.mlp(normed)
-            if isinstance(hidden, tuple):  # some versions also return router logits
-                hidden = hidden[0]
+            mix = functools.partial(_attention, layer.self_attn, position_embeddings=position_embeddings, mask=mask, layout=layout)
+        hidden, residual = decoder_layer(layer, hidden, residual, kernels, mix, moe)
     normed, _ = residual_norm(model.norm, hidden, residual, kernels)
     return normed
 

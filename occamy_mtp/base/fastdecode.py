@@ -28,6 +28,7 @@ held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdeco
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -36,7 +37,8 @@ from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.base.decode_kernels import conv_steps_, gated_delta_steps_
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
-from occamy_mtp.base.fastbase import Kernels, fla_kernels, residual_norm, torch_kernels
+from occamy_mtp.base.fastbase import (Kernels, decoder_layer, fla_kernels, fused_moe_block, module_moe, residual_norm,
+                                      torch_kernels)
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 # Bytes a step's transient tensors take per logit of a row, beside the row's state: the
@@ -95,6 +97,19 @@ def _attention_implementation(config, name: str):
         config._attn_implementation = previous
 
 
+def _attend(attention, position_embeddings, mask: torch.Tensor, cache: dict, normed: torch.Tensor) -> torch.Tensor:
+    """transformers' attention module over the step's positions, its keys and values in `cache`'s `StaticKV`."""
+    return attention(hidden_states=normed, position_embeddings=position_embeddings, attention_mask=mask, **cache)[0]
+
+
+def _buffer_mask(positions: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask (1, 1, T, L) of queries at `positions` (T,) over keys at `keys` (L,) = 0..L-1:
+    each query sees the keys at its own position and before (the rest of the buffer is masked)."""
+    visible = keys[None, :] <= positions[:, None]  # (T, L)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=keys.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
 class StaticKV:
     """Keys and values of the full-attention layers for `positions` positions, allocated once.
 
@@ -131,16 +146,7 @@ def _kernels(device: torch.device) -> Kernels:
 
 def _moe(device: torch.device):
     """The MoE block: `fastbase.fused_moe_block` (Triton routing, experts and glue) on CUDA; the module's own elsewhere."""
-    if device.type == "cuda":
-        from occamy_mtp.base.fastbase import fused_moe_block
-
-        return fused_moe_block
-
-    def moe(block, x):
-        out = block(x)
-        return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
-
-    return moe
+    return fused_moe_block if device.type == "cuda" else module_moe
 
 
 class BatchDecoder:
@@ -249,9 +255,7 @@ class BatchDecoder:
         hidden = model.embed_tokens(self.tokens[:, None])  # (B, 1, D)
         positions = position.expand(self.batch)[:, None]  # (B, 1), every row at the same position
         position_embeddings = model.rotary_emb(hidden, positions[None].expand(3, -1, -1))  # text M-RoPE: three equal rows
-        visible = self._arange <= position  # (L,) keys at positions 0..t
-        mask = torch.zeros(self.positions, dtype=hidden.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None, None]  # (1, 1, 1, L)
+        mask = _buffer_mask(position, self._arange, hidden.dtype)  # (1, 1, 1, L): keys at positions 0..t
         self.hidden.copy_(self._layers(hidden, position_embeddings, mask)[:, -1])
         logits = base.lm_head(self.hidden)  # (B, V)
         self.logits.copy_(logits)
@@ -271,14 +275,11 @@ class BatchDecoder:
         residual = None
         with _attention_implementation(base.config, DECODE_ATTENTION):
             for i, layer in enumerate(base.model.layers[: base.config.num_hidden_layers]):
-                normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
                 if i in self.conv_state:
-                    hidden = self._gated_deltanet(layer.linear_attn, normed, i)
+                    mix = functools.partial(self._gated_deltanet, layer.linear_attn, layer=i)
                 else:
-                    hidden, _ = layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings,
-                                                attention_mask=mask, **{self._cache_kwarg: self.kv})
-                normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)
-                hidden = self.moe(layer.mlp, normed)
+                    mix = functools.partial(_attend, layer.self_attn, position_embeddings, mask, {self._cache_kwarg: self.kv})
+                hidden, residual = decoder_layer(layer, hidden, residual, kernels, mix, self.moe)
         return residual_norm(base.model.norm, hidden, residual, kernels)[0]
 
     def _gated_deltanet(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -318,9 +319,7 @@ class BatchDecoder:
         hidden = model.embed_tokens(self.span_tokens[:, :tokens])  # (B, T, D)
         positions = position + self._arange[:tokens]  # (T,)
         position_embeddings = model.rotary_emb(hidden, positions[None, None].expand(3, self.batch, -1))
-        visible = self._arange[None, :] <= positions[:, None]  # (T, L): query t sees keys 0..position + t
-        mask = torch.zeros(tokens, self.positions, dtype=hidden.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(hidden.dtype).min)[None, None]  # (1, 1, T, L)
+        mask = _buffer_mask(positions, self._arange, hidden.dtype)  # (1, 1, T, L): query t sees keys 0..position + t
         self.kv.writes = positions
         self._recording = self.span_states is not None
         try:
@@ -560,21 +559,16 @@ class StaticHeadRunner:
         if head.config.model_type == "qwen3_5_moe_text":
             rotary = rotary[None].expand(3, 1, -1)
         position_embeddings = head.rotary_emb(projected, rotary)
-        visible = self._arange[None, :] <= positions[:, None]  # (m, L)
-        mask = torch.zeros(tokens, self.positions, dtype=projected.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, torch.finfo(projected.dtype).min)[None, None]  # (1, 1, m, L)
+        mask = _buffer_mask(positions, self._arange, projected.dtype)  # (1, 1, m, L)
         layer = head.layers[0]
         self.kv.writes = positions
         try:
             with _attention_implementation(head.config, DECODE_ATTENTION):
-                normed, residual = residual_norm(layer.input_layernorm, projected, None, kernels)
-                attended, _ = layer.self_attn(hidden_states=normed, position_embeddings=position_embeddings,
-                                              attention_mask=mask, **{self._cache_kwarg: self.kv})
-                normed, residual = residual_norm(layer.post_attention_layernorm, attended, residual, kernels)
-                out = residual_norm(head.norm, self.moe(layer.mlp, normed), residual, kernels)[0]
+                attend = functools.partial(_attend, layer.self_attn, position_embeddings, mask, {self._cache_kwarg: self.kv})
+                out, residual = decoder_layer(layer, projected, None, kernels, attend, self.moe)
         finally:
             self.kv.writes = self.kv.position
-        return out[0]
+        return residual_norm(head.norm, out, residual, kernels)[0][0]
 
     def _extend_pass(self, tokens: int) -> None:
         self.out[:tokens].copy_(self._pass(self.ids[:tokens], self.hidden[:tokens], self.kv.position))
