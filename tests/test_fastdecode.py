@@ -397,19 +397,28 @@ def test_a_span_runner_refuses_what_it_cannot_hold(base):
         runner.forward([6, 7])
 
 
-@pytest.mark.gpu
-def test_captured_spans_give_the_eager_spans_logits_on_gpu():
-    """bf16 on the GPU, as export's decoder check runs: each span length captured once and
-    replayed gives the eager span step's logits, across a rollback."""
+def _captured_and_eager_on_gpu(length: int, passes) -> list[torch.Tensor]:
+    """`passes(runner, text)` (a list of logits) through a span-4 `StaticRunner` on the GPU (bf16), its
+    spans captured, then eager: the two runs' logits."""
     from occamy_mtp.base.fastdecode import StaticRunner
 
     model, _ = random_models(tiny_text_config(), seed=3)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
-    text = prompts_of((19,), seed=4)[0]
+    text = prompts_of((length,), seed=4)[0]
     results = []
     for graphs in (True, False):
         runner = StaticRunner(model, positions=len(text) + 4, span=4)
         runner.decoder.cuda_graph = graphs
+        results.append(torch.cat(passes(runner, text)))
+    return results
+
+
+@pytest.mark.gpu
+def test_captured_spans_give_the_eager_spans_logits_on_gpu():
+    """bf16 on the GPU, as export's decoder check runs: each span length captured once and
+    replayed gives the eager span step's logits, across a rollback."""
+
+    def passes(runner, text):
         out, start = [], 0
         for n in (7, 4, 2, 4, 2):
             saved = runner.snapshot()
@@ -417,7 +426,9 @@ def test_captured_spans_give_the_eager_spans_logits_on_gpu():
             runner.restore(saved)
             out.append(runner.forward(text[start : start + n])[1])
             start += n
-        results.append(torch.cat(out))
+        return out
+
+    results = _captured_and_eager_on_gpu(19, passes)
     assert torch.equal(results[0], results[1])  # the graphs replay the very kernels of the eager spans
 
 
@@ -426,15 +437,8 @@ def test_a_kept_part_of_a_captured_span_is_the_eager_span_s_on_gpu():
     """bf16 on the GPU: spans captured once and replayed keep the same per-token states as the
     eager spans (the rule kernel writes them), so keeping part of each pass and going on gives
     the very logits of the eager runner."""
-    from occamy_mtp.base.fastdecode import StaticRunner
 
-    model, _ = random_models(tiny_text_config(), seed=3)
-    model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
-    text = prompts_of((30,), seed=4)[0]
-    results = []
-    for graphs in (True, False):
-        runner = StaticRunner(model, positions=len(text) + 4, span=4)
-        runner.decoder.cuda_graph = graphs
+    def passes(runner, text):
         out, start = [runner.forward(text[:5])[1]], 5
         for kept in (1, 3, 2, 4, 1, 2):
             saved = runner.snapshot()
@@ -443,11 +447,34 @@ def test_a_kept_part_of_a_captured_span_is_the_eager_span_s_on_gpu():
             start += kept
             out.append(runner.forward(text[start : start + 1])[1])  # the next pass, on the kept state
             start += 1
-        results.append(torch.cat(out))
+        return out
+
+    results = _captured_and_eager_on_gpu(30, passes)
     assert torch.equal(results[0], results[1])
 
 
-def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_replaced(monkeypatch):
+@pytest.fixture
+def stand_in_capture(monkeypatch):
+    """CUDA graph capture on the CPU, stood in for: a "graph" whose capture runs its pass once (the
+    warm-up a real capture runs) and whose replays run it again. Yields the passes captured."""
+    from occamy_mtp.base import fastdecode
+
+    captured = []
+
+    class Replayed:
+        def __init__(self, device, run):
+            run()
+            captured.append(run)
+            self.run = run
+
+        def replay(self):
+            self.run()
+
+    monkeypatch.setattr(fastdecode, "_graph_of", Replayed)
+    return captured
+
+
+def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_replaced(stand_in_capture):
     """The head runner's graph bookkeeping, on the CPU with a stand-in for the capture (a graph that
     replays by running its pass): one capture for each extend size and chain length, kept across
     decodes; all captured again once a head tensor is replaced; the texts those replays write
@@ -456,18 +483,7 @@ def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_rep
     from occamy_mtp.evaluation import decode
     from test_decode import agreeable_models, random_prompt
 
-    captured = []
-
-    class Replayed:
-        def __init__(self, device, run):
-            run()  # the warm-up a capture runs
-            captured.append(run)
-            self.run = run
-
-        def replay(self):
-            self.run()
-
-    monkeypatch.setattr(fastdecode, "_graph_of", Replayed)
+    captured = stand_in_capture
     base, head = agreeable_models(seed=1)
     prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
     runners = decode.Runners(decode.BaseRunner(base), fastdecode.StaticHeadRunner(head, 40, span=4), 40, 4)
@@ -488,7 +504,7 @@ def test_the_head_runner_captures_each_pass_once_and_again_after_a_tensor_is_rep
     assert len(captured) > first and len(runners.head._graphs) <= first  # captured again, the old ones dropped
 
 
-def test_captured_verify_passes_are_kept_as_eager_ones(monkeypatch):
+def test_captured_verify_passes_are_kept_as_eager_ones(stand_in_capture):
     """The base runner's spans through the capture path (a stand-in capture on the CPU: its warm-up
     runs the pass, the state is put back, each replay runs it again): decodes with rejections keep
     the verify passes' states as the eager spans do: the same texts, rounds and logprobs."""
@@ -496,15 +512,6 @@ def test_captured_verify_passes_are_kept_as_eager_ones(monkeypatch):
     from occamy_mtp.evaluation import decode
     from test_decode import agreeable_models, random_prompt
 
-    class Replayed:
-        def __init__(self, device, run):
-            run()
-            self.run = run
-
-        def replay(self):
-            self.run()
-
-    monkeypatch.setattr(fastdecode, "_graph_of", Replayed)
     base, head = agreeable_models(seed=1)
     prompts = [random_prompt(n, seed=n) for n in (9, 4, 12)]
     results = []
