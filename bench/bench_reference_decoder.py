@@ -118,12 +118,12 @@ def main() -> int:
     window = Window("random", 0, random_ids(CONTEXT_TOKENS + ANSWER_TOKENS), CONTEXT_TOKENS)
     for param in head.parameters():  # as export evaluates it: every tensor in the model dtype
         param.data = param.data.to(torch.bfloat16)
+    # One pair of runners for every check, as export shares them (one base runner throughout);
+    # "eager" is decode.HeadRunner (transformers' layer on a growing cache), "static" fastdecode.StaticHeadRunner.
+    shared = decode.decodes_runners(base, head, [CONTEXT_TOKENS], ANSWER_TOKENS, 3)
     for head_runner in ("static", "eager") if fastdecode.static_head_decoding(head) else ("eager",):
-        # One pair of runners for every check, as export shares them; "eager" is decode.HeadRunner
-        # (transformers' layer on a growing cache), "static" fastdecode.StaticHeadRunner.
-        runners = decode.decodes_runners(base, head, [CONTEXT_TOKENS], ANSWER_TOKENS, 3)
-        if head_runner == "eager":
-            runners = decode.Runners(runners.base, decode.HeadRunner(head), runners.positions, runners.span)
+        runners = shared if head_runner == "static" else decode.Runners(shared.base, decode.HeadRunner(head), shared.positions,
+                                                                        shared.span)
         for k in (1, 3):
             for attempt in ("first", "second"):
                 timers = Timers(device)
