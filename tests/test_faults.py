@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -1386,3 +1387,35 @@ def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figur
     with pytest.raises(ConfigError, match="the data are prompts"):
         evaluate_run(config, tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),
                      teacher_forced_only=True)
+
+
+def test_export_s_decoder_checks_on_the_static_runners_equal_those_on_transformers_cache(run_models, tmp_path, monkeypatch):
+    """Export's decoder checks through one pair of static runners (as on a GPU: the base's spans
+    kept after a rejection, the head's static buffers, the trained tensors copied into the head
+    in place) give the counts and decisions of the checks on transformers' cache, for both heads."""
+    import dataclasses
+
+    from occamy_mtp.evaluation import decode
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.train.loop import train
+
+    config = run_config(run_models, tmp_path / "run", "eval.decoder_check_windows=2")
+    train(config)
+    checks = []
+    for static in (False, True):
+        if static:
+            monkeypatch.setattr(decode, "static_decoding", lambda base: True)
+            monkeypatch.setattr(decode, "static_head_decoding", lambda head: True)
+        output = tmp_path / f"export-{static}"
+        shutil.copytree(tmp_path / "run", output)
+        record = export(dataclasses.replace(config, output=dataclasses.replace(config.output, dir=str(output))), allow_worse=True,
+                        log=lambda m: None)
+        checks.append(json.loads((output / "metrics.json").read_text())["decoder_check"])
+        assert record["outputs"]
+    for head in ("donor", "trained"):
+        for k in ("1", "2"):
+            got, want = checks[1][head][k], checks[0][head][k]
+            assert got["counts_equal"] and want["counts_equal"], (head, k)
+            for field in ("measured", "replayed", "decisions", "decisions_equal", "texts_equal_to_store"):
+                assert got[field] == want[field], (head, k, field)
+    assert checks[0]["donor"]["1"]["measured"] != checks[0]["trained"]["1"]["measured"]  # the trained head was checked, not the donor twice
