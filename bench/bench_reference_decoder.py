@@ -20,7 +20,8 @@ training run holds them (the head's trainable tensors as fp32 masters). Then:
    (`evaluate._run_batch`). Each piece is timed between two device synchronisations, so the
    pieces add up to a little more than the unbroken run. Where the head runs on
    `fastdecode.StaticHeadRunner` (a GPU), the same checks follow with `decode.HeadRunner`
-   (`*_eager_head`): the two in one process.
+   (`*_eager_head`), then with it and the base's rejected passes fed again rather than kept
+   (`*_eager_head_rerun`: the decoder as it was before both): the three in one process.
 """
 
 from __future__ import annotations
@@ -121,9 +122,14 @@ def main() -> int:
     # One pair of runners for every check, as export shares them (one base runner throughout);
     # "eager" is decode.HeadRunner (transformers' layer on a growing cache), "static" fastdecode.StaticHeadRunner.
     shared = decode.decodes_runners(base, head, [CONTEXT_TOKENS], ANSWER_TOKENS, 3)
-    for head_runner in ("static", "eager") if fastdecode.static_head_decoding(head) else ("eager",):
-        runners = shared if head_runner == "static" else decode.Runners(shared.base, decode.HeadRunner(head), shared.positions,
-                                                                        shared.span)
+    eager_head = decode.Runners(shared.base, decode.HeadRunner(head), shared.positions, shared.span)
+    variants = {"": shared, "_eager_head": eager_head, "_eager_head_rerun": eager_head}
+    if not fastdecode.static_head_decoding(head):
+        variants = {"_eager_head": shared}
+    for suffix, runners in variants.items():
+        if suffix == "_eager_head_rerun":  # as before keeping: the snapshot restored and the kept tokens fed again
+            runners.base.keep = lambda snapshot, tokens, runner=runners.base: (
+                runner.restore(snapshot), runner.forward(fastdecode.kept_tokens(runner._last_forward, snapshot, tokens)))
         for k in (1, 3):
             for attempt in ("first", "second"):
                 timers = Timers(device)
@@ -144,7 +150,7 @@ def main() -> int:
                 for owner, attribute, original in restore:
                     setattr(owner, attribute, original)
                 forwards = timers.calls.get("base_runner.forward", 0)
-                name = f"decoder_check_k{k}_{attempt}" + ("" if head_runner == "static" else "_eager_head")
+                name = f"decoder_check_k{k}_{attempt}{suffix}"
                 result[name] = {
                     "seconds": seconds, "decode_seconds": check["decode_seconds"], "verify_passes": check["measured"]["verify_passes"],
                     "counts_equal": check["measured"]["proposed"] == check["replayed"]["proposed"],
