@@ -14,5 +14,8 @@ __version__ = "0.1.0"
 # base fills most of an 80 GB card, and the batches beside it are sized to what is free
 # (`occamy_mtp.memory`); with fixed segments, memory freed in pieces could not hold the
 # decoder's one 7-8 GiB state, and a run capped at 79.6 GiB ran out of memory with 7.3 GiB
-# cached unused (bench/RESULTS.md). Read when CUDA first allocates, so set on import.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+# cached unused (bench/RESULTS.md). Read when CUDA first allocates, so set on import. Torch
+# reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_ALLOC_CONF: setting the first would override
+# a user's choice in the second.
+if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

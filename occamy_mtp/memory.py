@@ -6,7 +6,8 @@ sets them; so are the chunks of positions whose vocabulary-wide logits are worke
 once (the greedy targets, evaluation's figures and odds, the loss: `logit_rows`).
 count = (available - margin) // bytes per row, at most the batch's own upper bound.
 `available` is the device's free memory once torch's allocator has handed back its cached
-blocks, within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
+blocks (the logits' chunks, with expandable segments, count those blocks as free instead),
+within the process's cap when one is set (`torch.cuda.set_per_process_memory_fraction`);
 `MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
 callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`, the `*_BYTES_PER_LOGIT`
@@ -16,6 +17,8 @@ tests/test_memory.py).
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,20 +33,39 @@ class NotEnoughMemory(OccamyError, RuntimeError):
     """Not even one row of a batch fits: says what the model holds, what the card has and what a row needs."""
 
 
-def available_bytes(device: torch.device) -> int:
+def available_bytes(device: torch.device, hand_back: bool = True) -> int:
     """Bytes this process may still allocate on `device`: the card's free memory, within the
-    process's cap less what torch's allocator holds. The allocator's cached blocks are handed
-    back to the card first: counted as free while cached, they can be too fragmented for one
-    large tensor (a decoder's 8 GiB state found 8.2 GiB cached in pieces, and ran out)."""
+    process's cap less what torch's allocator holds.
+
+    With `hand_back`, the allocator's cached blocks are handed back to the card first: counted
+    as free while cached, they can be too fragmented for one large tensor (a decoder's 8 GiB
+    state found 8.2 GiB cached in pieces, and ran out). Without it they count as available, as
+    they are with expandable segments, where the allocator unmaps whatever cached pages an
+    allocation needs (`expandable_segments`)."""
     if device.index is None:  # the cap's query needs the index: the current device's
         device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
-    torch.cuda.empty_cache()
+    if hand_back:
+        torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    available = free
+    held = torch.cuda.memory_reserved(device) if hand_back else torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - held
     fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
     if fraction < 1.0:  # the allocator refuses to hold more than the cap
-        available = min(available, int(fraction * total) - torch.cuda.memory_reserved(device))
+        available = min(available, int(fraction * total) - held)
     return max(0, available)
+
+
+def expandable_segments() -> bool:
+    """Whether torch's CUDA allocator runs on expandable segments, as the library asks unless the
+    user set its options (`occamy_mtp/__init__.py`): PYTORCH_CUDA_ALLOC_CONF where set, otherwise
+    PYTORCH_ALLOC_CONF, the last mention winning, as torch reads them."""
+    options = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF", "")
+    expandable = False
+    for option in options.split(","):
+        key, _, value = option.partition(":")
+        if key.strip() == "expandable_segments":
+            expandable = value.strip() == "True"
+    return expandable
 
 
 @dataclass(frozen=True)
@@ -55,10 +77,11 @@ class Sizing:
 
 
 def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: torch.nn.Module | None = None,
-            margin: int = MARGIN_BYTES) -> Sizing:
+            margin: int = MARGIN_BYTES, hand_back: bool = True) -> Sizing:
     """The most `what`s (rows of `row_bytes` each, at most `upper`) that fit beside what is already
-    allocated; NotEnoughMemory, naming `model`'s size (where given) and the card's, when not even one does."""
-    available = available_bytes(device)
+    allocated (`available_bytes`, with `hand_back`); NotEnoughMemory, naming `model`'s size (where
+    given) and the card's, when not even one does."""
+    available = available_bytes(device, hand_back)
     count = min(upper, (available - margin) // row_bytes)
     total = torch.cuda.mem_get_info(device)[1]
     if count < 1:
@@ -77,10 +100,17 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
                               f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
 
 
-def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: int, upper: int) -> int:
+def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: float, upper: int) -> int:
     """Positions whose (positions x `vocab_size`) logits work, `bytes_per_logit` a logit at its
     peak, fits beside what is allocated: at most `upper`, which is also the answer off CUDA
-    (where nothing is sized, so results there never depend on the free memory)."""
+    (where nothing is sized, so results there never depend on the free memory).
+
+    Sized at every chunked loop (each training step's loss, each replayed check), so the cache is
+    handed back only where it would otherwise be miscounted: with expandable segments it is
+    counted as available instead, and the allocator keeps its pages mapped between chunks. The
+    batch sizings (`fitting`'s other callers) always hand it back: a CUDA graph captured right
+    after cannot make the allocator release its cache."""
     if device.type != "cuda":
         return upper
-    return fitting("position's logits", vocab_size * bytes_per_logit, upper, device).count
+    return fitting("position's logits", math.ceil(vocab_size * bytes_per_logit), upper, device,
+                   hand_back=not expandable_segments()).count

@@ -80,6 +80,41 @@ def test_the_allocator_s_cached_blocks_are_handed_back_before_counting(monkeypat
     assert handed_back
 
 
+def test_with_expandable_segments_the_logits_chunks_count_the_cache_without_handing_it_back(monkeypatch):
+    handed_back = []
+    # 10 GiB free on the card, 4 GiB of the 64 reserved cached unused; a cap of 72 GiB of the 80
+    fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=64 * GIB, fraction=0.9)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: handed_back.append(True))
+    vocab, per_logit = 2**20, 1024  # a position's logits: 1 GiB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert memory.logit_rows(torch.device("cuda"), vocab, per_logit, 100) == 12 - 2  # min(10 + 4, 72 - 60) less the margin
+    assert not handed_back
+    assert memory.available_bytes(torch.device("cuda"), hand_back=False) == 12 * GIB
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert memory.logit_rows(torch.device("cuda"), vocab, per_logit, 100) == 8 - 2  # min(10, 72 - 64), handed back
+    assert handed_back
+    handed_back.clear()
+    memory.fitting("row", GIB, 100, torch.device("cuda"))  # a batch's sizing hands the cache back whatever the allocator
+    assert handed_back
+
+
+@pytest.mark.parametrize("alloc_conf, cuda_alloc_conf, expandable", [
+    (None, "expandable_segments:True", True),
+    (None, "max_split_size_mb:512", False),
+    (None, "expandable_segments:True,expandable_segments:False", False),  # the last mention wins
+    ("expandable_segments:False", "expandable_segments:True", True),  # PYTORCH_CUDA_ALLOC_CONF, where set
+    ("garbage_collection_threshold:0.8, expandable_segments:True", None, True),
+])
+def test_expandable_segments_are_read_as_torch_reads_its_settings(monkeypatch, alloc_conf, cuda_alloc_conf, expandable):
+    for name, value in (("PYTORCH_ALLOC_CONF", alloc_conf), ("PYTORCH_CUDA_ALLOC_CONF", cuda_alloc_conf)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert memory.expandable_segments() is expandable
+
+
 def test_not_even_one_row_is_an_error_naming_the_model_and_the_card(monkeypatch):
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
     fake_cuda(monkeypatch, free=2 * GIB + 100 * 2**20, total=80 * GIB, allocated=70 * GIB, reserved=70 * GIB)
@@ -175,7 +210,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     from occamy_mtp.config import Serving
     from occamy_mtp.evaluation import evaluate
     from occamy_mtp.model import loss
-    from occamy_mtp.base.logits import chunked_greedy
+    from occamy_mtp.base.logits import chunked_greedy, greedy_bytes_per_logit
 
     device, vocab, dim, rows = torch.device("cuda"), 248_320, 2048, 512
     torch.manual_seed(0)
@@ -185,7 +220,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     tokens = torch.randint(0, vocab, (rows,), device=device)
     serving = Serving(temperature=0.7, top_p=0.8)
     if what == "greedy":
-        figure, run = head.lm_head.weight.element_size(), lambda: chunked_greedy(hidden, head.lm_head, rows)
+        figure, run = greedy_bytes_per_logit(head.lm_head), lambda: chunked_greedy(hidden, head.lm_head, rows)
     elif what == "figures":
         figure, run = evaluate.FIGURES_BYTES_PER_LOGIT, lambda: evaluate.figures_of(head, hidden, tokens, tokens)
     elif what == "odds":
@@ -207,10 +242,16 @@ def test_importing_the_library_asks_for_expandable_segments_unless_told_otherwis
     import subprocess
     import sys
 
-    code = "import os, occamy_mtp; print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])"
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == \
-        "expandable_segments:True"
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:512"  # a user's own settings win
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == \
-        "max_split_size_mb:512"
+    code = ("import os, occamy_mtp, torch; from occamy_mtp import memory; "
+            "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), memory.expandable_segments())")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+
+    def seen(**settings):
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **settings}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert seen() == "expandable_segments:True True"
+    # a user's own settings win, in either variable torch reads
+    assert seen(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512") == "max_split_size_mb:512 False"
+    assert seen(PYTORCH_ALLOC_CONF="expandable_segments:False") == "None False"

@@ -14,11 +14,21 @@ from occamy_mtp import memory
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 
+# Beyond the logits in lm_head's dtype, a chunk holds argmax's output and its reduction's
+# staging: 0.0002 byte a logit at 512 positions of 248,320 on an H200 (`pytest -m gpu`,
+# test_memory.py), rounded up to an eighth.
+ARGMAX_BYTES_PER_LOGIT = 0.125
+
+
+def greedy_bytes_per_logit(lm_head: torch.nn.Module) -> float:
+    """Bytes a logit of `chunked_greedy`'s chunk takes at its peak."""
+    return lm_head.weight.element_size() + ARGMAX_BYTES_PER_LOGIT
+
+
 def greedy_chunk_tokens(lm_head: torch.nn.Module) -> int:
-    """Positions of `chunked_greedy`'s chunk that fit on the GPU now (`memory.logit_rows`; the
-    logits in lm_head's dtype are all a chunk holds)."""
+    """Positions of `chunked_greedy`'s chunk that fit on the GPU now (`memory.logit_rows`)."""
     weight = lm_head.weight
-    return memory.logit_rows(weight.device, weight.shape[0], weight.element_size(), DEFAULT_LOGITS_CHUNK_TOKENS)
+    return memory.logit_rows(weight.device, weight.shape[0], greedy_bytes_per_logit(lm_head), DEFAULT_LOGITS_CHUNK_TOKENS)
 
 
 @torch.no_grad()
