@@ -47,8 +47,9 @@ def available_bytes(device: torch.device, hand_back: bool = True) -> int:
     if hand_back:
         torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device) if hand_back else torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - held
+    reserved = torch.cuda.memory_reserved(device)
+    held = reserved if hand_back else torch.cuda.memory_allocated(device)  # what counts against a cap
+    available = free + reserved - held  # without a hand-back, the cached blocks count as free
     fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
     if fraction < 1.0:  # the allocator refuses to hold more than the cap
         available = min(available, int(fraction * total) - held)
