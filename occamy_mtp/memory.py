@@ -97,8 +97,12 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
             f"{margin / GIB:.1f} GiB. Use a GPU with more memory (or free the one in use)"
         )
     bound = "its upper bound" if count == upper else "what fits"
-    return Sizing(int(count), f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
-                              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
+    reason = (f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
+              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
+    if not expandable_segments():  # measured: a 79.6 GiB cap ran out of memory at the sized batch (bench/RESULTS.md)
+        reason += ("; torch's allocator runs on fixed segments (your PYTORCH_CUDA_ALLOC_CONF), whose freed memory can be "
+                   "too fragmented for a batch sized so: add expandable_segments:True, or set the batch")
+    return Sizing(int(count), reason)
 
 
 def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: float, upper: int) -> int:
