@@ -174,19 +174,18 @@ class BatchDecoder:
         layers = base.model.layers[: config.num_hidden_layers]
         kinds = config.layer_types[: config.num_hidden_layers]
         attention = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+        self.kv = StaticKV(attention, batch, positions, config.num_key_value_heads, config.head_dim, dtype, self.device)
         # The Gated DeltaNet layers' conv windows and recurrent states, each kind one buffer
         # (`conv_states`, `recurrent_states`) viewed per layer (`conv_state[i]`, `recurrent_state[i]`).
-        # The recurrent states, the largest buffer (7-8 GiB at real size), are allocated first, while
-        # the room the batch was sized to is still in one piece.
         linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
         self.conv_states = self.recurrent_states = None
         self.conv_state, self.recurrent_state = {}, {}
         if linear:
             mixer = layers[linear[0]].linear_attn
             channels = mixer.conv1d.weight.shape[0]
+            self.conv_states = torch.zeros(len(linear), batch, channels, mixer.conv_kernel_size - 1, dtype=dtype, device=self.device)
             self.recurrent_states = torch.zeros(len(linear), batch, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim,
                                                 dtype=torch.float32, device=self.device)
-            self.conv_states = torch.zeros(len(linear), batch, channels, mixer.conv_kernel_size - 1, dtype=dtype, device=self.device)
             for n, i in enumerate(linear):
                 self.conv_state[i], self.recurrent_state[i] = self.conv_states[n], self.recurrent_states[n]
         # What a span step keeps of each Gated DeltaNet layer (`keep`): the recurrent state after
@@ -199,7 +198,6 @@ class BatchDecoder:
                                            device=self.device)
             self.span_inputs = torch.zeros(len(linear), batch, span, channels, dtype=dtype, device=self.device)
         self._linear_index = {i: n for n, i in enumerate(linear)}
-        self.kv = StaticKV(attention, batch, positions, config.num_key_value_heads, config.head_dim, dtype, self.device)
         # The step's inputs and outputs, read and written in place (so that a graph can replay them).
         self.tokens = torch.zeros(batch, dtype=torch.long, device=self.device)  # fed at this step
         self.prompts = torch.zeros(batch, positions + 1, dtype=torch.long, device=self.device)
