@@ -71,7 +71,7 @@ def main() -> int:
         base = base_model_class(config)._from_config(config, dtype=torch.bfloat16)
         head = MTPHead(config, SharedWeights(base.model.embed_tokens, base.lm_head)).to(torch.bfloat16)
     base.requires_grad_(False).eval()
-    donor = copy.deepcopy(head, memo={id(head.shared): head.shared})  # held as the recipe holds it
+    donor = copy.deepcopy(head, memo={id(head.shared): head.shared})  # noqa: F841 (held to the end, as the recipe holds it)
     use_tuned_kernel_configs(device)
     print(f"built: {counters(device)}")
 
@@ -90,8 +90,10 @@ def main() -> int:
 
     try:
         torch.zeros = logged_zeros
-        decoder = fastdecode.BatchDecoder(base, batch=size, positions=args.context_tokens + args.answer_tokens - 1)
-        torch.zeros = zeros
+        try:
+            decoder = fastdecode.BatchDecoder(base, batch=size, positions=args.context_tokens + args.answer_tokens - 1)
+        finally:
+            torch.zeros = zeros
         print(f"decoder built: {counters(device)}")
         started = time.perf_counter()
         decoder.generate(contexts[:size], max_new_tokens=args.answer_tokens, eos_token_ids=set())
@@ -100,14 +102,10 @@ def main() -> int:
               f"peak {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB allocated, "
               f"{torch.cuda.max_memory_reserved(device) / GIB:.2f} GiB reserved")
     except torch.OutOfMemoryError as error:
-        torch.zeros = zeros
         print(f"OUT OF MEMORY: {str(error).splitlines()[0]}")
         print(counters(device))
         fragmentation(device)
         return 1
-    finally:
-        torch.zeros = zeros
-    del donor
     return 0
 
 
