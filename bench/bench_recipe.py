@@ -8,8 +8,8 @@ A random-weight Qwen3.5-35B-A3B-shaped base and head are built directly on the d
 the library's own pieces:
 
 0. self-generation: the base writes its greedy continuation (up to 382 tokens) of the
-   contexts of the run's windows (`selfgen.store.self_generate`, `--generate-batch-size` a
-   batch); `--generate-windows` of the 320 are timed and the whole is extrapolated from
+   contexts of the run's windows as a run writes a store's (`selfgen.store.EmbeddedWriter.answers`:
+   one decoder for every batch; `--generate-batch-size` a batch, 0 sized to the GPU); `--generate-windows` of the 320 are timed and the whole is extrapolated from
    them (random weights never stop early, so every continuation runs the full budget:
    the worst case); `--extra-generate-batch-sizes` times one more batch at each size given
    (the library's default, `data.self_generate_batch_size`, is 64), outside the recipe's
@@ -122,8 +122,12 @@ class Phases:
         started = time.perf_counter()
         value = fn()
         sync(self.device)
-        self.units.setdefault(self._current, {}).setdefault(kind, []).append(time.perf_counter() - started)
+        self.record(kind, time.perf_counter() - started)
         return value
+
+    def record(self, kind: str, seconds: float) -> None:
+        """One unit of the current phase, timed by the caller."""
+        self.units.setdefault(self._current, {}).setdefault(kind, []).append(seconds)
 
     def __call__(self, name: str, fn):
         sync(self.device)
@@ -268,17 +272,26 @@ def main() -> int:
         contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[: args.generate_windows]]
 
         def generate():
-            # batch by batch as the library would batch them (a batch sized to the memory once)
-            size = EmbeddedWriter(base, args.generate_batch_size).batch_for(contexts, ANSWER_TOKENS, print)
+            # As a run writes a store's continuations (`EmbeddedWriter.answers`): the batch sized once,
+            # one decoder for every batch. A decoder a batch, built while the last one's memory is
+            # still cached, ran out of memory on fixed segments (bench/RESULTS.md).
+            writer = EmbeddedWriter(base, args.generate_batch_size)
+            size = writer.batch_for(contexts, ANSWER_TOKENS, print)
             if device.type == "cuda":
                 stats = torch.cuda.memory_stats(device)
                 print(f"memory before the decoder: allocated {stats['allocated_bytes.all.current'] / 2**30:.2f} GiB, reserved "
                       f"{stats['reserved_bytes.all.current'] / 2**30:.2f} GiB, cached in split segments "
                       f"{stats['inactive_split_bytes.all.current'] / 2**30:.2f} GiB", flush=True)
-            out = []
-            for start in range(0, len(contexts), size):
-                part = contexts[start : start + size]
-                out += phases.unit(f"batch of {len(part)}", lambda p=part: self_generate(base, p, ANSWER_TOKENS, set(), size))
+            out = [None] * len(contexts)
+            sync(device)
+            last = time.perf_counter()
+            sized = EmbeddedWriter(base, size)  # the batch just sized: no second hand-back
+            for index, continuation in sized.answers(contexts, [True] * len(contexts), ANSWER_TOKENS, set(), print):
+                out[index] = continuation
+                if index + 1 == len(contexts) or (index + 1) % size == 0:  # a batch's last context: the batch is written
+                    now = time.perf_counter()
+                    phases.record(f"batch of {index % size + 1}", now - last)
+                    last = now
             return out
 
         continuations = phases("self_generate", generate)

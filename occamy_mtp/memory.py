@@ -99,9 +99,6 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
     bound = "its upper bound" if count == upper else "what fits"
     reason = (f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
               f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
-    if not expandable_segments():  # measured: a 79.6 GiB cap ran out of memory at the sized batch (bench/RESULTS.md)
-        reason += ("; torch's allocator runs on fixed segments (the options you set), whose freed memory can be "
-                   "too fragmented for a batch sized so: add expandable_segments:True, or set the batch")
     return Sizing(int(count), reason)
 
 

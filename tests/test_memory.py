@@ -72,16 +72,6 @@ def test_what_fits_is_the_free_memory_within_the_process_cap(monkeypatch):
     assert memory.available_bytes(device) == 5 * GIB  # the card, not the cap
 
 
-def test_a_sizing_on_fixed_segments_says_that_fragmentation_can_defeat_it(monkeypatch):
-    fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    assert "fixed segments" not in memory.fitting("row", GIB, 160, torch.device("cuda")).reason
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
-    reason = memory.fitting("row", GIB, 160, torch.device("cuda")).reason
-    assert reason.startswith("8 rows (what fits)") and "add expandable_segments:True, or set the batch" in reason
-
-
 def test_the_allocator_s_cached_blocks_are_handed_back_before_counting(monkeypatch):
     handed_back = []
     fake_cuda(monkeypatch, free=10 * GIB, total=80 * GIB, allocated=60 * GIB, reserved=60 * GIB)

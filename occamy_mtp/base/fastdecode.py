@@ -168,6 +168,11 @@ class BatchDecoder:
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device
+        if self.device.type == "cuda":
+            # The allocator's cache handed back first. On fixed segments a decoder dropped just before
+            # leaves its state cached as one large block; this decoder's smaller buffers, allocated
+            # first, would be cut from it and leave no block for its own state (bench/RESULTS.md).
+            torch.cuda.empty_cache()
         self.moe = _moe(self.device)
         self.kernels = _kernels(self.device)
         dtype = base.lm_head.weight.dtype
