@@ -97,9 +97,8 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
             f"{margin / GIB:.1f} GiB. Use a GPU with more memory (or free the one in use)"
         )
     bound = "its upper bound" if count == upper else "what fits"
-    reason = (f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
-              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
-    return Sizing(int(count), reason)
+    return Sizing(int(count), f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
+                              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
 
 
 def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: float, upper: int) -> int:
