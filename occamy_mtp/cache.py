@@ -21,9 +21,10 @@ from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
-from occamy_mtp.config import ConfigError, RunConfig, require_set
+from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.run import (
     BaseFacts,
+    check_inputs,
     check_store_writable,
     continuation_writer,
     load_tokenizer,
@@ -125,8 +126,7 @@ def build_for_config(
     the pass. A complete cache of this identity that verifies is left as it is (the
     base is not loaded).
     """
-    require_set(config, "model.base", "data.files")
-    facts = BaseFacts(config.model.base)
+    facts = check_inputs(config)
     tokenizer = load_tokenizer(config)
     stop_ids = stop_token_ids(tokenizer, config.model.base)
     data = prepare_data(config, tokenizer)
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
     args, config = parse(cli, argv)
+    if args.max_shard_bytes < 1:
+        raise ConfigError(f"--max-shard-bytes: expected a size of 1 byte or more, got {args.max_shard_bytes}")
     directory = args.dir or config.data.target_cache
     if not directory:
         raise ConfigError("data.target_cache: no cache directory configured; set it or pass --dir")

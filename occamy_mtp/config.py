@@ -411,7 +411,11 @@ def parse_override(text: str) -> tuple[str, object]:
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({err})") from None
+        reason = " ".join(str(err).split())
+        hint = ""
+        if any(c in raw for c in "&*!|>%@`?:#"):  # YAML's indicators: a URL-like value needs quotes
+            hint = f"; quote a value with YAML's special characters, e.g. {key}='[\"hf:org/name?split=train&column=messages\"]'"
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({reason}){hint}") from None
     return key, value
 
 
@@ -472,7 +476,10 @@ def check(config: RunConfig) -> None:
         (math.isfinite(config.train.adam_eps) and config.train.adam_eps > 0, "train.adam_eps", "a finite number > 0"),
         (math.isfinite(config.train.grad_clip_norm) and config.train.grad_clip_norm >= 0, "train.grad_clip_norm",
          "a finite number >= 0"),
-        (config.train.draft_steps >= 1, "train.draft_steps", ">= 1"),
+        # A chain of K drafts anchored just before the answer predicts up to its K-th token: more steps
+        # than data.answer_tokens score nothing, and the chain's activations grow with K.
+        (1 <= config.train.draft_steps <= config.data.answer_tokens, "train.draft_steps",
+         f"1 to data.answer_tokens ({config.data.answer_tokens})"),
         (
             not config.train.step_loss_weights or len(config.train.step_loss_weights) == config.train.draft_steps,
             "train.step_loss_weights",
@@ -493,13 +500,14 @@ def check(config: RunConfig) -> None:
             ">= 1 when train.select_every_steps > 0 (or set train.select_every_steps=0)",
         ),
         (config.train.tracker in ("none", "wandb", "tensorboard"), "train.tracker", "none, wandb or tensorboard"),
-        (config.eval.draft_steps >= 1, "eval.draft_steps", ">= 1"),
+        (1 <= config.eval.draft_steps <= config.data.answer_tokens, "eval.draft_steps",
+         f"1 to data.answer_tokens ({config.data.answer_tokens})"),
         (config.eval.windows_per_batch >= 1, "eval.windows_per_batch", ">= 1"),
         (
-            len(config.eval.served_steps) >= 1 and all(k >= 1 for k in config.eval.served_steps)
+            len(config.eval.served_steps) >= 1 and all(1 <= k <= config.data.answer_tokens for k in config.eval.served_steps)
             and len(set(config.eval.served_steps)) == len(config.eval.served_steps),
             "eval.served_steps",
-            "one or more distinct step counts, each >= 1",
+            f"one or more distinct step counts, each 1 to data.answer_tokens ({config.data.answer_tokens})",
         ),
         (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),

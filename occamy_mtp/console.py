@@ -49,13 +49,19 @@ def quiet_kernel_fallbacks() -> None:
                 handler.addFilter(_fallbacks)
 
 
-class Progress:
-    """A tqdm bar on a terminal; elsewhere (a log file, CI) a line every `total / LINES_PER_RUN` steps."""
+def plural(count: int, noun: str) -> str:
+    """`noun` as it goes with `count`: 1 prompt, 2 prompts (the nouns here take an s)."""
+    return noun if count == 1 else noun + "s"
 
-    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, enabled: bool = True):
-        self.total, self.desc, self.unit, self.done = total, desc, unit, initial
+
+class Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file, CI) a line every `every` steps (by default
+    `total / LINES_PER_RUN`), and at the last."""
+
+    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, enabled: bool = True, every: int | None = None):
+        self.total, self.desc, self.unit, self.done, self.initial = total, desc, unit, initial, initial
         self.enabled, self.postfix = enabled, ""
-        self.every = max(1, total // LINES_PER_RUN)
+        self.every = every or max(1, total // LINES_PER_RUN)
         self.started = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():
@@ -73,8 +79,8 @@ class Progress:
         if self.bar is not None:
             self.bar.update(steps)
         elif self.enabled and (self.done % self.every == 0 or self.done == self.total):
-            rate = self.done / max(time.perf_counter() - self.started, 1e-9)
-            print(f"{self.desc}: {self.done}/{self.total} {self.unit}s ({rate:.1f}/s)"
+            rate = (self.done - self.initial) / max(time.perf_counter() - self.started, 1e-9)  # this process's steps
+            print(f"{self.desc}: {self.done}/{self.total} {plural(self.total, self.unit)} ({rate:.1f}/s)"
                   + (f", {self.postfix}" if self.postfix else ""), file=sys.stderr, flush=True)
 
     def close(self) -> None:

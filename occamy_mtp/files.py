@@ -5,22 +5,34 @@ write never leaves a half file under the final name (`atomic_path`, `atomic_path
 a group that lands together). safetensors files are written byte for byte reproducibly.
 The digests are the one place each identity is computed: `sha256_file` for a file's
 bytes, `token_ids_sha256` for a sequence of token ids (a window, a context).
+
+Files that are opened in place rather than renamed into place (locks, the stores that
+lines are appended to) go through `open_owned`, which never follows a link: a link placed
+there by someone else could point into the base, and the base is never written. A write
+that fails for want of space becomes one `DiskFull` line naming the path, the space
+needed and the space free (`disk_full`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import math
 import os
+import shutil
+import stat
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
+
+from occamy_mtp.errors import OccamyError
 
 HASH_BLOCK_BYTES = 16 * 1024 * 1024
 
@@ -58,6 +70,117 @@ def token_ids_sha256(token_ids: Sequence[int]) -> str:
 
 
 TEMPORARY_SUFFIX = ".tmp"
+
+
+class LinkedOutput(OccamyError, OSError):
+    """A file the library would write in place is a link (or has another name): it is not opened."""
+
+
+class DiskFull(OccamyError, OSError):
+    """A write failed for want of space; names the path, the space needed and the space free."""
+
+
+# os.open flags per mode of `open_owned`; none truncates at open (a hard link would already be
+# cut before it could be refused), "w" truncates after the checks.
+_OWNED_FLAGS = {
+    "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "a+": os.O_RDWR | os.O_APPEND | os.O_CREAT,
+    "r+b": os.O_RDWR,
+    "w": os.O_WRONLY | os.O_CREAT,
+}
+
+
+def open_owned(path: Path, mode: str, encoding: str | None = None):
+    """Open `path` for writing in place (modes "a", "a+", "r+b", "w"), never through a link.
+
+    The last component is opened with O_NOFOLLOW, and the opened file must be a regular file
+    with no other name: a symbolic link, or a hard link, placed at a lock or store path could
+    point into the base directory, and opening it for writing would change the base. Such a
+    path raises `LinkedOutput` before a byte is written. The directories above `path` are the
+    caller's to check (`run.check_run` resolves every output directory against the base).
+    """
+    path = Path(path)
+    flags = _OWNED_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP or path.is_symlink():
+            raise LinkedOutput(f"{path} is a symbolic link (to {os.readlink(path)}); the library writes no file through "
+                               "a link it did not make: remove the link and run the command again") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LinkedOutput(f"{path} is not a regular file; the library writes there only a file of its own: "
+                               "remove it and run the command again")
+        if info.st_nlink > 1:
+            raise LinkedOutput(f"{path} has {info.st_nlink - 1} other name(s) (a hard link); writing it would change "
+                               "those files too, so it is not opened: remove it and run the command again")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        if mode == "w":
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, mode, encoding=encoding) if "b" in mode else os.fdopen(fd, mode, encoding=encoding or "utf-8")
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(path: Path, err: BaseException, needed_bytes: int | None = None) -> DiskFull | None:
+    """The one-line `DiskFull` for `err`, raised while writing `path`, when it came from a lack of
+    space; None for any other error (the caller re-raises it).
+
+    Space shows up as OSError ENOSPC/EDQUOT from Python's own writes, as a message with "No space
+    left on device" from safetensors, and, from torch.save, as a RuntimeError that names no cause
+    ("unexpected pos ..."): that one counts as a lack of space only when the free space is below
+    `needed_bytes`, the size the caller was writing.
+    """
+    if not isinstance(err, Exception):
+        return None
+    directory = Path(path).parent
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    text = str(err)
+    no_space = (isinstance(err, OSError) and err.errno in _NO_SPACE) or "No space left on device" in text \
+        or "Disk quota exceeded" in text
+    if not no_space and isinstance(err, RuntimeError) and needed_bytes is not None and free is not None:
+        no_space = free < needed_bytes
+    if not no_space:
+        return None
+    needed = f"about {_size(needed_bytes)} is needed, " if needed_bytes else ""
+    free_text = f"{_size(free)} is free" if free is not None else "the free space could not be read"
+    return DiskFull(f"{path}: no space left on the device holding {directory} ({needed}{free_text}); "
+                    "free some space and run the command again")
+
+
+@contextlib.contextmanager
+def space_errors(path: Path, needed_bytes: int | None = None, kept: str = "",
+                 cleanup: Callable[[], None] | None = None) -> Iterator[None]:
+    """Turn a lack of space while writing `path` into one `DiskFull` line (`disk_full`), which ends
+    with `kept`: what of the write survives. Any other error passes unchanged. `cleanup` runs
+    first on any error (a partial temporary removed, so that the free space told is real)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - only a lack of space is translated; the rest re-raised as is
+        if cleanup is not None:
+            cleanup()
+        full = None if isinstance(err, OccamyError) else disk_full(path, err, needed_bytes)
+        if full is None:
+            raise
+        raise DiskFull(f"{full}; {kept}" if kept else str(full)) from None
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def unwritable(directory: Path) -> str | None:
@@ -104,14 +227,14 @@ def stale_temporaries(final: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
+def atomic_path(final: Path, needed_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `final`; rename it over `final` only on success."""
-    with atomic_paths([final]) as (tmp,):
+    with atomic_paths([final], needed_bytes=needed_bytes) as (tmp,):
         yield tmp
 
 
 @contextlib.contextmanager
-def atomic_paths(finals: list[Path], incomplete: Path | None = None) -> Iterator[list[Path]]:
+def atomic_paths(finals: list[Path], incomplete: Path | None = None, needed_bytes: int | None = None) -> Iterator[list[Path]]:
     """Yield one temporary path per final path; on success rename them all, in the given order.
 
     A group of outputs that belong together (a head and the record of its hash) is
@@ -120,12 +243,15 @@ def atomic_paths(finals: list[Path], incomplete: Path | None = None) -> Iterator
     file is touched. `incomplete`, when given, is a marker file that exists (fsynced)
     from before the first rename until after the last: a kill between two renames leaves
     it, and readers that find it refuse the set (`model.checkpoint.check_export_set`).
+    A write that fails for want of space raises `DiskFull` (`needed_bytes`: what the group
+    holds, when the caller knows), with nothing replaced.
     """
     temporaries = []
     try:
         for final in finals:
             temporaries.append(temporary_path(final))
-        yield list(temporaries)
+        with space_errors(finals[0], needed_bytes, "nothing was replaced", cleanup=lambda: _remove(temporaries)):
+            yield list(temporaries)
         # mkstemp (and safetensors) create 0600 files whatever the umask: a server running
         # as another user could not read the outputs. Give them the mode open() would.
         mode = 0o666 & ~_current_umask()
@@ -133,7 +259,7 @@ def atomic_paths(finals: list[Path], incomplete: Path | None = None) -> Iterator
             os.chmod(tmp, mode)
             _fsync(tmp)
         if incomplete is not None:
-            with open(incomplete, "w") as marker:
+            with open_owned(incomplete, "w") as marker:
                 marker.write(f"pid {os.getpid()} is renaming {', '.join(f.name for f in finals)} into place\n")
                 marker.flush()
                 os.fsync(marker.fileno())
@@ -145,9 +271,12 @@ def atomic_paths(finals: list[Path], incomplete: Path | None = None) -> Iterator
             incomplete.unlink()
             _fsync(incomplete.parent)
     finally:
-        for tmp in temporaries:
-            if tmp.exists():
-                tmp.unlink()
+        _remove(temporaries)
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _fsync(path: Path) -> None:

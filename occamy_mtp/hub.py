@@ -71,14 +71,14 @@ def snapshot(repo_id: str, revision: str | None, where: str, repo_type: str = "m
     except LocalEntryNotFoundError:
         mode = "the Hub is offline (HF_HUB_OFFLINE)" if constants.HF_HUB_OFFLINE else "the Hub could not be reached"
         raise HubError(f"{where}: {asked} is not a local path, and {mode} while the cache ({constants.HF_HUB_CACHE}) "
-                       f"has no snapshot of it; download it first (huggingface-cli download {repo_id}"
+                       f"has no snapshot of it; download it first (hf download {repo_id}"
                        + (f" --revision {revision}" if revision else "") + (" --repo-type dataset" if repo_type == "dataset" else "")
                        + "), or give a local path") from None
     except RevisionNotFoundError:
         raise HubError(f"{where}: {asked} is not a local path, and the Hub repository has no revision {revision!r}") from None
     except RepositoryNotFoundError:
         raise HubError(f"{where}: {asked} is not a local path, and no {repo_type} repository on the Hub has that name "
-                       "(or it needs a token: huggingface-cli login)") from None
+                       "(or it needs a token: hf auth login)") from None
     except (HfHubHTTPError, OSError) as err:
         raise HubError(f"{where}: {asked} is not a local path, and the Hub answered: {err}") from None
 

@@ -149,24 +149,42 @@ def _inside(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
 
-def check_run(config: RunConfig) -> BaseFacts:
+def check_inputs(config: RunConfig) -> BaseFacts:
+    """The checks of what a run reads that need no data and no weights: the base and the data are
+    named, the base's config reads, and a window fits its positions. Returns the base's facts."""
+    require_set(config, "model.base", "data.files")
+    facts = BaseFacts(config.model.base)
+    positions = getattr(facts.text_config, "max_position_embeddings", None)
+    window = config.data.context_tokens + config.data.answer_tokens
+    if positions is not None and window > positions:
+        raise ConfigError(f"data.context_tokens + data.answer_tokens: {config.data.context_tokens} + {config.data.answer_tokens} "
+                          f"= {window} positions, beyond the base's max_position_embeddings ({positions}, "
+                          f"{facts.config.path}); shorten the windows")
+    return facts
+
+
+def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     """The checks that need no data and no weights, before anything slow starts; returns the
     base's facts (its config read here, once, for the rest of the run).
 
     The base and donor exist and the base's config reads; no output of the run
-    (output.dir, the store, the target cache) is a file or lies inside the base or the
-    donor directory (symlinks resolved: the base is never written into); output.dir can
-    be written (the store is checked once the run knows it lacks lines, `open_run`, and
-    the target cache by the pass that writes it); every name in
-    `train.trainable` is a head submodule (checked on a head built on the meta device).
+    (output.dir, its checkpoints/, the stores, the target cache) is a file or lies inside
+    the base or the donor directory (symlinks resolved: the base is never written into);
+    output.dir, and its checkpoints/ when `training`, can be written (the store is checked
+    once the run knows it lacks lines, `open_run`, and the target cache by the pass that
+    writes it); every name in `train.trainable` is a head submodule (checked on a head
+    built on the meta device).
     """
-    require_set(config, "model.base", "model.donor_head", "data.files")
+    require_set(config, "model.donor_head")
     base, donor = Path(config.model.base), Path(config.model.donor_head)
-    facts = BaseFacts(base)
+    facts = check_inputs(config)
     if not donor.exists():
         raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
     protected = [("model.base", base)] + ([("model.donor_head", donor)] if donor.is_dir() else [])
-    outputs = [("output.dir", Path(config.output.dir)), ("data.self_generated_dir", self_generated_dir(config))]
+    run_dir = RunDir.of(config)
+    outputs = [("output.dir", run_dir.root), ("output.dir", run_dir.checkpoints)]
+    stores = dict.fromkeys([GREEDY_TEXT, train_text(config), *(serving_text(config, s) for s in config.eval.serving)])
+    outputs += [("data.self_generated_dir", self_generated_dir(config, sampling)) for sampling in stores]
     if config.data.target_cache:
         outputs.append(("data.target_cache", Path(config.data.target_cache)))
     for option, path in outputs:
@@ -177,9 +195,10 @@ def check_run(config: RunConfig) -> BaseFacts:
                 raise ConfigError(
                     f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
                 )
-    problem = files.unwritable(Path(config.output.dir))
-    if problem:
-        raise ConfigError(f"output.dir: {config.output.dir} cannot be written: {problem}")
+    for path in [run_dir.root] + ([run_dir.checkpoints] if training else []):
+        problem = files.unwritable(path)
+        if problem:
+            raise ConfigError(f"output.dir: {path} cannot be written: {problem}")
     with torch.device("meta"):
         head = MTPHead(facts.text_config)
     try:
@@ -201,8 +220,8 @@ def output_lock(config: RunConfig) -> Iterator[None]:
     run_dir = RunDir.of(config)
     made = [d for d in (run_dir.root, *run_dir.root.parents) if not d.exists()]
     run_dir.root.mkdir(parents=True, exist_ok=True)
-    made_lock = not run_dir.lock.exists()
-    handle = open(run_dir.lock, "a+")
+    made_lock = not os.path.lexists(run_dir.lock)
+    handle = files.open_owned(run_dir.lock, "a+")  # never through a link: it could point into the base
     finished = False
     try:
         try:
@@ -507,9 +526,7 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
     loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
     `check_run` read, else read here.
     """
-    if base is None:
-        require_set(config, "model.base", "data.files")
-    facts = base or BaseFacts(config.model.base)
+    facts = base or check_inputs(config)
     tokenizer = load_tokenizer(config)
     stop_ids = stop_token_ids(tokenizer, config.model.base)
     data = prepare_data(config, tokenizer, log=log)
@@ -520,13 +537,17 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
     needed = self_generated_needed(config, data, splits)
     stores = open_stores(config, facts, stop_ids, needed) if self_generated else None
+    servers = None
     if stores is not None:
         check_store_writable(config, stores, needed)
+        if config.data.self_generate_endpoints and any(stores[s].missing(w) for s, w in needed.items()):
+            servers = continuation_writer(config, tokenizer, facts, stop_ids)
+            servers.servers  # noqa: B018 - the servers are checked here, before minutes of loading the base
     models = load_models(config, facts, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
         for store in (stores or {}).values():
             store.reread()  # what the main process (or another run) wrote meanwhile
-        writer = continuation_writer(config, tokenizer, facts, stop_ids, models.base)
+        writer = servers or continuation_writer(config, tokenizer, facts, stop_ids, models.base)
         windows = run_windows(config, data, stores, writer, log=log, splits=splits)
     targets = open_targets(config, facts, windows.all(), data.settings, base=models.base)
     return Run(config, RunDir.of(config), facts, tokenizer, data, models, windows, targets, stop_ids)

@@ -136,7 +136,7 @@ def test_a_server_killed_halfway_resumes_into_the_same_store(world, embedded, tm
     config = config_of(world, tmp_path / "killed", "data.self_generate_retries=1", "data.self_generate_concurrency=1")
     process, url = start_server(world, "--crash-after", "4")  # the probe, then 3 continuations
     try:
-        with pytest.raises(G.EngineError, match=rf"{url} failed on a request after 2 tries"):
+        with pytest.raises(G.EngineError, match=rf"{url} failed on a request \(after 2 tries\)"):
             write_store(config_of(world, tmp_path / "killed", f"data.self_generate_endpoints=[{url}]",
                                   "data.self_generate_retries=1", "data.self_generate_concurrency=1"))
     finally:
@@ -313,7 +313,7 @@ def test_a_server_that_stays_down_stops_the_run_naming_it():
         return False
 
     with FakeEngine(always_500) as engine:
-        with pytest.raises(G.EngineError, match=rf"{engine.url} failed on a request after 3 tries: HTTP 503"):
+        with pytest.raises(G.EngineError, match=rf"{engine.url} failed on a request \(after 3 tries\): POST /v1/completions: HTTP 503"):
             run_writer([engine.url])
 
 

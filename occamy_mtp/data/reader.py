@@ -155,7 +155,7 @@ class ChatReader:
         self._started = True
         first_location: dict[str, str] = {}  # content hash -> where it was first read
         for source in self.sources:
-            records, described = open_source(source)
+            records, described = open_source(source, self.max_record_bytes)
             count = 0
             for location, record in records:
                 count += 1
@@ -190,7 +190,8 @@ class ChatReader:
         return {reason: self.tally.examples[reason] for reason in EXCLUSION_REASONS if reason in self.tally.examples}
 
 
-def open_source(source: str) -> tuple[Iterator[tuple[str, Any]], Callable[[], dict[str, Any]]]:
+def open_source(source: str, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+                ) -> tuple[Iterator[tuple[str, Any]], Callable[[], dict[str, Any]]]:
     """A source's (location, record) pairs, and what describes it once read: a local file by
     its path and sha256, a Hub dataset by its name, snapshot and files' sha256."""
     if is_dataset(source):
@@ -200,7 +201,7 @@ def open_source(source: str) -> tuple[Iterator[tuple[str, Any]], Callable[[], di
                      "hub": {k: identity[k] for k in ("repo_id", "revision", "split", "subset", "column", "files")}}
         return dataset_records(spec, Path(identity["directory"])), lambda: described
     path = Path(source)
-    return read_records(path), lambda: {"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return read_records(path, max_record_bytes), lambda: {"path": str(path), "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
 def missing_sources(sources: Iterable[str]) -> list[str]:
@@ -211,11 +212,13 @@ def missing_sources(sources: Iterable[str]) -> list[str]:
 # ---------------------------------------------------------------------------- reading
 
 
-def read_records(path: Path) -> Iterator[tuple[str, Any]]:
+def read_records(path: Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[tuple[str, Any]]:
     """(location, record) pairs of one file; DataError for a malformed file or line.
 
     JSON and JSONL are parsed here rather than by `datasets`, whose errors for a bad
-    line come from deep inside pyarrow without the line number.
+    line come from deep inside pyarrow without the line number. A JSONL file is read a
+    line at a time, and a line too long to hold a record of at most `max_record_bytes` of
+    text is not parsed (`_Oversized`): a 100 MB line costs 100 MB, not ten times that.
     """
     if not path.exists():
         raise DataError(f"{path}: no such file")
@@ -223,7 +226,7 @@ def read_records(path: Path) -> Iterator[tuple[str, Any]]:
         raise DataError(f"{path}: not a file (pass the data files themselves)")
     suffix = path.suffix.lower()
     if suffix in JSON_SUFFIXES:
-        yield from _read_json(path)
+        yield from _read_json(path, max_record_bytes)
     elif suffix in PARQUET_SUFFIXES:
         yield from _read_parquet(path)
     else:
@@ -237,16 +240,25 @@ class _Malformed:
     problem: str
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+@dataclass(frozen=True)
+class _Oversized:
+    """A JSONL line longer than a record of `max_record_bytes` of text can be: excluded unparsed."""
+
+    line_bytes: int
+
+
+# The most bytes of JSON one byte of text takes: a control character escaped as \u0001.
+JSON_BYTES_PER_TEXT_BYTE = 6
+
+
+def _read_json(path: Path, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Iterator[tuple[str, Any]]:
     """A JSON array of records, or one record per line (JSONL; blank lines skipped)."""
-    raw = path.read_bytes()
-    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark some editors write: skipped
-    try:
-        text = raw[bom:].decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: bom + err.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {bom + err.start} of the file)") from None
-    if text.lstrip().startswith("["):
+    with open(path, "rb") as handle:
+        head = handle.read(4096)
+    bom = len(codecs.BOM_UTF8) if head.startswith(codecs.BOM_UTF8) else 0  # a byte-order mark some editors write: skipped
+    if head[bom:].lstrip().startswith(b"["):
+        raw = path.read_bytes()
+        text = _utf8(path, raw, bom, 0, 1)
         try:
             records = json.loads(text)
         except json.JSONDecodeError as err:
@@ -254,17 +266,36 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
         for number, record in enumerate(records, start=1):
             yield f"{path}: record {number}", record
         return
-    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085, \x0c and
-    # other characters that JSON strings may hold raw, cutting a record in two.
-    for line_number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            yield f"{path}:{line_number}", _Malformed(f"malformed JSON ({err.msg}, column {err.colno})")
-            continue
-        yield f"{path}:{line_number}", record
+    # Lines end at "\n" only (a binary file's lines): str.splitlines would also split at U+2028,
+    # U+0085, \x0c and other characters that JSON strings may hold raw, cutting a record in two.
+    longest = JSON_BYTES_PER_TEXT_BYTE * max_record_bytes
+    offset = 0
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            if line_number == 1:
+                raw, start = raw[bom:], bom
+            if len(raw) > longest:
+                yield f"{path}:{line_number}", _Oversized(len(raw))
+                continue
+            line = _utf8(path, raw, 0, start, line_number)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield f"{path}:{line_number}", _Malformed(f"malformed JSON ({err.msg}, column {err.colno})")
+                continue
+            yield f"{path}:{line_number}", record
+
+
+def _utf8(path: Path, raw: bytes, skip: int, file_offset: int, first_line: int) -> str:
+    """`raw[skip:]` as text; DataError naming the line and the byte of the file where it is not UTF-8."""
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + raw[: skip + err.start].count(b"\n")
+        raise DataError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {file_offset + skip + err.start} of the file)") from None
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
@@ -304,6 +335,10 @@ def normalise_record(
     """
     if isinstance(record, _Malformed):
         raise DataError(f"{location}: {record.problem}")
+    if isinstance(record, _Oversized):
+        return Excluded(RECORD_TOO_LARGE, f"a line of {record.line_bytes} bytes, more than {JSON_BYTES_PER_TEXT_BYTE} "
+                                          f"bytes of JSON per byte of text over the limit of {max_record_bytes} "
+                                          "(max_record_bytes); not parsed")
     if not isinstance(record, dict):
         raise DataError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
     from_prompt = False

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from occamy_mtp import memory, sampling
+from occamy_mtp.console import plural
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
-from occamy_mtp.run import HELDOUT, RunDir, log_stderr, open_run
+from occamy_mtp.run import HELDOUT, RunDir, check_inputs, log_stderr, open_run
 from occamy_mtp.evaluation.metrics import (
     Acceptance,
     acceptance_from_counts,
@@ -578,7 +579,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     width = 18
     lines = [
         "served acceptance (exact): the reference speculative decoder on the base's own continuation of "
-        f"{first['texts']} heldout prompts (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
+        f"{first['texts']} heldout {plural(first['texts'], 'prompt')} (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
         "(decoder replay), sampled (the decoder's expected counts given the base's sampled text)",
         f"  {'':<48}" + "".join(f"{name:>{width}}" for name in names),
     ]
@@ -658,8 +659,9 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
 
     if reference_decoder and config.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
-    ckpt_io.check_export_set(head_path)  # before the base loads (load_head checks it again)
-    run = open_run(config, device, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
+    facts = check_inputs(config)
+    ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
+    run = open_run(config, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows)
     dtype = ckpt_io.DTYPES[config.model.dtype]
     donor = run.models.head
@@ -685,16 +687,23 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
         if not run.windows.heldout_data:
             raise ConfigError("--teacher-forced-only: no heldout window has a recorded answer (the data are prompts); "
                               "evaluate without it, on the base's own answers")
-        results = {name: evaluate_head(run.targets, head, run.windows.heldout_data, steps, per_batch).to_dict()
-                   for name, head in heads.items()}
+        results = {}
+        for name, head in heads.items():
+            log_stderr(f"evaluate: teacher-forced chains of the {name} head on {len(run.windows.heldout_data)} heldout "
+                       f"{plural(len(run.windows.heldout_data), 'window')}")
+            results[name] = evaluate_head(run.targets, head, run.windows.heldout_data, steps, per_batch).to_dict()
         report.update(text=TEACHER_FORCED, exact=False, draft_steps=steps, heads=results)
         plot_acceptance(results, out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
         printed = format_table(results)
     else:
         servings, selected = config.eval.serving, config.selected_serving.label()
-        results = {name: heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
-                                        served_steps, steps, budget, per_batch)
-                   for name, head in heads.items()}
+        results = {}
+        for name, head in heads.items():
+            count = len(next(iter(run.windows.heldout.values())))
+            log_stderr(f"evaluate: measuring the {name} head on {count} heldout {plural(count, 'window')} under "
+                       f"{len(servings)} serving {plural(len(servings), 'configuration')}")
+            results[name] = heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
+                                           served_steps, steps, budget, per_batch)
         report.update(
             text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
             selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results,
@@ -725,6 +734,9 @@ def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, runners
     """The reference decoder on the run's heldout prompts under one serving configuration."""
     config = run.config
     windows = run.windows.heldout[serving.label()]
+    decodes = len(windows) * (1 if serving.greedy else len(seeds))
+    log_stderr(f"evaluate: reference decoder, {serving.label()}, {draft_steps}-step drafts: {decodes} "
+               f"{plural(decodes, 'decode')}")
     if serving.greedy:
         return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
                                        run.stop_token_ids, config.eval.windows_per_batch, runners)

@@ -32,6 +32,7 @@ from occamy_mtp import record as rec
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, Serving, differing_settings
+from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
@@ -226,7 +227,9 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
                   for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
     largest = max(config.eval.served_steps)
 
-    with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete) as temporaries:
+    head_bytes = sum(t.numel() * t.element_size() for t in disk.values())
+    with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete,
+                            needed_bytes=head_bytes) as temporaries:
         tmp = dict(zip(run_dir.export_outputs(), temporaries))
         files.write_safetensors(tmp[run_dir.head], disk, metadata={"format": "pt", "producer": "occamy-mtp", "expert_layout": layout})
         check = verify_export(tmp[run_dir.head], donor_disk, trained_disk)
@@ -256,7 +259,8 @@ def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[d
     """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
     config, windows = run.config, run.windows
     count = len(next(iter(windows.heldout.values())))
-    log(f"export: measuring the {name} head on {count} heldout windows under {len(config.eval.serving)} serving configuration(s)")
+    log(f"export: measuring the {name} head on {count} heldout {plural(count, 'window')} under {len(config.eval.serving)} "
+        f"serving {plural(len(config.eval.serving), 'configuration')}")
     report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.serving,
                             config.eval.served_steps, config.eval.draft_steps, config.data.answer_tokens,
                             config.eval.windows_per_batch)
@@ -269,7 +273,8 @@ def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[d
         reason = "no greedy serving configuration in eval.serving (the check compares the decoder's counts with the greedy replay)"
     if reason is not None:
         return report, {"skipped": reason}
-    log(f"export: reference decoder on {min(count, config.eval.decoder_check_windows)} heldout prompts ({name})")
+    checked = min(count, config.eval.decoder_check_windows)
+    log(f"export: reference decoder on {checked} heldout {plural(checked, 'prompt')} ({name})")
     return report, decoder_check(run, head, runners)
 
 

@@ -16,6 +16,7 @@ through `occamy_mtp.files`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -269,10 +270,38 @@ def text_config_from_dict(text: dict, source: str = "config"):
             f"{source}: text model_type {model_type!r} is not supported; expected one of {sorted(_TEXT_CONFIG_CLASSES)}"
         )
     fields = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
+    config_class = _TEXT_CONFIG_CLASSES[model_type]
+    _check_field_types(config_class, fields, source)
     try:
-        return _TEXT_CONFIG_CLASSES[model_type](**fields)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"{source}: invalid {model_type} text config ({err})") from None
+        return config_class(**fields)
+    except Exception as err:  # noqa: BLE001 - transformers' own checks (ValueError, TypeError, its strict-dataclass errors)
+        reason = " ".join(str(err).split())
+        raise CheckpointError(f"{source}: invalid {model_type} text config ({reason})") from None
+
+
+# What a JSON value of each default's type may be: an int field takes no bool, a float field takes an int.
+_JSON_KINDS = {bool: ((bool,), "true or false"), int: ((int,), "an integer"), float: ((int, float), "a number"),
+               str: ((str,), "a string"), list: ((list,), "a list"), dict: ((dict,), "an object")}
+
+
+@functools.cache
+def _field_defaults(config_class) -> dict:
+    return config_class().to_dict()
+
+
+def _check_field_types(config_class, fields: dict, source: str) -> None:
+    """Refuse a field whose JSON type is not its default's (`"hidden_size": "64"`), naming the field
+    and the type expected; transformers would stop with a traceback, or build a model that fails later.
+    A null passes (transformers fills in its own default), and so does a field the class does not know."""
+    defaults = _field_defaults(config_class)
+    for name, value in fields.items():
+        default = defaults.get(name)
+        if default is None or value is None or type(default) not in _JSON_KINDS:
+            continue
+        kinds, expected = _JSON_KINDS[type(default)]
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            raise CheckpointError(f"{source}: text config field {name!r} is {json.dumps(value)} "
+                                  f"({type(value).__name__}); {expected} is expected")
 
 
 def read_config(path: Path) -> ModelConfig:
@@ -289,6 +318,9 @@ def read_config(path: Path) -> ModelConfig:
         raise CheckpointError(f"{config_path}: expected a JSON object")
     multimodal = "text_config" in raw
     if multimodal:
+        if not isinstance(raw["text_config"], dict):
+            raise CheckpointError(f"{config_path}: text_config is {type(raw['text_config']).__name__}; "
+                                  "an object of the text model's fields is expected")
         text = dict(raw["text_config"])
         text.setdefault("model_type", _MULTIMODAL_TYPES.get(raw.get("model_type"), raw.get("model_type")))
     else:
@@ -297,6 +329,8 @@ def read_config(path: Path) -> ModelConfig:
             text["model_type"] = "qwen3_5_moe_text"
     text_config = text_config_from_dict(text, source=str(config_path))
     quantization = raw.get("quantization_config") or text.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise CheckpointError(f"{config_path}: quantization_config is {type(quantization).__name__}; an object is expected")
     return ModelConfig(config_path, text_config, raw, multimodal, quantization)
 
 
@@ -483,14 +517,9 @@ def no_head_message(ckpt: SafetensorsCheckpoint) -> str:
     return message
 
 
-def load_head_state(
-    ckpt: SafetensorsCheckpoint, head: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
-) -> tuple[dict[str, torch.Tensor], str]:
-    """Read every `mtp.*` tensor for `head` (either expert layout).
-
-    Returns (state dict in the module's names, expert layout on disk). Any missing,
-    unexpected or mis-shaped tensor is a CheckpointError listing all of them.
-    """
+def _head_sources(ckpt: SafetensorsCheckpoint, head: torch.nn.Module) -> tuple[dict[str, _Source], LoadReport]:
+    """Where each of `head`'s tensors lies in `ckpt`, from the headers alone: any missing, unexpected,
+    mis-shaped or non-float `mtp.*` tensor is a CheckpointError listing all of them."""
     disk_keys = head_disk_keys(ckpt)
     if not disk_keys:
         raise CheckpointError(no_head_message(ckpt))
@@ -501,6 +530,29 @@ def load_head_state(
     if not_float:
         raise CheckpointError(f"{ckpt.file_of(not_float[0])}: {not_float[0]} is {ckpt.dtype(not_float[0])} "
                               f"({len(not_float)} tensors so); an MTP head is stored in {', '.join(HEAD_DISK_DTYPES)}")
+    return sources, report
+
+
+def check_head(source: Path, text_config) -> None:
+    """What `load_head` checks that needs no tensor read (the export set, every `mtp.*` name, shape
+    and dtype), so that a wrong head is refused before a base of minutes loads."""
+    from occamy_mtp.model.head import MTPHead
+
+    check_export_set(source)
+    with torch.device("meta"):
+        head = MTPHead(text_config)
+    _head_sources(SafetensorsCheckpoint(source), head)
+
+
+def load_head_state(
+    ckpt: SafetensorsCheckpoint, head: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Read every `mtp.*` tensor for `head` (either expert layout).
+
+    Returns (state dict in the module's names, expert layout on disk). Any missing,
+    unexpected or mis-shaped tensor is a CheckpointError listing all of them.
+    """
+    sources, report = _head_sources(ckpt, head)
     state = {name: _read_source(ckpt, source, dtype, "cpu") for name, source in sources.items()}
     broken = sorted(name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all()))
     if broken:

@@ -76,6 +76,7 @@ class RequestFailed(Exception):
         super().__init__(message)
         self.kind = kind  # "transport", "http" or "malformed"
         self.status = status  # the HTTP status of an "http" failure
+        self.tries = 1  # how many times the request was sent (`engines._completion` counts its retries)
 
 
 class _Deadline:
@@ -209,7 +210,7 @@ def _request_json(method: str, url: str, body: dict | None, timeout: float) -> d
     status, raw = _http(method, url, None if body is None else json.dumps(body).encode("utf-8"), timeout)
     what = f"{method} {urllib.parse.urlsplit(url).path}"
     if not 200 <= status < 300:
-        raise RequestFailed("http", f"HTTP {status}: {raw[:300].decode('utf-8', 'replace')}", status)
+        raise RequestFailed("http", f"{what}: HTTP {status}: {raw[:300].decode('utf-8', 'replace')}", status)
     parsed = _json(raw, what)
     if not isinstance(parsed, dict):
         raise RequestFailed("malformed", f"{what}: response is a JSON {type(parsed).__name__}, not an object")

@@ -145,8 +145,9 @@ def _completion(url: str, model: str, prompt_ids: Sequence[int], tokenizer, requ
             return read_answer(post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds), tokenizer,
                                request, max_tokens)
         except RequestFailed as err:
+            err.tries = attempt + 1
             if err.kind == "http" and err.status is not None and err.status < 500 or attempt == request.retries:
-                raise
+                raise  # a client error (4xx) is not retried: the same request would fail the same way
             if stopped is not None and stopped.wait(min(MAX_BACKOFF_SECONDS, BACKOFF_SECONDS * 2**attempt)):
                 raise
             if stopped is None:
@@ -163,7 +164,7 @@ def connect(urls: Sequence[str], expected_model: str, probe_prompt: Sequence[int
             identity = server_identity(url, request.timeout_seconds)
         except RequestFailed as err:
             raise EngineError(f"data.self_generate_endpoints: {url} does not answer as an OpenAI-compatible server "
-                              f"(GET /v1/models: {err})") from None
+                              f"({err})") from None
         model = identity["model"]
         if expected_model and model != expected_model:
             raise EngineError(f"data.self_generate_endpoints: {url} serves {model!r}, not data.self_generate_model "
@@ -201,8 +202,9 @@ def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenize
             try:
                 done.put((index, _completion(server.url, server.model, contexts[index], tokenizer, request, stopped=stopped)))
             except RequestFailed as err:
-                done.put((index, EngineError(f"data.self_generate_endpoints: {server.url} failed on a request after "
-                                             f"{request.retries + 1} tries: {err}")))
+                tries = "once, not retried" if err.tries == 1 else f"after {err.tries} tries"
+                done.put((index, EngineError(f"data.self_generate_endpoints: {server.url} failed on a request ({tries}): "
+                                             f"{err}")))
                 stopped.set()
                 return
 
@@ -216,6 +218,8 @@ def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenize
         while received < len(contexts):
             index, answer = done.get()
             if isinstance(answer, EngineError):
+                stopped.set()
+                yield from _received(done)  # what other servers answered already is the caller's too
                 raise answer
             received += 1
             tokens += len(answer.tokens)
@@ -227,6 +231,17 @@ def write(servers: Sequence[Server], contexts: Sequence[Sequence[int]], tokenize
             yield index, answer
     finally:
         stopped.set()  # workers take no new request; one still waiting on a server ends with it (daemon threads)
+
+
+def _received(done: queue.Queue) -> Iterator[tuple[int, Answer]]:
+    """The answers already in `done`, without waiting for the requests still in flight."""
+    while True:
+        try:
+            index, answer = done.get_nowait()
+        except queue.Empty:
+            return
+        if not isinstance(answer, EngineError):
+            yield index, answer
 
 
 class EngineWriter:

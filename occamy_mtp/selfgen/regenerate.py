@@ -24,7 +24,7 @@ from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.files import write_json
+from occamy_mtp.files import open_owned, space_errors, write_json
 from occamy_mtp.data import reader, windows
 from occamy_mtp.config import TURN_CHOICES
 from occamy_mtp.selfgen.store import EmbeddedWriter
@@ -390,7 +390,8 @@ def regenerate_answers(
 
     # 3. Repair a torn last line, then append.
     if existing.torn_bytes:  # only the bytes after the last complete line: good lines are never touched
-        os.truncate(out_path, existing.good_bytes)
+        with open_owned(out_path, "r+b") as handle:  # never through a link
+            handle.truncate(existing.good_bytes)
     device = str(parameter.device)
     runs.append({"device": device, "batch_size": batch_size, "limit": limit, "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     sidecar.update(status="running", runs=runs, data=_data_section(read, limit))
@@ -414,7 +415,8 @@ def regenerate_answers(
         batches = [range(start, min(start + size, len(selected))) for start in range(0, len(selected), size)]
         regenerated = sum(not missing_flags[i] for batch in batches if any(missing_flags[i] for i in batch) for i in batch)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with out_path.open("a", encoding="utf-8") as stream:
+        kept = "the records written before are kept, and the rerun writes only the rest"
+        with open_owned(out_path, "a") as stream, space_errors(out_path, kept=kept):
             for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, quiet):  # the bar shows it
                 prompt = selected[index]
                 record = make_record(tokenizer, prompt, continuation.tokens, eos, end_of_turn_id)

@@ -146,10 +146,11 @@ class EmbeddedWriter:
 
     def details(self) -> dict:
         decoder = "occamy_mtp.base.fastdecode.BatchDecoder" if self.static else "occamy_mtp.base.generate.greedy_generate"
-        return {"decoder": decoder, "batch_size": self.batch_size or "sized to the memory (data.self_generate_batch_size 0)"}
+        return {"decoder": decoder, "text": self.sampling.label(),
+                "batch_size": self.batch_size or "sized to the memory (data.self_generate_batch_size 0)"}
 
     def describe(self) -> str:
-        return "the base"
+        return "the base (greedy)" if self.sampling.greedy else f"the base (sampling, {self.sampling.label()})"
 
     def batch_for(self, contexts, max_new_tokens: int, log) -> int:
         """The batch: `batch_size` when set; else, on the GPU, as many rows of the static decoder as
@@ -235,7 +236,8 @@ class SelfGeneratedStore:
         and any line that is not this store's as written (`_read_store`)."""
         directory = Path(directory)
         existing = _check_meta(directory, identity)
-        if existing is None and (directory / STORE_FILE).exists():
+        store_path = directory / STORE_FILE
+        if existing is None and store_path.exists() and store_path.stat().st_size:  # empty: a writer that wrote nothing
             raise SelfGenError(f"{directory / STORE_FILE}: has no {META_FILE} beside it, so what wrote it is unknown; remove it")
         continuations, torn = _read_store(directory / STORE_FILE, identity)
         store = cls(directory, identity, continuations, torn)
@@ -273,7 +275,7 @@ class SelfGeneratedStore:
         """Hold the store's lock (waiting for a run that holds it) and check, under it, that the
         meta file is still this store's: one run writes a directory at a time."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / LOCK_FILE, "a+") as handle:
+        with files.open_owned(self.directory / LOCK_FILE, "a+") as handle:  # never through a link
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -302,13 +304,10 @@ class SelfGeneratedStore:
             raise SelfGenError(f"{self.directory}: written from model {self.writer_details.get('model')!r}, and the servers now "
                                f"serve {details.get('model')!r}; use another data.self_generated_dir")
         meta_path = self.directory / META_FILE
-        if not meta_path.is_file():
-            files.write_json(meta_path, {**self.identity, "writer_details": details})
-            self.writer_details = details
         store_path = self.directory / STORE_FILE
         _drop_torn_tail(store_path)
         started = time.perf_counter()
-        log(f"self-generated windows: {writer.describe()} writes {sum(missing)} continuations "
+        log(f"self-generated windows: {writer.describe()} writes {sum(missing)} continuation{'s' * (sum(missing) != 1)} "
             f"(<= {self.identity['max_new_tokens']} tokens each; {', '.join(f'{k} {v}' for k, v in details.items())}) "
             f"into {store_path}")
         waiting: dict[int, Continuation] = {}
@@ -316,24 +315,46 @@ class SelfGeneratedStore:
         following = next(order)
         synced = time.perf_counter()
         store = identity_digest(self.identity)
-        with open(store_path, "a", encoding="utf-8") as stream:
-            for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
-                                                      self.identity["stop_token_ids"], log):
-                waiting[index] = continuation
-                while following is not None and following in waiting:
-                    written = waiting.pop(following)
-                    key = context_digest(contexts[following])
-                    _check_line(self.identity, written.tokens, lambda: f"{writer.describe()} wrote for context {key}")
-                    line = {"context_sha256": key, "tokens": list(written.tokens), "finished": written.finished,
-                            "store": store, "line_sha256": line_digest(key, written.tokens, written.finished)}
-                    stream.write(json.dumps(line, separators=(",", ":")) + "\n")
-                    self._continuations[key] = written
-                    self.generated_now += 1
-                    following = next(order, None)
-                if following is None or time.perf_counter() - synced >= SYNC_SECONDS:
+
+        def keep(index: int, stream) -> None:
+            """One continuation as a line; the meta file first, so that a store never names a writer
+            that wrote nothing into it (a server that fails before its first answer leaves no store)."""
+            written = waiting.pop(index)
+            key = context_digest(contexts[index])
+            _check_line(self.identity, written.tokens, lambda: f"{writer.describe()} wrote for context {key}")
+            if not meta_path.is_file():
+                files.write_json(meta_path, {**self.identity, "writer_details": details})
+                self.writer_details = details
+            line = {"context_sha256": key, "tokens": list(written.tokens), "finished": written.finished,
+                    "store": store, "line_sha256": line_digest(key, written.tokens, written.finished)}
+            stream.write(json.dumps(line, separators=(",", ":")) + "\n")
+            self._continuations[key] = written
+            self.generated_now += 1
+
+        kept = "the continuations written before are kept, and the rerun writes only the rest"
+        needed = sum(missing) * (self.identity["max_new_tokens"] * LINE_BYTES_PER_TOKEN + LINE_BYTES_FIXED)
+        with files.open_owned(store_path, "a") as stream, files.space_errors(store_path, needed, kept):
+            try:
+                for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
+                                                          self.identity["stop_token_ids"], log):
+                    waiting[index] = continuation
+                    # In the contexts' order, so that a run killed and resumed writes the bytes of an uninterrupted one.
+                    while following is not None and following in waiting:
+                        keep(following, stream)
+                        following = next(order, None)
+                    if following is None or time.perf_counter() - synced >= SYNC_SECONDS:
+                        stream.flush()
+                        os.fsync(stream.fileno())
+                        synced = time.perf_counter()
+            except BaseException:
+                # The writer stopped (a server died, an interrupt): what came back behind the context it never
+                # answered is kept too, out of order, rather than asked for again.
+                with contextlib.suppress(OSError, SelfGenError):
+                    for index in sorted(waiting):
+                        keep(index, stream)
                     stream.flush()
                     os.fsync(stream.fileno())
-                    synced = time.perf_counter()
+                raise
         self.generation_seconds += time.perf_counter() - started
 
     def windows(self, windows: Sequence[Window]) -> list[Window]:
@@ -398,6 +419,9 @@ def _check_line(identity: dict, tokens: Sequence[int], where: Callable[[], str])
                            f"(0..{vocab - 1}; {len(outside)} such ids)")
 
 
+# The most a store line takes: a token id of up to 6 digits and its comma, and the fixed fields
+# (two 64-digit digests, the store's digest, the keys). What a full disk's message says is needed.
+LINE_BYTES_PER_TOKEN, LINE_BYTES_FIXED = 7, 300
 LINE_FIELDS = '{"context_sha256": str, "tokens": [int, ...], "finished": bool, "store": str, "line_sha256": str}'
 
 
@@ -428,8 +452,9 @@ def _read_store(path: Path, identity: dict) -> tuple[dict[str, Continuation], in
             raise SelfGenError(f"{path}:{number}: not a line written by occamy_mtp.selfgen.store (expected {LINE_FIELDS}); "
                                "only a torn last line is repaired: remove the store to generate again")
         if store != expected_store:
-            raise SelfGenError(f"{path}:{number}: written under another identity (store {store}; this store's is "
-                               f"{expected_store}: another base or other settings wrote it); {remove}")
+            raise SelfGenError(f"{path}:{number}: a line of another store (store {store}; this store's is {expected_store}): "
+                               "another base or other settings wrote it, and its lines may be another run's valid ones; "
+                               "point this run at its own data.self_generated_dir rather than removing anything")
         if digest != line_digest(key, tokens, finished):
             raise SelfGenError(f"{path}:{number}: changed after it was written (its line_sha256 does not match its "
                                f"content); {remove}")
@@ -448,5 +473,5 @@ def _drop_torn_tail(path: Path) -> None:
     raw = path.read_bytes()
     good = raw.rfind(b"\n") + 1
     if good < len(raw):
-        with open(path, "r+b") as handle:
+        with files.open_owned(path, "r+b") as handle:
             handle.truncate(good)

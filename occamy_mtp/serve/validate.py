@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from occamy_mtp import files
+from occamy_mtp.console import plural
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import window_settings
@@ -608,7 +609,7 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
             continue
         if _is_url(source):
             runs[role] = collect(source, prompts, cold_warm, settings, tokenizer, max_consecutive_errors, log)
-            (out_dir / RESPONSES_FILE.format(role=role)).write_text(files.json_text(runs[role]))
+            files.write_json(out_dir / RESPONSES_FILE.format(role=role), runs[role])
         else:
             runs[role] = load_run(Path(source))
     if candidate is None:
@@ -621,7 +622,7 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
         if log is not None:
             log(f"  {candidate}: acceptance pass without logprobs ({'asked for' if acceptance_pass == 'always' else 'the logprob run drafted nothing'})")
         acceptance_run = collect(candidate, prompts, 0, replace(settings, logprobs=False), tokenizer, max_consecutive_errors, log)
-        (out_dir / RESPONSES_FILE.format(role="candidate-acceptance")).write_text(files.json_text(acceptance_run))
+        files.write_json(out_dir / RESPONSES_FILE.format(role="candidate-acceptance"), acceptance_run)
     recorded = [e["prompt"] for e in runs["reference"]["requests"] if e["attempt"] == "warm"]
     report = compare_runs(runs["reference"], runs["candidate"], recorded, tolerance, require_drafts, acceptance_run)
     report = {
@@ -634,7 +635,7 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
         "prompt_set": [{"name": p.name, "source": p.source} for p in prompts],
         **report,
     }
-    (out_dir / REPORT_FILE).write_text(files.json_text(report))
+    files.write_json(out_dir / REPORT_FILE, report)
     return report
 
 
@@ -706,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         raise ValidationError(str(err)) from None
     if report is None:
-        print(f"recorded {len(prompts)} prompts from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
+        print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
         return 0
     print(format_summary(report))
     if not report["passed"]:

@@ -71,7 +71,7 @@ def train(config: RunConfig, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir.
     `config`'s models are local directories (the command line resolves Hub ids: `cli.parse`)."""
     run_dir = RunDir.of(config)
-    base = check_run(config)  # paths, outputs outside the base, train.trainable: before anything slow
+    base = check_run(config, training=True)  # paths, outputs, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
         cpu=not torch.cuda.is_available(),
@@ -91,6 +91,8 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         if existing is not None and not resume:
             raise ConfigError(f"{run_dir.root} already holds checkpoints ({existing.name}); pass --resume or use a new output.dir")
         log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
+        if resume and existing is None:
+            log(f"--resume: {run_dir.checkpoints} holds no checkpoint, so training starts from step 0")
         resumed = read_checkpoint(existing, config) if resume and existing is not None else None
         check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
@@ -122,7 +124,10 @@ def train(config: RunConfig, resume: bool = False) -> dict:
                 best = trainable_tensors(head)
 
         select_every = config.train.select_every_steps
-        progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process)
+        log_every = config.train.log_every_steps
+        progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process,
+                            every=log_every)
+        since_log: list[dict] = []  # the steps since the last progress line, whose mean it shows
         model.train()
         started = time.perf_counter() - state.elapsed_seconds
         if select_every and not state.selection:
@@ -145,9 +150,11 @@ def train(config: RunConfig, resume: bool = False) -> dict:
 
             line = _log_line(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
             state.history.append(line)
-            if state.step % config.train.log_every_steps == 0 or state.step == total_steps:
+            since_log.append(line)
+            if state.step % log_every == 0 or state.step == total_steps:
                 accelerator.log(line, step=state.step)
-                progress.set_postfix(loss=f"{line['loss']:.4f}", agree=f"{line['agreement_step1']:.3f}")
+                progress.set_postfix(**running_means(since_log))
+                since_log.clear()
             progress.update(1)
             if select_every and (state.step % select_every == 0 or state.step == total_steps):
                 select()
@@ -155,7 +162,11 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
-                    save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best, run.data)
+                    try:
+                        save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best, run.data)
+                    except files.DiskFull as err:  # the tensors are still here: train on, and keep the older checkpoints
+                        log(f"warning: step {state.step}'s checkpoint was not written: {err}; training goes on, "
+                            f"and the older checkpoints are kept")
         progress.close()
 
         accelerator.wait_for_everyone()
@@ -163,8 +174,11 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         if accelerator.is_main_process:
             written = best if select_every else trainable_tensors(head)
             metadata = {"format": "pt", "config_fingerprint": summary["config_fingerprint"]}
-            files.save_safetensors(run_dir.trained_tensors, {n: t.float() for n, t in written.items()}, metadata=metadata)
-            files.write_json(run_dir.train_summary, summary)
+            try:
+                files.save_safetensors(run_dir.trained_tensors, {n: t.float() for n, t in written.items()}, metadata=metadata)
+                files.write_json(run_dir.train_summary, summary)
+            except files.DiskFull as err:
+                raise files.DiskFull(f"{err}. {_how_to_recover(run_dir, state.step)}") from None
         accelerator.end_training()
         return summary
 
@@ -335,11 +349,33 @@ def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer
         "best_trainable": best or {},
         "optimizer": optimizer.state_dict(),
     }
-    with files.atomic_path(path) as tmp:
+    with files.atomic_path(path, needed_bytes=_tensor_bytes(payload)) as tmp:
         torch.save(payload, tmp)
     for old in sorted(run_dir.checkpoints.glob("step-*.pt"))[:-keep]:
         old.unlink()
     return path
+
+
+def _tensor_bytes(tree) -> int:
+    """The bytes of every tensor in a checkpoint's payload: about what torch.save writes."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _how_to_recover(run_dir: RunDir, step: int) -> str:
+    """What a run whose results could not be written keeps, and the command that gets them back."""
+    last = run_dir.latest_checkpoint()
+    if last is None:
+        return "No checkpoint was written, so the training is lost: free the space and train again"
+    kept = int(last.stem.split("-")[1])
+    then = "writes the tensors at once" if kept == step else f"trains steps {kept + 1}..{step} again and ends with the same tensors"
+    return (f"The newest checkpoint, {last}, holds step {kept}: once space is free, `train.py --config "
+            f"{run_dir.resolved_config} --resume` {then}")
 
 
 def read_checkpoint(path: Path, config: RunConfig) -> dict:
@@ -456,6 +492,17 @@ def _log_line(accelerator, state: TrainState, lr: float, loss, stats, grad_norm)
         line["grad_norm"] = float(grad_norm)
     line["elapsed_seconds"] = state.elapsed_seconds
     return line
+
+
+def running_means(lines: list[dict]) -> dict[str, str]:
+    """The progress line's figures: the loss and step-1 agreement averaged over `lines` (the steps
+    since the last line, each the mean over its windows), labelled with the steps they cover."""
+    first, last = lines[0]["step"], lines[-1]["step"]
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    loss = sum(line["loss"] for line in lines) / len(lines)
+    scored = sum(line["scored_step1"] for line in lines)
+    agree = sum(line["agreement_step1"] * line["scored_step1"] for line in lines) / scored if scored else 0.0
+    return {f"mean loss of {steps}": f"{loss:.4f}", "step-1 agreement": f"{agree:.3f}"}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
