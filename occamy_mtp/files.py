@@ -101,6 +101,10 @@ def open_owned(path: Path, mode: str, encoding: str | None = None):
     """
     path = Path(path)
     flags = _OWNED_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    not_regular = LinkedOutput(f"{path} is not a regular file; the library writes there only a file of its own: "
+                               "remove it and run the command again")
+    if os.path.lexists(path) and not path.is_symlink() and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise not_regular  # a fifo would block, or refuse the open; a device is nobody's output
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as err:
@@ -111,8 +115,7 @@ def open_owned(path: Path, mode: str, encoding: str | None = None):
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise LinkedOutput(f"{path} is not a regular file; the library writes there only a file of its own: "
-                               "remove it and run the command again")
+            raise not_regular
         if info.st_nlink > 1:
             raise LinkedOutput(f"{path} has {info.st_nlink - 1} other name(s) (a hard link); writing it would change "
                                "those files too, so it is not opened: remove it and run the command again")
