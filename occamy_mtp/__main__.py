@@ -63,6 +63,11 @@ def _serve_reference(argv: list[str]) -> int:
     return main(argv)
 
 
+def _compare(argv: list[str]) -> int:
+    from occamy_mtp.record import main
+    return main(argv)
+
+
 def _demo_models(argv: list[str]) -> int:
     from occamy_mtp.testing.demo_models import main
     return main(argv)
@@ -80,6 +85,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "assemble": (_assemble, "a servable directory: the base with the trained head (same as assemble_head.py)"),
     "serve-reference": (_serve_reference, "the library's own OpenAI-style server: plain or speculative decoding"),
     "validate": (_validate, "compare an engine serving the head with a reference engine"),
+    "compare": (_compare, "is a run's head the reference's, byte for byte; if not, what explains it"),
     "demo-models": (_demo_models, "build the embedded default: the demo's base and donor from the sample chats"),
 }
 

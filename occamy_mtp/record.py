@@ -20,6 +20,8 @@ import torch
 from occamy_mtp.files import hash_cache_key, sha256_file
 
 from occamy_mtp import __version__
+from occamy_mtp.cli import command
+from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 
 RECORD_FORMAT = 3  # 3: metrics and self-generated stores per serving configuration
@@ -102,6 +104,37 @@ def hardware(processes: int) -> dict:
     return info
 
 
+def arithmetic(device, processes: int) -> dict:
+    """What, beyond a run's inputs, decides the bits of what it computes: the torch build, the device
+    (on a CPU its model and the SIMD kernels torch dispatches to), and how the sums are split
+    (intra-op threads per process, processes)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        where = {"device": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    else:
+        where = {"device": "cpu", "cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return {"torch": torch.__version__, **where, "threads": torch.get_num_threads(), "processes": processes}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+BYTES_DEPEND_ON = (
+    "The head's bytes are a function of its inputs (the base's and donor's files, the data files, every "
+    "setting, the library's commit) and of the arithmetic of the machine that trained it (`arithmetic`): "
+    "the torch version, the device (a CPU's model and SIMD capability, or the GPU), the threads per process "
+    "and the processes, which decide how floating-point sums are split. Where all of these match, a CPU run "
+    "gives the same bytes; where one differs, the figures agree within noise and the bytes do not."
+)
+
+
 def library_identity() -> dict:
     return {"name": "occamy-mtp", "version": __version__, **git_commit()}
 
@@ -148,6 +181,8 @@ def training_record(config, identities: dict, dataset: dict, summary: dict, self
         "metrics": metrics,
         "export": export,
         "outputs": outputs,
+        "reproducibility": {"head_sha256": outputs[ckpt_io.HEAD_FILE], "trained_with": summary.get("arithmetic"),
+                            "depends_on": BYTES_DEPEND_ON},
     }
 
 
@@ -205,6 +240,7 @@ SCHEMA = {
     },
     "export": {"tensors": int, "replaced": [str], "bit_identical_to_donor": int, "max_abs_rounding_error": float},
     "outputs": {"mtp-trained.safetensors": str, "mtp_head_config.json": str},
+    "reproducibility": {"head_sha256": str, "trained_with": (dict, None), "depends_on": str},
 }
 
 
@@ -277,3 +313,106 @@ def validate_record(record: dict) -> list[str]:
                 else:
                     _check(report["serving"][label]["served"][k], _SERVED, f"{where}.served.{k}", errors)
     return errors
+
+
+# ----------------------------------------------------------------------------------
+# Comparing two records: is a head the reference's, and if not, why
+# ----------------------------------------------------------------------------------
+
+# Settings that name where things are, not what they are: the files' hashes say that.
+_PLACES = ("model.base", "model.donor_head", "model.tokenizer", "data.files", "data.self_generated_dir",
+           "data.target_cache", "output.dir")
+
+
+def _flat_settings(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flat_settings(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def record_differences(record: dict, reference: dict) -> list[str]:
+    """What of the inputs and the arithmetic differs between two TRAINING.json records, one line each:
+    why two heads of the same recipe can differ in their bytes (BYTES_DEPEND_ON)."""
+    lines = []
+
+    def files_of(identity: dict) -> dict:
+        return {f["name"]: f["sha256"] for f in identity.get("files", [])}
+
+    for part in ("base", "donor"):
+        if files_of(record[part]) != files_of(reference[part]) or record[part].get("config_sha256") != reference[part].get(
+                "config_sha256"):
+            lines.append(f"{part}: other files (sha256 of the checkpoint's files differ)")
+    if sorted(f["sha256"] for f in record["dataset"]["files"]) != sorted(f["sha256"] for f in reference["dataset"]["files"]):
+        lines.append("data: other files (sha256 differ)")
+    ours, theirs = _flat_settings(record["settings"]), _flat_settings(reference["settings"])
+    for key in sorted(set(ours) | set(theirs)):
+        if key not in _PLACES and ours.get(key) != theirs.get(key):
+            lines.append(f"setting {key}: {ours.get(key)!r} here, {theirs.get(key)!r} in the reference")
+    if record["library"].get("commit") != reference["library"].get("commit"):
+        lines.append(f"library commit: {record['library'].get('commit')} here, {reference['library'].get('commit')} in the "
+                     "reference (a change of the code may change the arithmetic)")
+    for package in ("torch", "transformers"):
+        if record["packages"].get(package) != reference["packages"].get(package):
+            lines.append(f"{package}: {record['packages'].get(package)} here, {reference['packages'].get(package)} in the reference")
+    ours = (record.get("reproducibility") or {}).get("trained_with") or {}
+    theirs = (reference.get("reproducibility") or {}).get("trained_with") or {}
+    if not theirs:
+        lines.append("the reference does not record the arithmetic it was trained with (threads, CPU), which may differ")
+    for key in sorted(set(ours) | set(theirs)):
+        if key != "torch" and theirs and ours.get(key) != theirs.get(key):
+            lines.append(f"trained with {key} {ours.get(key)!r} here, {theirs.get(key)!r} in the reference")
+    return lines
+
+
+SAME, EXPLAINED, UNEXPLAINED = "same", "explained", "unexplained"
+
+
+def compare_heads(record: dict, reference: dict) -> tuple[str, str]:
+    """(SAME, EXPLAINED or UNEXPLAINED; the report): the head's sha256 beside the reference's and,
+    when they differ, what explains it (`record_differences`), or that nothing does."""
+    ours, theirs = record["outputs"][ckpt_io.HEAD_FILE], reference["outputs"][ckpt_io.HEAD_FILE]
+    if ours == theirs:
+        return SAME, f"head sha256 {ours}: the same bytes as the reference's"
+    reasons = record_differences(record, reference)
+    lines = [f"head sha256 {ours}: not the reference's {theirs}"]
+    if not reasons:
+        lines.append("NOT expected: the inputs, settings, code and arithmetic all match the reference's")
+        return UNEXPLAINED, "\n".join(lines)
+    lines.append("expected: the run differs from the reference in what decides the bytes:")
+    lines += [f"  - {reason}" for reason in reasons]
+    return EXPLAINED, "\n".join(lines)
+
+
+def read_record(path: Path) -> dict:
+    """A TRAINING.json that fits the schema; RecordError naming the file otherwise."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise RecordError(f"{path}: not a readable TRAINING.json ({err})") from None
+    errors = validate_record(record) if isinstance(record, dict) else ["not a JSON object"]
+    if errors:
+        raise RecordError(f"{path}: not a TRAINING.json of this version ({errors[0]}"
+                          + (f"; {len(errors) - 1} more" if len(errors) > 1 else "") + ")")
+    return record
+
+
+class RecordError(OccamyError, ValueError):
+    """A record that cannot be read or does not fit the schema."""
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    """`python -m occamy_mtp compare RUN/TRAINING.json REFERENCE/TRAINING.json`: exit 0 when the heads
+    are the same bytes or the difference is explained, 1 when nothing explains it."""
+    import argparse
+
+    cli = argparse.ArgumentParser(prog="python -m occamy_mtp compare",
+                                  description="Is a run's head the reference's, byte for byte? If not, say why.")
+    cli.add_argument("record", type=Path, help="the run's TRAINING.json")
+    cli.add_argument("reference", type=Path, help="the reference's TRAINING.json (e.g. the repository's own)")
+    args = cli.parse_args(argv)
+    status, report = compare_heads(read_record(args.record), read_record(args.reference))
+    print(report)
+    return 1 if status == UNEXPLAINED else 0

@@ -82,6 +82,8 @@ class RunDir:
     head_config = property(lambda self: self.root / ckpt_io.HEAD_CONFIG_FILE)
     metrics = property(lambda self: self.root / "metrics.json")
     plot = property(lambda self: self.root / "acceptance.png")
+    card = property(lambda self: self.root / "README.md")
+    """The head's model card (`export.card`), for `hf upload` of the directory."""
     record = property(lambda self: self.root / ckpt_io.EXPORT_RECORD)
     export_incomplete = property(lambda self: self.root / ckpt_io.EXPORT_INCOMPLETE)
     """There while export renames its outputs into place: readers refuse the set (`check_export_set`)."""
@@ -90,7 +92,7 @@ class RunDir:
 
     def export_outputs(self) -> tuple[Path, ...]:
         """What export writes, in the order it renames them: TRAINING.json, which records the others' hashes, last."""
-        return (self.head, self.head_config, self.metrics, self.plot, self.record)
+        return (self.head, self.head_config, self.metrics, self.plot, self.card, self.record)
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:06d}.pt"
@@ -175,7 +177,7 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     writes it); every name in `train.trainable` is a head submodule (checked on a head
     built on the meta device).
     """
-    require_set(config, "model.donor_head")
+    require_set(config, "model.base", "model.donor_head", "data.files")  # every placeholder named at once
     base, donor = Path(config.model.base), Path(config.model.donor_head)
     facts = check_inputs(config)
     if not donor.exists():

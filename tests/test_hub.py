@@ -176,6 +176,7 @@ def test_generate_and_validate_read_a_hub_dataset_as_training_does(offline, samp
     # The command: data.files may name the dataset (a missing local file is still refused at once).
     out = tmp_path / "regenerated.jsonl"
     argv = [f"model.base={offline['base']}", f'data.files=["{named}"]', "model.dtype=float32", "data.answer_tokens=2",
+            "eval.draft_steps=2", "eval.served_steps=[1,2]",  # draft steps within the answer budget
             "--out", str(out), "--device", "cpu", "--limit", "2", "--no-progress"]
     assert regenerate.main(argv) == 0, capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 2

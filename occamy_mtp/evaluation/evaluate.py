@@ -655,7 +655,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     evaluation.json and the plot into `out`, returns the report and its printed table."""
     from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.files import write_json
-    from occamy_mtp.evaluation.plot import plot_acceptance
+    from occamy_mtp.evaluation.plot import plot_acceptance, plot_served
 
     if reference_decoder and config.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
@@ -693,7 +693,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                        f"{plural(len(run.windows.heldout_data), 'window')}")
             results[name] = evaluate_head(run.targets, head, run.windows.heldout_data, steps, per_batch).to_dict()
         report.update(text=TEACHER_FORCED, exact=False, draft_steps=steps, heads=results)
-        plot_acceptance(results, out / PLOT_FILE, title="chained acceptance (teacher-forced, approximate)")
+        plot_acceptance(results, out / PLOT_FILE, title="Drafts accepted at each step, on the recorded answers (teacher-forced, approximate)")
         printed = format_table(results)
     else:
         servings, selected = config.eval.serving, config.selected_serving.label()
@@ -710,9 +710,8 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
             self_generated={"stores": run.windows.self_generated, "max_new_tokens": budget,
                             "stop_token_ids": sorted(run.stop_token_ids), "batch_size": config.data.self_generate_batch_size},
         )
-        largest = str(max(served_steps))
-        plot_acceptance({name: r["serving"][selected]["served"][largest] for name, r in results.items()}, out / PLOT_FILE,
-                        title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)")
+        plot_served({"serving": report["serving"], "served_steps": list(served_steps), "selected_serving": selected,
+                     "heldout": results}, out / PLOT_FILE)
         printed = format_served(results, servings, served_steps, budget, selected)
         if reference_decoder:
             shared = decodes_runners(run.models.base, next(iter(heads.values())),

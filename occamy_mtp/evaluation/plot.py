@@ -1,5 +1,6 @@
-"""One small picture of the evaluation: per-step chained acceptance, one bar group per step,
-one bar per head (donor vs trained), with each head's mean accept length in the legend.
+"""The pictures of the evaluation: `plot_served`, what export and evaluate draw, has one panel per
+serving configuration with the mean accept length at each served step count, donor beside trained;
+`plot_acceptance`, the per-step chained acceptance of one set of figures (the teacher-forced ones).
 
 matplotlib is used with the Agg backend (no display), set on the figure, not globally.
 """
@@ -41,6 +42,66 @@ def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained 
     axes.set_ylabel("accepted / proposed (%)")
     axes.set_title(title, fontsize=10)
     axes.legend(fontsize=8, loc="upper right")
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format=image_format)
+    return path
+
+
+PANEL_INCHES = (3.2, 3.6)  # one panel per serving configuration
+
+
+def serving_words(serving: dict) -> str:
+    """A serving configuration in words: "greedy", "temperature 0.7, top-p 0.8, top-k 20"."""
+    if serving["temperature"] == 0:
+        return "greedy"
+    words = [f"temperature {serving['temperature']:g}"]
+    if serving.get("top_p", 1) < 1:
+        words.append(f"top-p {serving['top_p']:g}")
+    if serving.get("top_k", 0):
+        words.append(f"top-k {serving['top_k']}")
+    return ", ".join(words)
+
+
+def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
+    """Write the served figures of `metrics` (export's metrics.json) to `path`: one panel per serving
+    configuration, one bar group per served step count, donor beside trained; each bar is the mean
+    accept length (tokens per pass of the base), labelled with it and the first step's acceptance;
+    a dashed line marks the ceiling where it is known (greedy: every draft accepted)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    servings, steps = metrics["serving"], metrics["served_steps"]
+    heads = list(metrics["heldout"])
+    figure = Figure(figsize=(PANEL_INCHES[0] * len(servings), PANEL_INCHES[1]), dpi=DPI)
+    FigureCanvasAgg(figure)
+    axes_row = figure.subplots(1, len(servings), sharey=True, squeeze=False)[0]
+    width = 0.8 / len(heads)
+    top = max(steps) + 1
+    for axes, serving in zip(axes_row, servings):
+        label = serving["label"]
+        others = iter(COLORS * len(heads))
+        for n, head in enumerate(heads):
+            served = [metrics["heldout"][head]["serving"][label]["served"][str(k)] for k in steps]
+            x = [i + (n - (len(heads) - 1) / 2) * width for i in range(len(steps))]
+            bars = axes.bar(x, [s["mean_accept_length"] for s in served], width=width, label=head,
+                            color=DONOR_COLOR if head == "donor" else next(others))
+            for bar, s in zip(bars, served):
+                axes.annotate(f"{s['mean_accept_length']:.2f}\n({s['acceptance'][0]:.0%})",
+                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+        if serving["temperature"] == 0:
+            for i, k in enumerate(steps):
+                axes.hlines(k + 1, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=0.8,
+                            label="ceiling" if i == 0 else None)
+        axes.set_xticks(range(len(steps)), [f"{k} draft{'s' * (k != 1)}" for k in steps])
+        axes.set_title(serving_words(serving) + (" (selected)" if label == metrics.get("selected_serving")
+                                                  and len(servings) > 1 else ""), fontsize=8)
+        axes.set_ylim(0, top + 0.6)
+    axes_row[0].set_ylabel("tokens per pass of the base")
+    axes_row[0].legend(fontsize=7, loc="upper left")
+    figure.suptitle("Tokens per pass of the base, donor head vs trained head\n"
+                    "(higher is faster; first-draft acceptance in brackets)", fontsize=9)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,8 @@ from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
 from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
-from occamy_mtp.evaluation.plot import plot_acceptance
+from occamy_mtp.evaluation.plot import plot_served
+from occamy_mtp.export.card import model_card
 from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
 
 METRICS_FORMAT = 3  # 3: served figures per serving configuration
@@ -225,7 +226,6 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
     hash_cache = rec.load_hash_cache(run_dir.hash_cache)
     identities = {name: rec.checkpoint_identity(Path(path), hash_cache, log)
                   for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
-    largest = max(config.eval.served_steps)
 
     head_bytes = sum(t.numel() * t.element_size() for t in disk.values())
     with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete,
@@ -235,10 +235,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
         check = verify_export(tmp[run_dir.head], donor_disk, trained_disk)
         tmp[run_dir.head_config].write_text(files.json_text(head_config))
         tmp[run_dir.metrics].write_text(files.json_text(metrics))
-        plot_acceptance(
-            {name: heldout[name]["serving"][selected]["served"][str(largest)] for name in heldout}, tmp[run_dir.plot],
-            title=f"served acceptance, {largest}-step drafts, {selected} (self-generated heldout, exact)", image_format="png",
-        )
+        plot_served(metrics, tmp[run_dir.plot], image_format="png")
         record = rec.training_record(
             config, identities, run.data.provenance(), summary, run.windows.self_generated, metrics,
             derived={"trainable_parameters": run.models.trainable_parameters, "head_parameters": run.models.head_parameters,
@@ -250,6 +247,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
         errors = rec.validate_record(record)
         if errors:
             raise ExportError("TRAINING.json does not fit its schema:\n  " + "\n  ".join(errors))
+        tmp[run_dir.card].write_text(model_card(record, str(run_dir.root)))
         tmp[run_dir.record].write_text(files.json_text(record))
     files.write_json(run_dir.hash_cache, hash_cache)
     return record

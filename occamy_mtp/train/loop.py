@@ -28,6 +28,7 @@ from accelerate.utils import set_seed
 
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
+from occamy_mtp import record as rec
 from occamy_mtp.cli import command, parse
 from occamy_mtp.cli import parser as command_line
 from occamy_mtp.console import Progress
@@ -451,6 +452,7 @@ def _summary(run: Run, state: TrainState, total_steps: int, processes: int, devi
         "train_windows": len(run.windows.train),
         "self_generated": run.windows.self_generated,
         "targets": run.targets.provenance(),
+        "arithmetic": rec.arithmetic(device, processes),
     }
 
 

@@ -1,0 +1,191 @@
+"""The head's model card: README.md beside the exported head, in the Hugging Face layout.
+
+Written by export from the run's TRAINING.json alone, so that the card says nothing the record
+does not: YAML metadata (base_model, library_name, tags), a one-paragraph summary (what was
+trained, from which donor, on how many windows, what stayed frozen), the training facts, the
+served acceptance per serving configuration (donor beside trained, accepted / proposed, and the
+ceiling where it is known), what was not validated, the commands that serve the head, its hash
+and the files. Publishing is `hf upload ORG/NAME OUTPUT_DIR` (no uploader of our own).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from occamy_mtp.console import plural
+from occamy_mtp.evaluation.plot import serving_words
+from occamy_mtp.model import checkpoint as ckpt_io
+
+CARD_FILE = "README.md"
+LIBRARY_NAME = "occamy-mtp"
+TAGS = ("speculative-decoding", "mtp", "multi-token-prediction", "draft-model")
+
+
+def hub_id(path: str) -> str | None:
+    """org/name of a Hub snapshot directory (`.../models--org--name/snapshots/<commit>`), else None."""
+    for part in Path(path).parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
+def _model_name(identity: dict) -> str:
+    return hub_id(identity["path"]) or Path(identity["path"]).name
+
+
+def _count(accepted: float, proposed: float) -> str:
+    """accepted / proposed: whole counts under greedy serving, expected (fractional) ones under sampling."""
+    if float(accepted).is_integer() and float(proposed).is_integer():
+        return f"{int(accepted):,} / {int(proposed):,}"
+    return f"{accepted:,.1f} / {proposed:,.1f} (expected)"
+
+
+def acceptance_table(metrics: dict) -> list[str]:
+    """One row per serving configuration and served step count: first-step acceptance and the mean
+    accept length, donor beside trained, and the ceiling a perfect drafter reaches where it is known."""
+    heldout = metrics["heldout"]
+    rows = [
+        "| serving | drafts | donor: accepted / proposed (step 1) | trained: accepted / proposed (step 1) "
+        "| accept length, donor → trained | ceiling |",
+        "|---|---|---|---|---|---|",
+    ]
+    for serving in metrics["serving"]:
+        label = serving["label"]
+        for k in metrics["served_steps"]:
+            donor = heldout["donor"]["serving"][label]["served"][str(k)]
+            trained = heldout["trained"]["serving"][label]["served"][str(k)]
+            # Greedy serving accepts a draft when it is the base's argmax: a drafter that always drafts it
+            # is always accepted. Under sampling the ceiling is the base's own p(argmax), not measured here.
+            ceiling = f"{k + 1:.3f}" if serving["temperature"] == 0 else "not measured"
+            rows.append(
+                f"| {serving_words(serving)} | {k}-step | {_count(donor['accepted'][0], donor['proposed'][0])} ({donor['acceptance'][0]:.2%}) "
+                f"| {_count(trained['accepted'][0], trained['proposed'][0])} ({trained['acceptance'][0]:.2%}) "
+                f"| {donor['mean_accept_length']:.3f} → **{trained['mean_accept_length']:.3f}** | {ceiling} |")
+    return rows
+
+
+def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
+    """README.md for the exported head described by `record` (a TRAINING.json)."""
+    settings, derived, metrics = record["settings"], record["derived"], record["metrics"]
+    data, train = settings["data"], settings["train"]
+    base, donor = _model_name(record["base"]), _model_name(record["donor"])
+    selection = record["training"]["selection"]
+    text = ("sampled at temperature " + f"{data['self_generate_temperature']:g}, top-p {data['self_generate_top_p']:g}"
+            if data["self_generate_temperature"] > 0 else "greedy")
+    answers = {"self_generated": f"the base's own {text} continuations of",
+               "data": "the recorded answers of", "mixed": f"the recorded answers and the base's own {text} continuations of"}
+    trained_tensors = ", ".join(f"`{name}`" for name in derived["trainable_tensors"])
+    written = selection.get("written_step")
+    head_sha = record["outputs"][ckpt_io.HEAD_FILE]
+    arithmetic = (record.get("reproducibility") or {}).get("trained_with") or {}
+    where = arithmetic.get("device", "unknown")
+    if where == "cpu":
+        threads = arithmetic.get("threads") or 0
+        where = f"CPU ({arithmetic.get('cpu')}, {threads} {plural(threads, 'thread')})"
+    steps = metrics["served_steps"]
+    largest = max(steps)
+    front = [
+        "---",
+        f"base_model: {hub_id(record['base']['path']) or base}",
+        f"library_name: {LIBRARY_NAME}",
+        "tags:",
+        *[f"- {tag}" for tag in TAGS],
+        "---",
+        "",
+        f"# MTP draft head for {base}",
+        "",
+        (f"This is the Multi-Token-Prediction (MTP) draft head of {donor}, adapted to {base} by "
+         f"occamy-mtp so that speculative decoding of {base} accepts more of its drafts. "
+         f"Only {trained_tensors} were trained ({derived['trainable_parameters']:,} of the head's "
+         f"{derived['head_parameters']:,} parameters); the rest of the head, the base and its shared embedding and "
+         f"lm_head stayed frozen. It learned from {answers[data['answers']]} {derived['train_windows']:,} train windows "
+         f"({data['context_tokens']} context + up to {data['answer_tokens']} answer tokens each, from "
+         f"{record['dataset']['conversations_kept']:,} conversations), "
+         f"{'distilling the base' + chr(39) + 's top-1 choices' if train['loss'] == 'top1' else 'fitting the base' + chr(39) + 's distribution (' + train['loss'] + ')'}."),
+        "",
+        "## Training",
+        "",
+        f"- Steps: {derived['total_steps']} ({train['epochs']} {plural(train['epochs'], 'epoch')} of "
+        f"{derived['steps_per_epoch']}), {train['windows_per_step']} {plural(train['windows_per_step'], 'window')} a step, "
+        f"lr {train['lr']:g} (warmup {train['lr_warmup_steps']}, cosine to {train['lr_min_ratio']:g}x), loss "
+        f"`{train['loss']}` over {train['draft_steps']} draft {plural(train['draft_steps'], 'step')}.",
+        (f"- Kept: step {written}, the best of every {selection['every_steps']} steps by served acceptance on "
+         f"{selection['validation_windows']} validation windows ({selection['serving']})." if selection.get("enabled")
+         else f"- Kept: the last step ({written})."),
+        f"- Trained on: {where}; {record['timings']['train_seconds']:.0f} s of training.",
+        f"- Model dtype: {settings['model']['dtype']}; the head is stored in bf16, its trained tensors rounded once.",
+        "",
+        "## Validation",
+        "",
+        (f"Served acceptance on {metrics['heldout']['trained']['serving'][metrics['serving'][0]['label']]['served'][str(steps[0])]['texts']} "
+         "heldout prompts: the library's reference speculative decoder (draft K tokens with the head's argmax, "
+         "verify with the base, keep the accepted prefix and the base's token) on the base's own continuation of "
+         "each prompt, per serving configuration. Greedy counts are the decoder's; sampled ones are its expected "
+         "counts given the text the base sampled there (a draft is accepted with the base's processed probability "
+         "of it, as SGLang and vLLM accept their default argmax drafts). Accept length counts the base's own token "
+         "too, as SGLang reports it."),
+        "",
+        f"Base: {base}. Selected configuration: {metrics['selected_serving']}.",
+        "",
+        *acceptance_table(metrics),
+        "",
+        "![served acceptance](acceptance.png)",
+        "",
+        "## Not validated",
+        "",
+        "- Sampled serving in a real engine: the sampled figures above are the reference decoder's expectation, "
+        "not an engine's counts.",
+        "- Concurrency and batching in an engine, and engines or versions other than those in the library's docs "
+        "(docs/ENGINES.md).",
+        f"- Contexts longer than {data['context_tokens']} tokens, and thinking mode: the windows were rendered "
+        "with thinking off.",
+        "- Quantized bases (FP8, NVFP4): the head was trained and measured on the unquantized base.",
+        "",
+        "## Use",
+        "",
+        "Assemble a servable directory first: the base's files linked, the head's tensors mapped into its index "
+        "(the base directory is never modified):",
+        "",
+        "```bash",
+        f"python assemble_head.py --base /path/to/{base} --head {head_dir}/{ckpt_io.HEAD_FILE} --out /path/to/{base}-mtp",
+        "```",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path /path/to/{base}-mtp \\",
+        f"    --speculative-algorithm NEXTN --speculative-num-steps {largest} \\",
+        f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {largest + 1}",
+        "```",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve /path/to/{base}-mtp --speculative-config '{{\"method\": \"mtp\", \"num_speculative_tokens\": {largest}}}'",
+        "```",
+        "",
+        "## Files",
+        "",
+        "| file | what |",
+        "|---|---|",
+        f"| `{ckpt_io.HEAD_FILE}` | every `mtp.*` tensor (bf16, {derived['export_layout']} expert layout); sha256 `{head_sha}` |",
+        f"| `{ckpt_io.HEAD_CONFIG_FILE}` | what the head needs to be rebuilt |",
+        "| `metrics.json` | every figure above, and the teacher-forced ones |",
+        "| `TRAINING.json` | provenance: library commit, base, donor and data hashes, every setting, versions, hardware |",
+        "| `acceptance.png` | the table above as a picture |",
+        "",
+        "## Provenance",
+        "",
+        f"- occamy-mtp {record['library']['version']}, commit {record['library'].get('commit') or 'unknown'}"
+        + (" (with uncommitted changes)" if record["library"].get("dirty") else "") + ".",
+        f"- Base config sha256 `{record['base'].get('config_sha256')}`; donor config sha256 "
+        f"`{record['donor'].get('config_sha256')}`; data "
+        + ", ".join(f"`{Path(f['path']).name}` sha256 `{f['sha256'][:16]}...`" for f in record["dataset"]["files"]) + ".",
+        f"- torch {record['packages']['torch']}, transformers {record['packages']['transformers']}.",
+        "- The head's bytes depend on the machine that trained it: " + (record.get("reproducibility") or {}).get(
+            "depends_on", "see TRAINING.json."),
+        "",
+        "To publish: `hf upload ORG/NAME " + head_dir + "` (the whole output directory, this card included).",
+        "",
+    ]
+    return "\n".join(front)

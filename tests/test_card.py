@@ -1,0 +1,122 @@
+"""What export writes for people: the head's model card (README.md), the picture of every serving
+configuration, and the comparison of a run's head with a reference record (issue 43)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import pytest
+import yaml
+from PIL import Image
+
+from occamy_mtp import record as rec
+from occamy_mtp.export.card import acceptance_table, hub_id, model_card
+from occamy_mtp.run import RunDir
+from test_faults import exported, run_models  # noqa: F401 (fixtures)
+
+
+def test_export_writes_a_card_that_says_what_the_record_says(exported):
+    run_dir = RunDir.of(exported)
+    card = run_dir.card.read_text()
+    record = json.loads(run_dir.record.read_text())
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "occamy-mtp" and "speculative-decoding" in front["tags"]
+    assert front["base_model"] == "base"  # a local base: its directory's name
+    assert record["outputs"]["mtp-trained.safetensors"] in card
+    assert f"{record['derived']['trainable_parameters']:,} of the head's {record['derived']['head_parameters']:,}" in card
+    # one row per serving configuration and served step count, donor and trained counts as the metrics have them
+    metrics = record["metrics"]
+    rows = [line for line in card.splitlines() if re.match(r"\| (greedy|temperature)", line)]
+    assert len(rows) == len(metrics["serving"]) * len(metrics["served_steps"])
+    greedy_k1 = metrics["heldout"]["trained"]["serving"]["greedy"]["served"]["1"]
+    assert f"{greedy_k1['accepted'][0]:,} / {greedy_k1['proposed'][0]:,}" in rows[0]
+    assert rows[0].endswith("| 2.000 |")  # greedy's ceiling: every draft accepted
+    for command in ("assemble_head.py --base", "--speculative-algorithm NEXTN", "vllm serve", "hf upload"):
+        assert command in card
+    assert "## Not validated" in card
+
+
+def test_the_picture_has_a_panel_per_serving_configuration(exported, tmp_path):
+    from occamy_mtp.evaluation.plot import plot_served
+
+    metrics = json.loads(RunDir.of(exported).metrics.read_text())
+    one = plot_served({**metrics, "serving": metrics["serving"][:1]}, tmp_path / "one.png")
+    two = plot_served(metrics, tmp_path / "two.png")
+    assert len(metrics["serving"]) == 2
+    assert Image.open(two).size[0] > 1.8 * Image.open(one).size[0]
+
+
+def test_hub_snapshots_are_named_by_their_repository():
+    assert hub_id("/root/.cache/huggingface/hub/models--Qwen--Qwen3.6-35B-A3B/snapshots/abc") == "Qwen/Qwen3.6-35B-A3B"
+    assert hub_id("/ckpt/occamy") is None
+
+
+def test_a_card_of_sampled_counts_says_they_are_expected():
+    metrics = {"serving": [{"label": "t1", "temperature": 1.0, "top_p": 0.95, "top_k": 20}], "served_steps": [1],
+               "heldout": {name: {"serving": {"t1": {"served": {"1": {
+                   "accepted": [12.5], "proposed": [40.0], "acceptance": [0.3125], "mean_accept_length": 1.3125}}}}}
+                   for name in ("donor", "trained")}}
+    row = acceptance_table(metrics)[2]
+    assert row.startswith("| temperature 1, top-p 0.95, top-k 20 | 1-step | 12.5 / 40.0 (expected) (31.25%)")
+    assert row.endswith("| not measured |")
+
+
+# ---------------------------------------------------------------- compare
+
+
+def test_compare_tells_the_same_head_an_explained_and_an_unexplained_difference(exported, tmp_path, capsys):
+    record = json.loads(RunDir.of(exported).record.read_text())
+    assert rec.compare_heads(record, record)[0] == rec.SAME
+
+    other = copy.deepcopy(record)
+    other["outputs"]["mtp-trained.safetensors"] = "0" * 64
+    other["reproducibility"]["trained_with"]["threads"] = 2
+    other["settings"]["output"]["dir"] = "elsewhere"  # a place, not a cause
+    status, report = rec.compare_heads(record, other)
+    assert status == rec.EXPLAINED
+    assert "trained with threads 1 here, 2 in the reference" in report and "output.dir" not in report
+
+    del other["reproducibility"]["trained_with"]["threads"]
+    other["reproducibility"]["trained_with"] = dict(record["reproducibility"]["trained_with"])
+    status, report = rec.compare_heads(record, other)
+    assert status == rec.UNEXPLAINED and "NOT expected" in report
+
+    mine, theirs = tmp_path / "mine.json", tmp_path / "theirs.json"
+    mine.write_text(json.dumps(record))
+    theirs.write_text(json.dumps(other))
+    assert rec.main([str(mine), str(theirs)]) == 1
+    assert rec.main([str(mine), str(mine)]) == 0
+    theirs.write_text("{}")
+    assert rec.main([str(mine), str(theirs)]) == 2
+    assert f"error: {theirs}: not a TRAINING.json of this version" in capsys.readouterr().err
+
+
+def test_training_records_the_arithmetic_that_made_the_head(exported):
+    record = json.loads(RunDir.of(exported).record.read_text())
+    made = record["reproducibility"]["trained_with"]
+    assert made["device"] == "cpu" and made["threads"] >= 1 and made["processes"] == 1 and made["cpu_capability"]
+    assert "threads" in record["reproducibility"]["depends_on"]
+
+
+# ---------------------------------------------------------------- the training console
+
+
+def test_progress_shows_the_running_mean_of_the_steps_since_the_last_line():
+    from occamy_mtp.train.loop import running_means
+
+    lines = [{"step": s, "loss": loss, "scored_step1": n, "agreement_step1": a}
+             for s, loss, n, a in ((5, 2.0, 10, 0.5), (6, 4.0, 30, 0.1))]
+    assert running_means(lines) == {"mean loss of steps 5-6": "3.0000", "step-1 agreement": "0.200"}
+    assert list(running_means(lines[:1])) == ["mean loss of step 5", "step-1 agreement"]
+
+
+def test_training_prints_a_line_every_log_every_steps(run_models, tmp_path, capsys):
+    from test_faults import run_config
+    from occamy_mtp.train.loop import train
+
+    train(run_config(run_models, tmp_path / "run", "train.log_every_steps=2"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: ")]
+    assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
+    assert "mean loss of steps 1-2" in lines[0] and "mean loss of steps 5-6" in lines[-1]
