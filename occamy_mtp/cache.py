@@ -26,6 +26,7 @@ from occamy_mtp.run import (
     BaseFacts,
     check_inputs,
     check_store_writable,
+    refuse_inside_models,
     continuation_writer,
     load_tokenizer,
     log_stderr,
@@ -133,6 +134,8 @@ def build_for_config(
     needed = self_generated_needed(config, data)
     stores = open_stores(config, facts, stop_ids, needed)
     directory = Path(directory)
+    refuse_inside_models(config, [("data.target_cache", directory)]
+                         + [("data.self_generated_dir", store.directory) for store in stores.values()])
     check_store_writable(config, stores, needed)
     complete = (directory / MANIFEST_NAME).is_file() and read_manifest(directory).get("complete")
     problem = None if complete else files.unwritable(directory)

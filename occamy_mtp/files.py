@@ -208,6 +208,22 @@ def unwritable(directory: Path) -> str | None:
     return None
 
 
+def inside(path: Path, directory: Path) -> bool:
+    """Whether `path` is `directory` or lies below it, symlinks resolved."""
+    path, directory = Path(path).resolve(), Path(directory).resolve()
+    return path == directory or directory in path.parents
+
+
+def inside_any(outputs: Sequence[tuple[str, Path]], protected: Sequence[tuple[str, Path]]) -> str | None:
+    """The refusal of the first (option, path) of `outputs` that lies in one of the (option, directory)
+    of `protected` (the checkpoints a command only reads), or None when none does."""
+    for option, path in outputs:
+        for source, directory in protected:
+            if inside(path, directory):
+                return f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
+    return None
+
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -146,9 +146,15 @@ def serving_text(config: RunConfig, serving) -> TextSampling:
 # ----------------------------------------------------------------------------------
 
 
-def _inside(path: Path, directory: Path) -> bool:
-    path, directory = path.resolve(), directory.resolve()
-    return path == directory or directory in path.parents
+def refuse_inside_models(config: RunConfig, outputs: list[tuple[str, Path]]) -> None:
+    """ConfigError for any (option, path) among `outputs` that lies in or below the base or the donor
+    directory, symlinks resolved: what a command writes never lands in a checkpoint it reads."""
+    protected = [("model.base", Path(config.model.base))]
+    if Path(config.model.donor_head).is_dir():
+        protected.append(("model.donor_head", Path(config.model.donor_head)))
+    refusal = files.inside_any(outputs, protected)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def check_inputs(config: RunConfig) -> BaseFacts:
@@ -178,11 +184,10 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     built on the meta device).
     """
     require_set(config, "model.base", "model.donor_head", "data.files")  # every placeholder named at once
-    base, donor = Path(config.model.base), Path(config.model.donor_head)
+    donor = Path(config.model.donor_head)
     facts = check_inputs(config)
     if not donor.exists():
         raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
-    protected = [("model.base", base)] + ([("model.donor_head", donor)] if donor.is_dir() else [])
     run_dir = RunDir.of(config)
     outputs = [("output.dir", run_dir.root), ("output.dir", run_dir.checkpoints)]
     stores = dict.fromkeys([GREEDY_TEXT, train_text(config), *(serving_text(config, s) for s in config.eval.serving)])
@@ -192,11 +197,7 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     for option, path in outputs:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{option}: {path} is a file; a directory is expected there")
-        for source, directory in protected:
-            if _inside(path, directory):
-                raise ConfigError(
-                    f"{option}: {path} is inside {source} ({directory}), which is only ever read; choose a directory outside it"
-                )
+    refuse_inside_models(config, outputs)
     for path in [run_dir.root] + ([run_dir.checkpoints] if training else []):
         problem = files.unwritable(path)
         if problem:

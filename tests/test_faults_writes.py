@@ -483,3 +483,23 @@ def test_a_server_that_fails_before_its_first_answer_leaves_no_store_marked_as_i
     assert not (tmp_path / "store" / META_FILE).exists()
     # the same directory then takes the embedded writer's continuations
     SelfGeneratedStore.open(tmp_path / "store", {**identity, "writer": EMBEDDED})
+
+
+@pytest.mark.parametrize("command", ["cache", "generate", "evaluate"])
+def test_every_command_refuses_an_output_inside_the_base(run_models, tmp_path, no_model_loading, capsys, command):
+    """An output in the base would put files there, and an atomic rename could replace one of its own."""
+    from occamy_mtp.cache import main as cache_main
+    from occamy_mtp.evaluation.evaluate import main as evaluate_main
+    from occamy_mtp.selfgen.regenerate import main as generate_main
+
+    before = sha256_tree(run_models["base"])
+    config = write_config(run_config(run_models, tmp_path / "run"), tmp_path / "run.yaml")
+    inside = Path(run_models["base"])
+    head = tmp_path / "head.safetensors"
+    head.write_bytes(b"")
+    argv = {"cache": (cache_main, ["--dir", str(inside / "cache")]),
+            "generate": (generate_main, ["--out", str(inside / "model.safetensors.index.json")]),
+            "evaluate": (evaluate_main, ["--head", str(head), "--out", str(inside)])}[command]
+    assert argv[0](["--config", str(config), *argv[1]]) == 2
+    assert "is inside model.base" in one_error_line(capsys)
+    assert sha256_tree(run_models["base"]) == before

@@ -21,7 +21,7 @@ from occamy_mtp.config import ConfigError, RunConfig, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
-from occamy_mtp.run import HELDOUT, RunDir, check_inputs, log_stderr, open_run
+from occamy_mtp.run import HELDOUT, RunDir, check_inputs, log_stderr, open_run, refuse_inside_models
 from occamy_mtp.evaluation.metrics import (
     Acceptance,
     acceptance_from_counts,
@@ -660,6 +660,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     if reference_decoder and config.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
     facts = check_inputs(config)
+    refuse_inside_models(config, [("--out", out)])
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
     run = open_run(config, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows)

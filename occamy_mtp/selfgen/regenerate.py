@@ -24,7 +24,7 @@ from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.files import open_owned, space_errors, write_json
+from occamy_mtp.files import inside_any, open_owned, space_errors, write_json
 from occamy_mtp.data import reader, windows
 from occamy_mtp.config import TURN_CHOICES
 from occamy_mtp.selfgen.store import EmbeddedWriter
@@ -506,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--device {args.device}: CUDA is not available on this machine")
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit must be >= 0, got {args.limit}")
+    refusal = inside_any([("--out", args.out), ("--out", sidecar_path(args.out))], [("model.base", Path(config.model.base))])
+    if refusal:  # an output never lands in the base (an atomic rename could replace one of its files)
+        raise ConfigError(refusal)
     tokenizer = windows.load_tokenizer(config)
     identity = checkpoint_fingerprint(config.model.base)
     base = ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=args.device,

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from occamy_mtp.console import plural
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.cli import command
@@ -194,7 +195,7 @@ def build_demo_models(
     if use_shipped and not out_dir.exists() and reusable(SHIPPED_DIR, settings, data_path) is not None:
         manifest = copy_shipped(out_dir)
         log(f"demo models: copied the shipped build {SHIPPED_DIR} to {out_dir} (built with {manifest['torch_threads']} "
-            f"thread(s) in {manifest['build_seconds']:.0f} s; --build builds them here instead)")
+            f"{plural(manifest['torch_threads'], 'thread')} in {manifest['build_seconds']:.0f} s; --build builds them here instead)")
         return manifest
     started = time.perf_counter()
     torch.manual_seed(settings.seed)
