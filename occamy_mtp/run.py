@@ -540,17 +540,17 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
     needed = self_generated_needed(config, data, splits)
     stores = open_stores(config, facts, stop_ids, needed) if self_generated else None
-    servers = None
+    engines = None
     if stores is not None:
         check_store_writable(config, stores, needed)
         if config.data.self_generate_endpoints and any(stores[s].missing(w) for s, w in needed.items()):
-            servers = continuation_writer(config, tokenizer, facts, stop_ids)
-            servers.servers  # noqa: B018 - the servers are checked here, before minutes of loading the base
+            engines = continuation_writer(config, tokenizer, facts, stop_ids)
+            engines.servers  # noqa: B018 - the servers are checked here, before minutes of loading the base
     models = load_models(config, facts, device, with_base=not config.data.target_cache, log=log)
     with writer_first():
         for store in (stores or {}).values():
             store.reread()  # what the main process (or another run) wrote meanwhile
-        writer = servers or continuation_writer(config, tokenizer, facts, stop_ids, models.base)
+        writer = engines or continuation_writer(config, tokenizer, facts, stop_ids, models.base)
         windows = run_windows(config, data, stores, writer, log=log, splits=splits)
     targets = open_targets(config, facts, windows.all(), data.settings, base=models.base)
     return Run(config, RunDir.of(config), facts, tokenizer, data, models, windows, targets, stop_ids)

@@ -259,7 +259,9 @@ class SelfGeneratedStore:
 
         Lines are appended in the order of the sorted contexts, each as soon as every
         missing one before it has come back, so that a run killed and resumed writes the
-        very bytes of an uninterrupted one (given the same answers).
+        very bytes of an uninterrupted one (given the same answers). When the writer stops
+        with an error (a server died), the answers that came back behind the one it never
+        gave are appended too, out of that order: nothing received is asked for again.
         """
         contexts = sorted({context_of(w) for w in windows}, key=context_digest)
         if all(context_digest(c) in self._continuations for c in contexts):
