@@ -90,6 +90,24 @@ _OWNED_FLAGS = {
 }
 
 
+def not_owned(path: Path) -> str | None:
+    """Why `open_owned` would refuse `path` (a link, another name, not a regular file), or None:
+    the same refusal before anything slow starts. `open_owned` checks again on the opened file."""
+    path = Path(path)
+    if path.is_symlink():
+        return (f"{path} is a symbolic link (to {os.readlink(path)}); the library writes no file through a link it "
+                "did not make: remove the link and run the command again")
+    if not path.exists():
+        return None
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        return f"{path} is not a regular file; the library writes there only a file of its own: remove it and run the command again"
+    if info.st_nlink > 1:
+        return (f"{path} has {info.st_nlink - 1} other name(s) (a hard link); writing it would change those files too, "
+                "so it is not opened: remove it and run the command again")
+    return None
+
+
 def open_owned(path: Path, mode: str, encoding: str | None = None):
     """Open `path` for writing in place (modes "a", "a+", "r+b", "w"), never through a link.
 

@@ -198,6 +198,10 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{option}: {path} is a file; a directory is expected there")
     refuse_inside_models(config, outputs)
+    for path in (run_dir.lock, run_dir.export_incomplete):
+        problem = files.not_owned(path)
+        if problem:
+            raise files.LinkedOutput(problem)
     for path in [run_dir.root] + ([run_dir.checkpoints] if training else []):
         problem = files.unwritable(path)
         if problem:
@@ -320,6 +324,10 @@ def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSam
         if problem:
             raise ConfigError(f"data.self_generated_dir: {store.directory} lacks {lacking} of the run's {len(windows)} "
                               f"continuations and cannot be written: {problem}")
+        for path in store.written_in_place() if lacking else ():
+            problem = files.not_owned(path)
+            if problem:
+                raise files.LinkedOutput(problem)
 
 
 def continuation_writer(config: RunConfig, tokenizer, facts: BaseFacts, stop_ids: set[int], base=None) -> Writer | None:

@@ -69,7 +69,8 @@ def _base_file(models) -> Path:
 
 
 @pytest.mark.parametrize("command", ["train", "export"])
-def test_a_lock_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys, command):
+def test_a_lock_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys, no_model_loading,
+                                                                           command):
     """The probe's repro: output.dir/.lock a link to a base shard; train.py or export.py truncated it to a pid."""
     from occamy_mtp.export.exporter import main as export_main
     from occamy_mtp.train.loop import main as train_main
@@ -87,7 +88,8 @@ def test_a_lock_that_links_into_the_base_is_refused_and_the_base_unchanged(run_m
 
 
 @pytest.mark.parametrize("name", ["self-generated.lock", "self-generated.jsonl"])
-def test_a_store_file_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys, name):
+def test_a_store_file_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys,
+                                                                                 no_model_loading, name):
     from occamy_mtp.train.loop import main as train_main
 
     before = sha256_tree(run_models["base"])

@@ -244,6 +244,10 @@ class SelfGeneratedStore:
         store.writer_details = (existing or {}).get("writer_details", {})
         return store
 
+    def written_in_place(self) -> tuple[Path, ...]:
+        """The files a `generate` opens in place (appended to, locked), which must be the store's own."""
+        return (self.directory / LOCK_FILE, self.directory / STORE_FILE)
+
     def reread(self) -> None:
         """Take in what another run (or process) sharing the directory wrote since this store was read."""
         self._continuations.update(_read_store(self.directory / STORE_FILE, self.identity)[0])
