@@ -24,7 +24,7 @@ from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 
-RECORD_FORMAT = 3  # 3: metrics and self-generated stores per serving configuration
+RECORD_FORMAT = 4  # 3: metrics and self-generated stores per serving configuration; 4: the ceiling, reproducibility
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
 def load_hash_cache(path: Path) -> dict:
     try:
@@ -234,6 +234,7 @@ SCHEMA = {
         "format": int, "headline": str, "serving": [{"label": str, **_SETTINGS}], "selected_serving": str,
         "served_steps": [int], "max_new_tokens": int,
         "heldout": {"donor": _HEAD_REPORT, "trained": _HEAD_REPORT},
+        "ceiling": dict,  # label -> served step count -> _SERVED, checked in validate_record
         "comparison": {"criterion": str, "serving": str, "steps": dict, "trained_not_worse": bool, "allow_worse": bool,
                        "written": bool},
         "decoder_check": {"donor": dict, "trained": dict},
@@ -300,6 +301,13 @@ def validate_record(record: dict) -> list[str]:
     if metrics["selected_serving"] not in labels:
         errors.append(f"TRAINING.metrics.selected_serving: {metrics['selected_serving']!r} is none of {labels}")
     steps = [str(k) for k in metrics["served_steps"]]
+    for label in labels:
+        for k in steps:
+            where = f"TRAINING.metrics.ceiling.{label}.{k}"
+            if k not in metrics["ceiling"].get(label, {}):
+                errors.append(f"{where}: missing")
+            else:
+                _check(metrics["ceiling"][label][k], _SERVED, where, errors)
     for name, report in metrics["heldout"].items():
         for label in labels:
             where = f"TRAINING.metrics.heldout.{name}.serving.{label}"

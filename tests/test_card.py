@@ -32,7 +32,10 @@ def test_export_writes_a_card_that_says_what_the_record_says(exported):
     assert len(rows) == len(metrics["serving"]) * len(metrics["served_steps"])
     greedy_k1 = metrics["heldout"]["trained"]["serving"]["greedy"]["served"]["1"]
     assert f"{greedy_k1['accepted'][0]:,} / {greedy_k1['proposed'][0]:,}" in rows[0]
-    assert rows[0].endswith("| 2.000 |")  # greedy's ceiling: every draft accepted
+    ceiling = metrics["ceiling"]["greedy"]["1"]["mean_accept_length"]
+    assert ceiling == pytest.approx(2.0) and f"| {ceiling:.3f} |" in rows[0]  # greedy's ceiling: every draft accepted
+    donor_k1 = metrics["heldout"]["donor"]["serving"]["greedy"]["served"]["1"]["mean_accept_length"]
+    assert rows[0].endswith(f"| {(greedy_k1['mean_accept_length'] - donor_k1) / (ceiling - donor_k1):.1%} |")
     for command in ("assemble_head.py --base", "--speculative-algorithm NEXTN", "vllm serve", "hf upload"):
         assert command in card
     assert "## Not validated" in card
@@ -60,7 +63,9 @@ def test_a_card_of_sampled_counts_says_they_are_expected():
                    for name in ("donor", "trained")}}
     row = acceptance_table(metrics)[2]
     assert row.startswith("| temperature 1, top-p 0.95, top-k 20 | 1-step | 12.5 / 40.0 (expected) (31.25%)")
-    assert row.endswith("| not measured |")
+    assert row.endswith("| not measured | - |")  # a record without the ceiling
+    metrics["ceiling"] = {"t1": {"1": {"mean_accept_length": 1.6}}}
+    assert acceptance_table(metrics)[2].endswith("| 1.600 | 0.0% |")
 
 
 # ---------------------------------------------------------------- compare

@@ -358,6 +358,84 @@ def _odds(results: list[_BatchOdds]) -> list[tuple[list[list[float]], list[list[
     return out
 
 
+# ----------------------------------------------------------------------------------
+# The ceiling: a perfect drafter
+# ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tuple[list[float], list[float]]]:
+    """Per window of one batch, per position t of its text: (P(a perfect draft of x_t is accepted given
+    the text, i.e. x_t is the base's own choice there), the expected acceptance of that draft, max p_t).
+
+    The perfect drafter drafts argmax p_t, p_t being the base's distribution at t as `serving`
+    processes it: greedy serving accepts it always (and the base's greedy text is that token), so
+    both are 1 where the text is the base's greedy choice; sampled serving accepts it with p_t of it."""
+    batch = collate(windows, device)
+    outputs = targets.outputs(batch.input_ids, batch.attention_mask) if hasattr(targets, "outputs") else base_outputs(
+        targets, batch.input_ids, batch.attention_mask)
+    ids = batch.input_ids
+    given = torch.zeros(ids.shape, dtype=torch.float64)
+    expected = torch.zeros(ids.shape, dtype=torch.float64)
+    # Drafted positions only: a decoder's first draft predicts the answer's second token.
+    wanted = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    for row, (window, length) in enumerate(zip(windows, batch.lengths.tolist())):
+        wanted[row, window.answer_start + 1 : length] = True
+    rows, positions = wanted.nonzero(as_tuple=True)  # (N,), (N,): x_t predicted from H_{t-1}
+    if serving.greedy:
+        hit = (outputs.greedy[rows, positions - 1] == ids[rows, positions]).double().cpu()
+        given[rows.cpu(), positions.cpu()] = hit
+        expected[rows.cpu(), positions.cpu()] = hit
+    else:
+        chunk = memory.logit_rows(ids.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
+        for start in range(0, len(rows), chunk):
+            part = slice(start, start + chunk)
+            p = sampling.base_probs(head.logits(outputs.hidden[rows[part], positions[part] - 1]), serving)  # (n, V)
+            best, choice = p.max(-1)
+            where = (rows[part].cpu(), positions[part].cpu())
+            given[where] = (choice == ids[rows[part], positions[part]]).double().cpu()
+            expected[where] = best.double().cpu()
+    return [(given[row, :length].tolist(), expected[row, :length].tolist())
+            for row, length in enumerate(batch.lengths.tolist())]
+
+
+def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
+                       serving: Serving | None = None) -> dict[int, Acceptance]:
+    """What the decoder would measure, at each served step count, with a perfect drafter on the same
+    texts as `served_acceptance`: one that drafts the base's own choice (argmax of its processed
+    distribution) at every step, the expectation exact under `serving`. Greedy: every draft inside
+    the budget is accepted, so the accept length is K + 1 but for the texts' ends. `head` lends only
+    the base's lm_head (its logits); the figure is the base's and the serving configuration's."""
+    serving = serving or Serving()
+    device = head.fc.weight.device
+    texts = []
+    for start in range(0, len(windows), windows_per_batch):
+        part = windows[start : start + windows_per_batch]
+        for window, (hit, best) in zip(part, _ceiling_batch(targets, head, part, device, serving)):
+            # accept_given[a][k]: step k (0-based) at anchor a drafts x_{a+k+2}
+            steps = range(max(served_steps))
+            given = [[hit[a + k + 2] if a + k + 2 < len(hit) else 0.0 for k in steps] for a in range(len(hit))]
+            expected = [[best[a + k + 2] if a + k + 2 < len(best) else 0.0 for k in steps] for a in range(len(best))]
+            texts.append((given, expected, window.answer_start))
+    return {k: expected_acceptance(texts, max_new_tokens, k) for k in served_steps}
+
+
+def ceiling_report(targets, head, heldout: dict[str, list], servings, served_steps, max_new_tokens: int,
+                   windows_per_batch: int = 4) -> dict:
+    """Per serving configuration (its label), per served step count: the perfect drafter's figures
+    (`ceiling_acceptance`) on the heldout windows the base wrote under it."""
+    return {serving.label(): {str(k): a.to_dict() for k, a in ceiling_acceptance(
+                targets, head, heldout[serving.label()], served_steps, max_new_tokens, windows_per_batch, serving).items()}
+            for serving in servings}
+
+
+def share_of_ceiling(donor: float, trained: float, ceiling: float) -> float | None:
+    """How much of the way from the donor's accept length to the ceiling's the trained head went
+    (1: all of it, 0: none, below 0: it lost ground); None where the donor is at the ceiling."""
+    room = ceiling - donor
+    return (trained - donor) / room if room > 1e-12 else None
+
+
 def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, served_steps, draft_steps: int,
                    max_new_tokens: int, windows_per_batch: int = 4) -> dict:
     """Every heldout figure of one head, from one pass over each set of windows.
@@ -570,18 +648,22 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def format_served(reports: dict[str, dict], servings, served_steps, max_new_tokens: int, selected: str | None = None) -> str:
+def format_served(reports: dict[str, dict], servings, served_steps, max_new_tokens: int, selected: str | None = None,
+                  ceiling: dict | None = None) -> str:
     """The headline of `heldout_report`s side by side, one column per head: per serving
     configuration and served step count, each step's acceptance, the mean accept length and
-    the tokens per verify pass; `selected` (a configuration's label) is marked."""
+    the tokens per verify pass; `selected` (a configuration's label) is marked. With `ceiling`
+    (`ceiling_report`) a last column gives a perfect drafter's figures, and a row each head's
+    share of the way from the donor to them."""
     names = list(reports)
+    columns = names + (["ceiling"] if ceiling else [])
     first = reports[names[0]]["serving"][servings[0].label()]["served"][str(served_steps[0])]
     width = 18
     lines = [
         "served acceptance (exact): the reference speculative decoder on the base's own continuation of "
         f"{first['texts']} heldout {plural(first['texts'], 'prompt')} (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
         "(decoder replay), sampled (the decoder's expected counts given the base's sampled text)",
-        f"  {'':<48}" + "".join(f"{name:>{width}}" for name in names),
+        f"  {'':<48}" + "".join(f"{name:>{width}}" for name in columns),
     ]
     for serving in servings:
         label = serving.label()
@@ -590,11 +672,18 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
                      f"{serving.draft} drafts")
         for k in served_steps:
             figures = [reports[name]["serving"][label]["served"][str(k)] for name in names]
+            figures += [ceiling[label][str(k)]] if ceiling else []
             for j in range(k):
                 lines.append(f"    {f'{k}-step drafts: step {j + 1} acceptance':<46}"
                              + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
             for text, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
                 lines.append(f"    {f'{k}-step drafts: {text}':<46}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+            if ceiling and "donor" in reports:
+                top, base = ceiling[label][str(k)]["mean_accept_length"], figures[names.index("donor")]["mean_accept_length"]
+                shares = [share_of_ceiling(base, f["mean_accept_length"], top) for f in figures[: len(names)]]
+                lines.append(f"    {f'{k}-step drafts: share of donor -> ceiling':<46}"
+                             + "".join(f"{'-' if v is None or name == 'donor' else format(v, '.1%'):>{width}}"
+                                       for name, v in zip(names, shares)))
 
     def recorded(field: str, form: str):
         return lambda r: "absent" if r["teacher_forced"] is None else format(r["teacher_forced"][field], form)
@@ -699,6 +788,8 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     else:
         servings, selected = config.eval.serving, config.selected_serving.label()
         results = {}
+        log_stderr("evaluate: the ceiling, a drafter of the base's own choices, under each serving configuration")
+        ceiling = ceiling_report(run.targets, donor, run.windows.heldout, servings, served_steps, budget, per_batch)
         for name, head in heads.items():
             count = len(next(iter(run.windows.heldout.values())))
             log_stderr(f"evaluate: measuring the {name} head on {count} heldout {plural(count, 'window')} under "
@@ -707,13 +798,13 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                                            served_steps, steps, budget, per_batch)
         report.update(
             text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
-            selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results,
+            selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results, ceiling=ceiling,
             self_generated={"stores": run.windows.self_generated, "max_new_tokens": budget,
                             "stop_token_ids": sorted(run.stop_token_ids), "batch_size": config.data.self_generate_batch_size},
         )
         plot_served({"serving": report["serving"], "served_steps": list(served_steps), "selected_serving": selected,
-                     "heldout": results}, out / PLOT_FILE)
-        printed = format_served(results, servings, served_steps, budget, selected)
+                     "heldout": results, "ceiling": ceiling}, out / PLOT_FILE)
+        printed = format_served(results, servings, served_steps, budget, selected, ceiling)
         if reference_decoder:
             shared = decodes_runners(run.models.base, next(iter(heads.values())),
                                      [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))

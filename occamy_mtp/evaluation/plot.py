@@ -68,7 +68,7 @@ def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
     """Write the served figures of `metrics` (export's metrics.json) to `path`: one panel per serving
     configuration, one bar group per served step count, donor beside trained; each bar is the mean
     accept length (tokens per pass of the base), labelled with it and the first step's acceptance;
-    a dashed line marks the ceiling where it is known (greedy: every draft accepted)."""
+    a dashed line marks the ceiling, a perfect drafter's accept length (`metrics["ceiling"]`), where it is given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -90,10 +90,10 @@ def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
             for bar, s in zip(bars, served):
                 axes.annotate(f"{s['mean_accept_length']:.2f}\n({s['acceptance'][0]:.0%})",
                               (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-        if serving["temperature"] == 0:
-            for i, k in enumerate(steps):
-                axes.hlines(k + 1, i - 0.45, i + 0.45, colors="black", linestyles="dashed", linewidth=0.8,
-                            label="ceiling" if i == 0 else None)
+        ceiling = metrics.get("ceiling", {}).get(label)
+        for i, k in enumerate(steps if ceiling else []):  # a perfect drafter's accept length
+            axes.hlines(ceiling[str(k)]["mean_accept_length"], i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                        linewidth=0.8, label="ceiling" if i == 0 else None)
         axes.set_xticks(range(len(steps)), [f"{k} draft{'s' * (k != 1)}" for k in steps])
         axes.set_title(serving_words(serving) + (" (selected)" if label == metrics.get("selected_serving")
                                                   and len(servings) > 1 else ""), fontsize=8)

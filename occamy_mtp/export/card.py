@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from occamy_mtp.console import plural
+from occamy_mtp.evaluation.evaluate import share_of_ceiling
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
 
@@ -43,24 +44,27 @@ def _count(accepted: float, proposed: float) -> str:
 def acceptance_table(metrics: dict) -> list[str]:
     """One row per serving configuration and served step count: first-step acceptance and the mean
     accept length, donor beside trained, and the ceiling a perfect drafter reaches where it is known."""
-    heldout = metrics["heldout"]
+    heldout, ceilings = metrics["heldout"], metrics.get("ceiling", {})
     rows = [
         "| serving | drafts | donor: accepted / proposed (step 1) | trained: accepted / proposed (step 1) "
-        "| accept length, donor → trained | ceiling |",
-        "|---|---|---|---|---|---|",
+        "| accept length, donor → trained | ceiling | share of donor → ceiling |",
+        "|---|---|---|---|---|---|---|",
     ]
     for serving in metrics["serving"]:
         label = serving["label"]
         for k in metrics["served_steps"]:
             donor = heldout["donor"]["serving"][label]["served"][str(k)]
             trained = heldout["trained"]["serving"][label]["served"][str(k)]
-            # Greedy serving accepts a draft when it is the base's argmax: a drafter that always drafts it
-            # is always accepted. Under sampling the ceiling is the base's own p(argmax), not measured here.
-            ceiling = f"{k + 1:.3f}" if serving["temperature"] == 0 else "not measured"
+            # A perfect drafter drafts the base's own choice (metrics["ceiling"], `evaluate.ceiling_report`).
+            top = ceilings.get(label, {}).get(str(k))
+            ceiling = f"{top['mean_accept_length']:.3f}" if top else "not measured"
+            share = share_of_ceiling(donor["mean_accept_length"], trained["mean_accept_length"],
+                                     top["mean_accept_length"]) if top else None
             rows.append(
                 f"| {serving_words(serving)} | {k}-step | {_count(donor['accepted'][0], donor['proposed'][0])} ({donor['acceptance'][0]:.2%}) "
                 f"| {_count(trained['accepted'][0], trained['proposed'][0])} ({trained['acceptance'][0]:.2%}) "
-                f"| {donor['mean_accept_length']:.3f} → **{trained['mean_accept_length']:.3f}** | {ceiling} |")
+                f"| {donor['mean_accept_length']:.3f} → **{trained['mean_accept_length']:.3f}** | {ceiling} "
+                f"| {'-' if share is None else format(share, '.1%')} |")
     return rows
 
 
@@ -123,7 +127,10 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
          "each prompt, per serving configuration. Greedy counts are the decoder's; sampled ones are its expected "
          "counts given the text the base sampled there (a draft is accepted with the base's processed probability "
          "of it, as SGLang and vLLM accept their default argmax drafts). Accept length counts the base's own token "
-         "too, as SGLang reports it."),
+         "too, as SGLang reports it. The ceiling is what a perfect drafter would reach on the same text, one that "
+         "drafts the base's own choice at every step (under greedy serving every draft is then accepted; under "
+         "sampling each with the base's probability of its top token), and the share is how much of the way from "
+         "the donor to it the trained head went."),
         "",
         f"Base: {base}. Selected configuration: {metrics['selected_serving']}.",
         "",

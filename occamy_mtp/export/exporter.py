@@ -35,12 +35,12 @@ from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
-from occamy_mtp.evaluation.evaluate import format_served, heldout_report, reference_decoder_check
+from occamy_mtp.evaluation.evaluate import ceiling_report, format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_served
 from occamy_mtp.export.card import model_card
 from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
 
-METRICS_FORMAT = 3  # 3: served figures per serving configuration
+METRICS_FORMAT = 4  # 3: served figures per serving configuration; 4: the ceiling
 HEADLINE = (
     "served acceptance: the reference speculative decoder on the base's own continuation of each heldout prompt, "
     "written under each serving configuration (self-generated heldout windows; greedy: decoder replay; sampled: the "
@@ -193,6 +193,10 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     max_rounding = _swap_in(head, masters, dtype)
     trained_report, trained_check = _measure(run, head, "trained", log, runners)
+
+    log("export: the ceiling, a drafter of the base's own choices, under each serving configuration")
+    ceiling = ceiling_report(run.targets, head, run.windows.heldout, config.eval.serving, config.eval.served_steps,
+                             config.data.answer_tokens, config.eval.windows_per_batch)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
@@ -206,6 +210,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
         "served_steps": list(config.eval.served_steps),
         "max_new_tokens": config.data.answer_tokens,
         "heldout": heldout,
+        "ceiling": ceiling,
         "comparison": comparison,
         "decoder_check": {"donor": donor_check, "trained": trained_check},
     }
@@ -305,7 +310,7 @@ def format_metrics(metrics: dict) -> str:
     """Donor beside trained (`evaluate.format_served`), the verdict, and the reference decoder's checks."""
     servings = [Serving(**{k: v for k, v in s.items() if k != "label"}) for s in metrics["serving"]]
     lines = [format_served(metrics["heldout"], servings, metrics["served_steps"], metrics["max_new_tokens"],
-                           metrics["selected_serving"])]
+                           metrics["selected_serving"], metrics["ceiling"])]
     verdict = "not worse than the donor" if metrics["comparison"]["trained_not_worse"] else "WORSE than the donor"
     lines.append(f"trained head: {verdict} under {metrics['selected_serving']} ({metrics['comparison']['criterion']})")
     for name, checks in metrics["decoder_check"].items():
