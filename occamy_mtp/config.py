@@ -109,6 +109,12 @@ class DataSettings:
     """Nucleus of the sampled continuations (1: every token)."""
     self_generate_top_k: int = 0
     """Top-k of the sampled continuations (0: every token)."""
+    self_generate_presence_penalty: float = 0.0
+    """Presence penalty of the sampled continuations (`eval.serving`'s `presence_penalty`)."""
+    self_generate_frequency_penalty: float = 0.0
+    """Frequency penalty of the sampled continuations."""
+    self_generate_repetition_penalty: float = 1.0
+    """Repetition penalty of the sampled continuations (1: none)."""
     self_generate_seed: int = 0
     """Seed of every sampled continuation (train, validation and heldout)."""
 
@@ -148,22 +154,70 @@ class Serving:
     SGLang's NEXTN with --speculative-eagle-topk 1, and vLLM's default draft_sample_method) or
     sampled (drawn from the head's softmax at the temperature and accepted with probability
     min(1, p/q): vLLM's draft_sample_method=probabilistic)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the answer already holds (OpenAI's and vLLM's
+    definition), before the temperature; in verification over the answer so far and the drafts
+    before the verified position (docs/CONTRACT.md section 4c)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for every time the answer already holds it."""
+    repetition_penalty: float = 1.0
+    """Divides the positive logits (multiplies the negative ones) of every token of the prompt or
+    the answer so far (1: none)."""
+    min_p: float = 0.0
+    """Refused above 0: vLLM refuses min_p with speculative decoding (docs/CONTRACT.md section 4c)."""
+    thinking: bool = False
+    """Thinking mode (the chat template's enable_thinking). Not implemented yet: refused when true."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the base's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def label(self) -> str:
-        """The configuration's name in reports and directory names: greedy, t0.7-p0.8, t0.6-k20-sampled-drafts."""
+        """The configuration's name in reports and directory names: a preset's name (instruct-general), or
+        its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts."""
+        for name, preset in PRESETS.items():
+            if preset == self:
+                return name
         sampled_drafts = not self.greedy and self.draft == "sampled"
-        return sampling_label(self.temperature, self.top_p, self.top_k) + ("-sampled-drafts" if sampled_drafts else "")
+        return (sampling_label(self.temperature, self.top_p, self.top_k, self.presence_penalty, self.frequency_penalty,
+                               self.repetition_penalty) + ("-sampled-drafts" if sampled_drafts else ""))
 
 
-def sampling_label(temperature: float, top_p: float, top_k: int) -> str:
-    """A way of sampling in reports and directory names: greedy, or e.g. t0.7-p0.8, t0.6-k20."""
+# The Qwen3.5/3.6 model card's serving presets (docs/CONTRACT.md section 4c): `eval.serving` takes
+# their names beside explicit settings.
+PRESETS: dict[str, Serving] = {}
+
+
+PRESETS.update({
+    "thinking-general": Serving(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, thinking=True),
+    "thinking-coding": Serving(temperature=0.6, top_p=0.95, top_k=20, thinking=True),
+    "instruct-general": Serving(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5),
+    "instruct-reasoning": Serving(temperature=1.0, top_p=1.0, top_k=40, presence_penalty=2.0),
+})
+
+
+def serving_preset(name: str, where: str = "eval.serving") -> Serving:
+    """The preset called `name`; ConfigError listing the four otherwise."""
+    if name not in PRESETS:
+        raise ConfigError(f"{where}: unknown serving preset {name!r}; expected one of {', '.join(PRESETS)}, "
+                          "or settings such as {temperature: 0.7, top_p: 0.8}")
+    return PRESETS[name]
+
+
+def sampling_label(temperature: float, top_p: float, top_k: int, presence_penalty: float = 0.0,
+                   frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> str:
+    """A way of sampling in reports and directory names: greedy, or e.g. t0.7-p0.8, t0.6-k20, t1-p0.95-k20-pp1.5."""
     if temperature == 0:
         return "greedy"
     parts = [f"t{temperature:g}"] + ([f"p{top_p:g}"] if top_p < 1 else []) + ([f"k{top_k}"] if top_k else [])
+    parts += [f"pp{presence_penalty:g}"] if presence_penalty else []
+    parts += [f"fp{frequency_penalty:g}"] if frequency_penalty else []
+    parts += [f"rp{repetition_penalty:g}"] if repetition_penalty != 1.0 else []
     return "-".join(parts)
 
 
@@ -282,17 +336,33 @@ class RunConfig:
         for name in ("self_generate_endpoints", "self_generate_concurrency", "self_generate_timeout_seconds",
                      "self_generate_retries"):
             d["data"].pop(name, None)
+        # Settings added after runs were trained leave the fingerprint as it was while they keep their default.
+        for section, name in _LATER_SETTINGS:
+            if section in d and d[section].get(name) == getattr(_DEFAULTS[section], name):
+                d[section].pop(name)
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
         if "train" in sections and (self.train.select_every_steps or self.train.loss != "top1"):
-            parts["eval.selected_serving"] = d["eval"]["serving"][self.eval.select_serving]  # selection scores it, the loss fits it
+            selected = dict(d["eval"]["serving"][self.eval.select_serving])  # selection scores it, the loss fits it
+            for name in _LATER_SERVING_SETTINGS:
+                if selected.get(name) == getattr(Serving(), name):
+                    selected.pop(name)
+            parts["eval.selected_serving"] = selected
         return parts
 
     @property
     def selected_serving(self) -> Serving:
         """The serving configuration selection, the refusal and a distribution loss use."""
         return self.eval.serving[self.eval.select_serving]
+
+
+# (section, setting) pairs and serving settings that came after runs were fingerprinted: at their
+# defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
+_LATER_SETTINGS = (("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
+                   ("data", "self_generate_repetition_penalty"))
+_LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
+_DEFAULTS = {"data": DataSettings()}
 
 
 def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
@@ -338,6 +408,8 @@ def _coerce(value, annotation, path: str):
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(errors[0])
+    if annotation is Serving and isinstance(value, str):  # a serving preset by name
+        return serving_preset(value, path)
     if dataclasses.is_dataclass(annotation):
         return _build(annotation, value, path)
     if annotation is type(None):
@@ -529,6 +601,34 @@ def check(config: RunConfig) -> None:
         ]
     checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", " or ".join(DRAFT_RULES), s.draft)
                for i, s in enumerate(config.eval.serving)]
+    penalties = [("data.self_generate_", data.self_generate_temperature, data.self_generate_presence_penalty,
+                  data.self_generate_frequency_penalty, data.self_generate_repetition_penalty)]
+    penalties += [(f"eval.serving[{i}].", s.temperature, s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
+                  for i, s in enumerate(config.eval.serving)]
+    for prefix, temperature, presence, frequency, repetition in penalties:
+        checks += [
+            (-2 <= presence <= 2, f"{prefix}presence_penalty", "a number in [-2, 2] (the OpenAI API's range)", presence),
+            (-2 <= frequency <= 2, f"{prefix}frequency_penalty", "a number in [-2, 2] (the OpenAI API's range)", frequency),
+            (math.isfinite(repetition) and repetition > 0, f"{prefix}repetition_penalty", "a finite number > 0 (1: none)",
+             repetition),
+            (temperature > 0 or (presence == 0 and frequency == 0 and repetition == 1), f"{prefix}temperature",
+             "a temperature above 0 where a penalty is set (greedy decoding under penalties is not modelled)", temperature),
+        ]
+    for i, s in enumerate(config.eval.serving):
+        if s.min_p > 0:
+            raise ConfigError(f"eval.serving[{i}].min_p: {s.min_p!r} is refused: vLLM refuses min_p with speculative "
+                              "decoding (SamplingParams._validate_spec_decode, vLLM 0.32; docs/CONTRACT.md section 4c), "
+                              "so no served figure exists for it; leave min_p at 0")
+        if s.thinking:
+            raise ConfigError(f"eval.serving[{i}] ({s.label()}): thinking mode is not implemented yet: the windows and "
+                              "the base's continuations are rendered with thinking off; serve a configuration with "
+                              "thinking: false (instruct-general, instruct-reasoning or explicit settings)")
+    selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
+        config.eval.serving) else None
+    if selected is not None and selected.penalized and config.train.loss != "top1":
+        raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
+                          f"configuration ({selected.label()}), whose penalties depend on each answer's earlier tokens: "
+                          "not modelled in the loss yet; use train.loss=top1, or select a configuration without penalties")
     for ok, option, expected, *given in checks:
         if not ok:
             value = given[0] if given else _dotted(config.to_dict(), option)

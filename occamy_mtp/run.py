@@ -133,7 +133,8 @@ def train_text(config: RunConfig) -> TextSampling:
     """How the base writes the train windows' continuations (`data.self_generate_*`)."""
     data = config.data
     return TextSampling(data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k,
-                        data.self_generate_seed)
+                        data.self_generate_seed, data.self_generate_presence_penalty, data.self_generate_frequency_penalty,
+                        data.self_generate_repetition_penalty)
 
 
 def serving_text(config: RunConfig, serving) -> TextSampling:

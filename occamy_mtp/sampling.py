@@ -59,9 +59,55 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
     return scaled.softmax(dim=-1)
 
 
-def base_probs(logits: torch.Tensor, serving: Serving) -> torch.Tensor:
-    """p: the base's distribution as `serving` samples it (`processed_probs`)."""
+History = tuple[torch.Tensor, torch.Tensor]
+"""What penalties read of a row: (answer ids (N, L), prompt ids (N, Lp)), long, padded with -1. The
+answer is what the request has generated before the position: the text's tokens, which are the
+accepted drafts in a verification (docs/CONTRACT.md section 4c)."""
+
+
+def penalized(logits: torch.Tensor, history: History | None, presence: float = 0.0, frequency: float = 0.0,
+              repetition: float = 1.0) -> torch.Tensor:
+    """(N, V) logits with the penalties applied, as vLLM applies them before the temperature
+    (`apply_penalties`): the repetition penalty on every token of the prompt or the answer (a positive
+    logit divided by it, a negative one multiplied), then `frequency` times each token's count in the
+    answer and `presence` once for each token the answer holds, subtracted. float32; `logits` itself
+    when no penalty is set."""
+    if not (presence or frequency or repetition != 1.0):
+        return logits
+    if history is None:
+        raise ValueError("penalties need each row's answer and prompt ids")
+    answer, prompt = history
+    rows, vocab = logits.shape
+    out = torch.cat([logits.float(), logits.new_zeros((rows, 1), dtype=torch.float32)], dim=-1)  # column V: the pads' sink
+    answer = answer.masked_fill(answer < 0, vocab)
+    counts = torch.zeros_like(out).scatter_add_(-1, answer, torch.ones(answer.shape, dtype=out.dtype, device=out.device))
+    counts[:, vocab] = 0
+    if repetition != 1.0:
+        seen = (counts > 0).scatter_(-1, prompt.masked_fill(prompt < 0, vocab), True)
+        seen[:, vocab] = False
+        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
+    out = out - frequency * counts - presence * (counts > 0).to(out.dtype)
+    return out[:, :vocab]
+
+
+def base_probs(logits: torch.Tensor, serving: Serving, history: History | None = None) -> torch.Tensor:
+    """p: the base's distribution as `serving` samples it: its penalties over `history` (`penalized`),
+    then `processed_probs`."""
+    logits = penalized(logits, history, serving.presence_penalty, serving.frequency_penalty, serving.repetition_penalty)
     return processed_probs(logits, serving.temperature, serving.top_p, serving.top_k)
+
+
+def answer_histories(input_ids: torch.Tensor, answer_starts: torch.Tensor, rows: torch.Tensor,
+                     positions: torch.Tensor) -> History:
+    """The penalties' history of N positions of a (B, T) batch of windows: for the token at
+    `positions[n]` of row `rows[n]`, the answer before it (ids from the row's answer start) and its
+    prompt (the ids before the answer start), each (N, T) padded with -1."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # (1, T)
+    ids = input_ids[rows]  # (N, T)
+    starts = answer_starts.to(input_ids.device)[rows][:, None]
+    answer = ids.masked_fill(~((columns >= starts) & (columns < positions[:, None])), -1)
+    prompt = ids.masked_fill(columns >= starts, -1)
+    return answer, prompt
 
 
 def head_probs(logits: torch.Tensor, serving: Serving) -> torch.Tensor:
@@ -157,23 +203,38 @@ class TextSampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def label(self) -> str:
-        """greedy, or e.g. t0.7-p0.8-seed0 (the settings that fix the text)."""
-        label = sampling_label(self.temperature, self.top_p, self.top_k)
+        """greedy, or e.g. t0.7-p0.8-seed0, t1-p0.95-k20-pp1.5-seed0 (the settings that fix the text)."""
+        label = sampling_label(self.temperature, self.top_p, self.top_k, self.presence_penalty, self.frequency_penalty,
+                               self.repetition_penalty)
         return label if self.greedy else f"{label}-seed{self.seed}"
 
     def to_dict(self) -> dict | None:
-        """The text's part of a store's identity: None for greedy text (as stores before sampling)."""
+        """The text's part of a store's identity: None for greedy text (as stores before sampling); a
+        penalty only when set (as stores before penalties)."""
         if self.greedy:
             return None
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        out = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != default:
+                out[name] = getattr(self, name)
+        return out
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, history: History | None = None) -> torch.Tensor:
+        """The processed distribution the text is drawn from, its penalties over `history` first."""
+        logits = penalized(logits, history, self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         return processed_probs(logits, self.temperature, self.top_p, self.top_k)
 
     def request_seed(self, context_key: str) -> int:
@@ -189,7 +250,10 @@ class TextSampling:
 
 def text_sampling(serving: Serving, seed: int) -> TextSampling:
     """How the base writes the text a serving configuration is measured on (its draft rule aside)."""
-    return TextSampling(serving.temperature, serving.top_p, serving.top_k, seed) if not serving.greedy else GREEDY_TEXT
+    if serving.greedy:
+        return GREEDY_TEXT
+    return TextSampling(serving.temperature, serving.top_p, serving.top_k, seed, serving.presence_penalty,
+                        serving.frequency_penalty, serving.repetition_penalty)
 
 
 GREEDY_TEXT = TextSampling()

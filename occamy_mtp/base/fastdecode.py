@@ -165,6 +165,8 @@ class BatchDecoder:
                  sampling: TextSampling = GREEDY_TEXT):
         if base.config.model_type != "qwen3_5_moe_text":
             raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
+        if sampling.penalized:
+            raise ValueError("BatchDecoder samples without penalties; a penalized text is written by generate.greedy_generate")
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device

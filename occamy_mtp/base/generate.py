@@ -112,6 +112,9 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
     generated: list[list[int]] = [[] for _ in prompts]
     finished = [False] * rows
     step_ids, step_positions = input_ids, position_ids
+    # What penalties read (`sampling.penalized`): each row's prompt, and its answer so far (-1: none yet).
+    prompt_ids = input_ids.masked_fill(attention_mask == 0, -1)
+    answer_ids = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         logits = base(
             input_ids=step_ids,
@@ -124,7 +127,9 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
         if sampling.greedy:
             next_ids = logits.argmax(dim=-1)  # (B,): ties go to the lowest id, as in the unbatched reference
         else:
-            next_ids = draw(sampling.probs(logits), uniforms[:, step].to(logits.device))
+            history = (answer_ids, prompt_ids) if sampling.penalized else None
+            next_ids = draw(sampling.probs(logits, history), uniforms[:, step].to(logits.device))
+        answer_ids[:, step] = next_ids
         for row, token in enumerate(next_ids.tolist()):
             if not finished[row]:
                 generated[row].append(token)

@@ -299,6 +299,9 @@ class _Draws:
     """The sampled decoder's random draws, all from one seeded generator, in the order they are made."""
 
     def __init__(self, serving: Serving, seed: int):
+        if serving.penalized:
+            raise ValueError(f"the reference decoder samples without penalties; {serving.label()} sets some "
+                             "(its figures come from the exact expectation, `evaluate.served_acceptance`)")
         self.serving = serving
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -48,8 +48,9 @@ SAMPLED_CHUNK_TOKENS = 512
 # Step 1's figures: the bf16 logits, their fp32 copy and cross-entropy's fp32 log-softmax.
 FIGURES_BYTES_PER_LOGIT = 10
 # Sampled odds: p's top-p sort (values, int64 order, the softmax, its running sum, the
-# filtered copy), p itself, q, and min(p, q).
-ODDS_BYTES_PER_LOGIT = 48
+# filtered copy), p itself, q, and min(p, q); under penalties also the penalized fp32 logits,
+# the answer's counts and the mask of tokens seen.
+ODDS_BYTES_PER_LOGIT = 64
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     given = torch.zeros(scored.shape, dtype=torch.float64)
     expected = torch.zeros(scored.shape, dtype=torch.float64)
     outside = 0
+    starts = torch.tensor([w.answer_start for w in windows])
     for k in range(draft_steps):  # step k + 1
         rows, anchors = scored[k].nonzero(as_tuple=True)  # (N,), (N,)
         base_hidden = targets.hidden[rows, anchors + k + 1]  # (N, D): H_{i+k+1} predicts x_{i+k+2}, step k + 1's draft
@@ -202,7 +204,9 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
             chunk = slice(start, start + positions)
-            a, b, out = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving)
+            history = sampling.answer_histories(batch.input_ids, starts, rows[chunk], anchors[chunk] + k + 2) \
+                if serving.penalized else None
+            a, b, out = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
             alpha.append(a)
             beta.append(b)
             outside += out
@@ -214,12 +218,14 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
 
 
 def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
-            serving: Serving) -> tuple[torch.Tensor, torch.Tensor, int]:
+            serving: Serving, history: sampling.History | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(alpha, beta (N,) float64 on the CPU, tokens outside p's support) of N (step, anchor) pairs: one chunk.
 
     p is the base's processed distribution from `base_hidden` (the head's logits are the
-    base's lm_head), q the head's from `head_hidden`; `tokens` are the text's."""
-    p = sampling.base_probs(head.logits(base_hidden), serving)
+    base's lm_head), its penalties over `history` (the answer before each drafted position and
+    the prompt: given the text, the accepted drafts are the text's tokens); q the head's from
+    `head_hidden`; `tokens` are the text's."""
+    p = sampling.base_probs(head.logits(base_hidden), serving, history)
     q = sampling.head_probs(head.logits(head_hidden), serving)
     return (sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
             int(sampling.outside_support(p, tokens).sum()))
@@ -388,9 +394,11 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tup
         expected[rows.cpu(), positions.cpu()] = hit
     else:
         chunk = memory.logit_rows(ids.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
+        starts = torch.tensor([w.answer_start for w in windows])
         for start in range(0, len(rows), chunk):
             part = slice(start, start + chunk)
-            p = sampling.base_probs(head.logits(outputs.hidden[rows[part], positions[part] - 1]), serving)  # (n, V)
+            history = sampling.answer_histories(ids, starts, rows[part], positions[part]) if serving.penalized else None
+            p = sampling.base_probs(head.logits(outputs.hidden[rows[part], positions[part] - 1]), serving, history)  # (n, V)
             best, choice = p.max(-1)
             where = (rows[part].cpu(), positions[part].cpu())
             given[where] = (choice == ids[rows[part], positions[part]]).double().cpu()
@@ -748,6 +756,10 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
 
     if reference_decoder and config.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
+    penalized = [s.label() for s in config.eval.serving if s.penalized]
+    if reference_decoder and penalized:
+        raise ConfigError(f"--reference-decoder samples without penalties, and eval.serving's {', '.join(penalized)} "
+                          "set some; leave those out of eval.serving for the decoder check")
     facts = check_inputs(config)
     refuse_inside_models(config, [("--out", out)])
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)

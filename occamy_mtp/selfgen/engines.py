@@ -89,6 +89,9 @@ def request_body(model: str, prompt_ids: Sequence[int], request: Request, max_to
     }
     if not sampling.greedy:
         body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=sampling.request_seed(context_digest(prompt_ids)))
+        penalties = {"presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
+                     "repetition_penalty": sampling.repetition_penalty}
+        body.update({k: v for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)})
     return body
 
 
