@@ -32,7 +32,10 @@ from occamy_mtp.run import RunDir  # noqa: E402
 from occamy_mtp.train.loop import train  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
-FOR_SAMPLED = "eval.select_serving=1"  # the demo's eval.serving: [greedy, t0.7-p0.8]; select and refuse by the second
+# The serving configurations these recipes were compared under (bench/RESULTS.md, "Sampled serving"):
+# greedy and t0.7-p0.8, set here since the default became greedy and the card's presets.
+SERVING = "eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0.8}]"
+FOR_SAMPLED = "eval.select_serving=1"  # select and refuse by the second of SERVING
 SAMPLED_TEXT = ["data.self_generate_temperature=0.7", "data.self_generate_top_p=0.8"]
 RECIPES = {
     # name: (what it is, overrides on configs/demo.yaml)
@@ -73,6 +76,7 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
         f"model.donor_head={models / 'donor'}",
         f"data.self_generated_dir={out / 'self-generated'}",
         f"eval.decoder_check_windows={decoder_check_windows}",
+        SERVING,
     ]
     results = {}
     for name in names:

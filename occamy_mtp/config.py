@@ -290,12 +290,13 @@ class EvalSettings:
     so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
-    serving: tuple[Serving, ...] = (Serving(), Serving(temperature=0.7, top_p=0.8))
-    """The serving configurations every served figure is measured for, e.g.
-    [{temperature: 0}, {temperature: 0.7, top_p: 0.8}]: greedy, and the sampling the Qwen3.5/3.6 model
-    cards recommend for chat. For each, the base writes its own continuation of every heldout
-    context under that sampling (seeded: `data.self_generate_seed`) and the decoder's acceptance is
-    the exact expectation over its draws given that text (docs/CONTRACT.md section 4)."""
+    serving: tuple[Serving, ...] = (Serving(), PRESETS["instruct-general"], PRESETS["instruct-reasoning"])
+    """The serving configurations every served figure is measured for: presets by name (`PRESETS`,
+    the Qwen3.5/3.6 model card's) or settings, e.g. [{temperature: 0}, instruct-general,
+    {temperature: 0.7, top_p: 0.8}]. By default greedy and the card's two presets with thinking off
+    (the thinking presets wait for thinking mode). For each, the base writes its own continuation of
+    every heldout context under that sampling (seeded: `data.self_generate_seed`) and the decoder's
+    acceptance is the exact expectation over its draws given that text (docs/CONTRACT.md sections 4a-4c)."""
     select_serving: int = 0
     """Which of `serving` (0: the first) checkpoint selection scores, export's refusal compares, and a
     kl or tv loss (`train.loss`) fits."""

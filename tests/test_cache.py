@@ -216,7 +216,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
         parts = [(online["teacher_forced"], cached["teacher_forced"])]
         parts += [(online["serving"][label]["every_anchor"], cached["serving"][label]["every_anchor"])
-                  for label in ("greedy", "t0.7-p0.8")]
+                  for label in ("greedy", "instruct-general", "instruct-reasoning")]
         for online_part, cached_part in parts:
             assert online_part["scored_positions"] == cached_part["scored_positions"]
             # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties

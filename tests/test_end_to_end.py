@@ -144,7 +144,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     assert metrics.accepted == teacher_forced["accepted"] and metrics.proposed == teacher_forced["proposed"]
     # The headline, from the run's stored self-generated heldout windows of each serving configuration.
     config = load_config(trained["config"])
-    assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "t0.7-p0.8"]
+    assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "instruct-general", "instruct-reasoning"]
     for serving in config.eval.serving:
         store = open_store(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), serving_text(config, serving))
         served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40, serving=serving)

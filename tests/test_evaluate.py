@@ -158,7 +158,9 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
     if teacher_forced_only:
         argv += ["data.answer_tokens=12", "--teacher-forced-only"]
     else:
-        argv += ["data.answer_tokens=8", "eval.served_steps=[1,2]", "--reference-decoder"]
+        # greedy and t0.7-p0.8: the reference decoder samples without penalties (the default presets have some)
+        argv += ["data.answer_tokens=8", "eval.served_steps=[1,2]", "--reference-decoder",
+                 "eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0.8}]"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "evaluation.json").read_text())
@@ -172,7 +174,7 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
             assert len(metrics["acceptance"]) == 2 and metrics["windows"] == 2 and not metrics["exact"]
         assert "approximate" in printed and "acceptance step 2" in printed
         return
-    # the default serving configurations: greedy, and temperature 0.7 with top-p 0.8 (its own sampled text)
+    # the serving configurations asked for: greedy, and temperature 0.7 with top-p 0.8 (its own sampled text)
     assert report["selected_serving"] == "greedy" and [s["label"] for s in report["serving"]] == ["greedy", "t0.7-p0.8"]
     stores = report["self_generated"]["stores"]
     assert set(stores) == {"greedy", "t0.7-p0.8-seed0"} and report["self_generated"]["max_new_tokens"] == 8
@@ -294,15 +296,15 @@ def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_p
     out = tmp_path / "eval"
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     report = json.loads((out / "evaluation.json").read_text())
-    # one store a serving configuration (greedy, and the default sampled one), each written at the config's batch
-    assert batch_sizes == [1, 1] and report["self_generated"]["batch_size"] == 1
+    # one store a serving configuration (greedy, and the default presets' two), each written at the config's batch
+    assert batch_sizes == [1, 1, 1] and report["self_generated"]["batch_size"] == 1
     trained = report["heads"]["trained"]["serving"]
     assert report["served_steps"] == [2] and all(set(s["served"]) == {"2"} for s in trained.values())
     assert report["heads"]["trained"]["teacher_forced"]["draft_steps"] == 2
     # The continuations are the run's own stores: a second evaluation writes none.
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     stores = json.loads((out / "evaluation.json").read_text())["self_generated"]["stores"]
-    assert batch_sizes == [1, 1] and all(store["generated_now"] == 0 for store in stores.values())
+    assert batch_sizes == [1, 1, 1] and all(store["generated_now"] == 0 for store in stores.values())
 
 
 def test_cli_refuses_a_head_export_would_refuse(checkpoints, tmp_path, capsys):

@@ -31,11 +31,13 @@ def test_reference_record_is_the_demo_recipe(reference):
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"]
     metrics = reference["metrics"]
     assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]
-    assert metrics["selected_serving"] == "greedy" and [s["label"] for s in metrics["serving"]] == ["greedy", "t0.7-p0.8"]
+    assert metrics["selected_serving"] == "greedy" and [s["label"] for s in metrics["serving"]] == [
+        "greedy", "instruct-general", "instruct-reasoning"]
     for k in ("1", "3"):  # the headline: the trained head ahead of the donor where serving runs it (greedily)
         donor, trained = (metrics["heldout"][name]["serving"]["greedy"]["served"][k] for name in ("donor", "trained"))
         assert trained["mean_accept_length"] > donor["mean_accept_length"], k
-    assert set(reference["self_generated"]) == {"greedy", "t0.7-p0.8-seed0"}  # the stores: greedy, and the sampled heldout
+    # the stores: greedy, and the heldout sampled under each preset
+    assert set(reference["self_generated"]) == {"greedy", "t0.7-p0.8-k20-pp1.5-seed0", "t1-k40-pp2-seed0"}
 
 
 @pytest.mark.parametrize(
@@ -43,7 +45,7 @@ def test_reference_record_is_the_demo_recipe(reference):
     [
         (("metrics", "heldout", "trained", "teacher_forced", "agreement"), "high", "expected a number"),
         (("metrics", "heldout", "donor", "serving", "greedy", "served", "1", "accepted"), 3, "expected a list"),
-        (("metrics", "heldout", "trained", "serving", "t0.7-p0.8", "settings", "temperature"), "hot", "expected a number"),
+        (("metrics", "heldout", "trained", "serving", "instruct-general", "settings", "temperature"), "hot", "expected a number"),
         (("metrics", "serving"), {"label": "greedy"}, "expected a list"),
         (("self_generated", "greedy", "windows"), 1.5, "expected an integer"),
         (("base", "files"), {"name": "x"}, "expected a list"),
@@ -69,8 +71,8 @@ def test_missing_section_is_rejected(reference):
 
 def test_missing_served_step_is_rejected(reference):
     broken = copy.deepcopy(reference)
-    del broken["metrics"]["heldout"]["trained"]["serving"]["t0.7-p0.8"]["served"]["3"]
-    assert "TRAINING.metrics.heldout.trained.serving.t0.7-p0.8.served.3: missing" in validate_record(broken)
+    del broken["metrics"]["heldout"]["trained"]["serving"]["instruct-general"]["served"]["3"]
+    assert "TRAINING.metrics.heldout.trained.serving.instruct-general.served.3: missing" in validate_record(broken)
 
 
 def test_missing_serving_configuration_and_unknown_selection_are_rejected(reference):
