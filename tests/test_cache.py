@@ -191,8 +191,9 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
                          self_generated_needed(cached_config, data))
     windows = run_windows(cached_config, data, stores).all()
-    # self-generated (the heldout ones under each serving configuration: greedy, sampled), + recorded heldout
-    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * 3
+    # self-generated (the heldout ones under each serving configuration: greedy and the two default
+    # presets), + recorded heldout
+    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * (len(cached_config.eval.serving) + 1)
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
     C.build_cache(library, C.cache_identity(ckpt_io.checkpoint_fingerprint(world["base_path"]), windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
                   T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)

@@ -183,3 +183,33 @@ def test_runs_fingerprinted_before_penalties_keep_their_fingerprint():
                                "eval.serving=[instruct-general]", "train.select_every_steps=64"]).fingerprinted()
     assert after["data"]["self_generate_presence_penalty"] == 1.5
     assert after["eval.selected_serving"]["presence_penalty"] == 1.5
+
+
+@torch.no_grad()
+def test_top1_training_fits_the_base_s_choice_under_the_penalties(models):
+    """Under a penalized selected configuration the base's own choice (what top-1 trains towards, and
+    what a perfect drafter drafts) is the argmax of its penalized logits, position by position."""
+    from occamy_mtp.model.loss import collate, served_choice
+
+    base, head = models
+    # contexts whose greedy text repeats its top token, which the penalties then push down
+    windows = [Window("a", 0, (5, 6, 7, 8, 9), 5), Window("b", 0, (7, 8, 9), 3), Window("c", 0, (3, 5, 6, 7, 8, 9), 6)]
+    written = self_generate(base, [context_of(w) for w in windows], 12, stop_token_ids=set(), batch_size=3)
+    windows = [with_continuation(w, c) for w, c in zip(windows, written)]
+    batch = collate(windows, torch.device("cpu"))
+    outputs = base(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+    hidden = outputs.hidden_states[-1]  # post-norm, as the targets' `hidden`
+    greedy = base.lm_head(hidden).argmax(-1)
+    choice = served_choice(head, hidden, greedy, batch, STRONG)
+    assert torch.equal(served_choice(head, hidden, greedy, batch, Serving(temperature=0.7)), greedy)  # no penalty
+    changed = 0
+    for row, window in enumerate(windows):
+        ids, start = list(window.input_ids), window.answer_start
+        for t in range(start - 1, len(ids) - 1):  # choice_t predicts x_{t+1}, penalized over x_start..x_t
+            logits = head.logits(hidden[row, t]).float().tolist()
+            want = max(range(len(logits)), key=lambda v: (plain_penalized(logits, ids[start : t + 1], ids[:start], 2.0, 0.5,
+                                                                          1.3)[v], -v))
+            assert int(choice[row, t]) == want
+            changed += int(choice[row, t]) != int(greedy[row, t])
+        assert torch.equal(choice[row, : start - 1], greedy[row, : start - 1])  # the prompt: untouched
+    assert changed > 0  # the penalties changed some choices, so the comparison above could fail

@@ -43,6 +43,9 @@ SOFT_CHUNK_TOKENS = 1024
 # sort beside the head's fp32 logits, q and their gradients.
 TOP1_BYTES_PER_LOGIT = 24
 DISTRIBUTION_BYTES_PER_LOGIT = 64
+# The base's choice under penalties: its logits in fp32, penalized (a copy, the answer's counts, the
+# tokens seen), and the argmax.
+CHOICE_BYTES_PER_LOGIT = 16
 TOP1, KL, TV = LOSSES
 
 
@@ -73,6 +76,30 @@ def collate(windows, device) -> WindowBatch:
         lengths.to(device),
         None if attention_mask is None else attention_mask.to(device),
     )
+
+
+@torch.no_grad()
+def served_choice(head, hidden: torch.Tensor, greedy: torch.Tensor, batch: WindowBatch, serving: Serving) -> torch.Tensor:
+    """(B, T) the base's own choice for the next position as `serving` processes its logits: `greedy`
+    (the argmax of W @ H_t, which temperature, top-k and top-p leave in place) unless penalties apply,
+    then, inside each answer, the argmax of the penalized logits over the answer so far and the prompt
+    (`sampling.penalized`): the token a perfect drafter drafts there, and what top-1 training fits."""
+    if not serving.penalized:
+        return greedy
+    starts = batch.assistant.to(torch.int8).argmax(dim=1)  # (B,) each answer's first position
+    positions = torch.arange(greedy.shape[1], device=greedy.device)[None]
+    # greedy_t predicts x_{t+1}: the penalties read the answer up to x_t; from the token before the answer
+    wanted = (positions >= (starts[:, None] - 1)) & (positions < (batch.lengths[:, None] - 1))
+    rows, at = wanted.nonzero(as_tuple=True)
+    out = greedy.clone()
+    chunk = memory.logit_rows(hidden.device, head.vocab_size, CHOICE_BYTES_PER_LOGIT, DEFAULT_LOGITS_CHUNK_TOKENS)
+    for start in range(0, len(rows), chunk):
+        part = slice(start, start + chunk)
+        history = sampling.answer_histories(batch.input_ids, starts, rows[part], at[part] + 1)
+        logits = sampling.penalized(head.logits(hidden[rows[part], at[part]]), history, serving.presence_penalty,
+                                    serving.frequency_penalty, serving.repetition_penalty)
+        out[rows[part], at[part]] = logits.argmax(dim=-1)
+    return out
 
 
 @dataclass(frozen=True)

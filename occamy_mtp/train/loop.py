@@ -38,7 +38,7 @@ from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.head import MTPHead
-from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate
+from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.targets.base import TargetSource
 
@@ -224,7 +224,8 @@ def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window
     base = targets.outputs(batch.input_ids, batch.attention_mask)
     base_seconds = time.perf_counter() - started
 
-    chain = chain_batch(batch.input_ids, base.greedy, batch.assistant, batch.lengths, settings.draft_steps, objective.embed_text)
+    choice = served_choice(head, base.hidden, base.greedy, batch, objective.serving)  # the base's own, as served
+    chain = chain_batch(batch.input_ids, choice, batch.assistant, batch.lengths, settings.draft_steps, objective.embed_text)
     with head_autocast(head, device, act_dtype):
         hidden = model(chain.step_token_ids, base.hidden, detach_chain=settings.detach_chain)  # (K, B, T, D)
         loss, stats = chain_loss(head, hidden, chain.labels, loss_weights, objective=objective, base_hidden=base.hidden)
