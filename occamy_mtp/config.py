@@ -190,15 +190,12 @@ class Serving:
 
 # The Qwen3.5/3.6 model card's serving presets (docs/CONTRACT.md section 4c): `eval.serving` takes
 # their names beside explicit settings.
-PRESETS: dict[str, Serving] = {}
-
-
-PRESETS.update({
+PRESETS: dict[str, Serving] = {
     "thinking-general": Serving(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, thinking=True),
     "thinking-coding": Serving(temperature=0.6, top_p=0.95, top_k=20, thinking=True),
     "instruct-general": Serving(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5),
     "instruct-reasoning": Serving(temperature=1.0, top_p=1.0, top_k=40, presence_penalty=2.0),
-})
+}
 
 
 def serving_preset(name: str, where: str = "eval.serving") -> Serving:
