@@ -156,6 +156,9 @@ def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_ne
         "bound_seconds_weights_only": moved["weights"] / bandwidth,
         "bound_seconds_with_state": moved["total"] / bandwidth,
         "ratio_to_bound_with_state": seconds_per_step / (moved["total"] / bandwidth),
+        # what the batch sizing counts a row (`BatchDecoder.row_bytes`), beside the weights: the peak less
+        # the weights, over the batch, is the row's measured share
+        "row_bytes_sized": BatchDecoder.row_bytes(base.config, decoder.positions, base.lm_head.weight.dtype, sampling),
     }
 
 
@@ -257,9 +260,12 @@ def main() -> int:
                         help="the routed experts' GEMMs of the step: moe_kernels.expert_mlp (the library's), torch's grouped GEMM, or each in turn")
     parser.add_argument("--temperatures", default="0", help="time each batch greedy (0) and at each of these temperatures")
     parser.add_argument("--top-p", type=float, default=1.0, help="top_p of the sampled decoders")
+    parser.add_argument("--top-k", type=int, default=0, help="top_k of the sampled decoders")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty of the sampled decoders")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    samplings = [TextSampling(float(t), args.top_p if float(t) > 0 else 1.0) for t in args.temperatures.split(",") if t]
+    samplings = [TextSampling(float(t), args.top_p, args.top_k, 0, args.presence_penalty) if float(t) > 0 else GREEDY_TEXT
+                 for t in args.temperatures.split(",") if t]
     device = torch.device(args.device)
     started = time.perf_counter()
     base = build(args.tiny, device)

@@ -58,6 +58,26 @@ def test_the_batch_decoder_samples_greedy_generate_s_tokens(base):
     assert got == expected
 
 
+def test_the_batch_decoder_samples_under_penalties_as_greedy_generate_does(base):
+    """Penalized sampling (a preset's presence penalty, and the others): each row's answer so far and its
+    prompt, read from the decoder's fixed buffers, penalize its logits as greedy_generate's do."""
+    from occamy_mtp.sampling import TextSampling
+
+    sharp = type(base)(base.config).float().eval().requires_grad_(False)
+    sharp.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(6)
+    penalized = TextSampling(temperature=0.7, top_p=0.9, top_k=50, seed=1, presence_penalty=1.5, frequency_penalty=0.5,
+                             repetition_penalty=1.2)
+    prompts = prompts_of((1, 9, 4, 17, 2), seed=2)
+    uniforms = [penalized.uniforms(f"row-{i}", 12) for i in range(len(prompts))]
+    kwargs = dict(max_new_tokens=12, eos_token_ids=set(), sampling=penalized, uniforms=uniforms)
+    expected = greedy_generate(sharp, prompts, batch_size=5, **kwargs)
+    plain = TextSampling(temperature=0.7, top_p=0.9, top_k=50, seed=1)
+    assert expected != greedy_generate(sharp, prompts, batch_size=5, **{**kwargs, "sampling": plain})
+    assert fast_greedy_generate(sharp, prompts, batch_size=3, **kwargs) == expected
+
+
 def test_it_stops_at_the_stop_tokens_as_greedy_generate_does(base):
     prompts = prompts_of((5, 3, 11), seed=1)
     free = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
@@ -162,6 +182,25 @@ def test_the_captured_step_writes_the_eager_step_s_tokens_on_gpu():
     # bf16: another summation order than greedy_generate's (recurrent against chunked prefill,
     # grouped against looped experts) may part a row at a near tie, not most of them
     assert sum(a == b for a, b in zip(graphed, reference)) >= len(prompts) // 2
+
+
+@pytest.mark.gpu
+def test_the_captured_penalized_step_writes_the_eager_step_s_tokens_on_gpu():
+    """The penalties (the answer's counts, the prompt's mask) are captured in the step's graph too."""
+    from occamy_mtp.sampling import TextSampling
+
+    model, _ = random_models(tiny_text_config(), seed=3)
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6)
+    sampling = TextSampling(temperature=1.0, top_p=0.95, top_k=20, seed=2, presence_penalty=1.5)
+    prompts = prompts_of((3, 12, 7, 1, 9, 4))
+    uniforms = [sampling.uniforms(f"row-{i}", 20) for i in range(len(prompts))]
+    kwargs = dict(max_new_tokens=20, eos_token_ids=set(), batch_size=6, sampling=sampling, uniforms=uniforms)
+    eager = fast_greedy_generate(model, prompts, cuda_graph=False, **kwargs)
+    assert fast_greedy_generate(model, prompts, cuda_graph=True, **kwargs) == eager
+    unpenalized = TextSampling(temperature=1.0, top_p=0.95, top_k=20, seed=2)
+    assert eager != fast_greedy_generate(model, prompts, cuda_graph=False, **{**kwargs, "sampling": unpenalized})
 
 
 @pytest.mark.gpu

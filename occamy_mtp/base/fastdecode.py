@@ -48,6 +48,9 @@ CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished 
 # 73.7 MiB a row greedy and 81.7 sampled, against `row_bytes`' 72.8 and 80.4 (bench/RESULTS.md).
 GREEDY_STEP_BYTES_PER_LOGIT = 4
 SAMPLED_STEP_BYTES_PER_LOGIT = 36
+# Penalties add, over the vocabulary and beside the sampled step's: the penalized fp32 logits and their
+# padded copy, the answer's counts (fp32) and the mask of tokens seen (`sampling.penalized`).
+PENALTY_STEP_BYTES_PER_LOGIT = 17
 DEFAULT_MAX_BATCH = 160  # the largest batch a self-generation sizes itself to: the one measured fastest a window
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
 
@@ -165,8 +168,6 @@ class BatchDecoder:
                  sampling: TextSampling = GREEDY_TEXT):
         if base.config.model_type != "qwen3_5_moe_text":
             raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
-        if sampling.penalized:
-            raise ValueError("BatchDecoder samples without penalties; a penalized text is written by generate.greedy_generate")
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device
@@ -250,6 +251,7 @@ class BatchDecoder:
     def row_bytes(cls, config, positions: int, dtype: torch.dtype, sampling: TextSampling = GREEDY_TEXT) -> int:
         """Bytes one row of a batch takes: its state and the step's transient tensors over the vocabulary."""
         per_logit = GREEDY_STEP_BYTES_PER_LOGIT if sampling.greedy else SAMPLED_STEP_BYTES_PER_LOGIT
+        per_logit += PENALTY_STEP_BYTES_PER_LOGIT if sampling.penalized else 0
         return cls.row_state_bytes(config, positions, dtype, not sampling.greedy) + config.vocab_size * per_logit
 
     # -- the step ---------------------------------------------------------------------
@@ -269,12 +271,22 @@ class BatchDecoder:
         if self.sampling.greedy:
             chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
         else:
-            chosen = draw(self.sampling.probs(logits), self.uniforms.index_select(1, position)[:, 0])
+            history = self._penalty_history(position) if self.sampling.penalized else None
+            chosen = draw(self.sampling.probs(logits, history), self.uniforms.index_select(1, position)[:, 0])
         self.chosen.index_copy_(1, position, chosen[:, None])
         following = position + 1
         from_prompt = following < self.prompt_lengths  # (B,) still reading its prompt
         self.tokens.copy_(torch.where(from_prompt, self.prompts.index_select(1, following)[:, 0], chosen))
         position.add_(1)
+
+    def _penalty_history(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the penalties read at this step (`sampling.penalized`), in fixed shapes (a graph holds
+        it): each row's answer so far, the choices made at positions prompt length - 1 .. position - 1
+        (the tokens after its prompt), and its prompt; -1 elsewhere."""
+        lengths = self.prompt_lengths[:, None]
+        answer = self.chosen.masked_fill((self._arange < lengths - 1) | (self._arange >= position), -1)
+        prompt = self.prompts.masked_fill(torch.arange(self.prompts.shape[1], device=self.device) >= lengths, -1)
+        return answer, prompt
 
     def _layers(self, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor) -> torch.Tensor:
         """The decoder layers over (B, T, D) at the positions `kv.writes`, then the final norm."""

@@ -92,7 +92,7 @@ def self_generate(
     runs (`static_decoding`), else `generate.greedy_generate`."""
     stop = frozenset(int(t) for t in stop_token_ids)
     size = EmbeddedWriter(base, batch_size, sampling).batch_for(contexts, max_new_tokens, log)
-    generate = fast_greedy_generate if EmbeddedWriter(base, batch_size, sampling).static else greedy_generate
+    generate = fast_greedy_generate if static_decoding(base) else greedy_generate
     generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=size,
                          sampling=sampling, uniforms=context_uniforms(sampling, contexts, max_new_tokens))
     return [Continuation(tuple(ids), bool(ids) and ids[-1] in stop) for ids in generated]
@@ -138,8 +138,7 @@ class EmbeddedWriter:
 
     def __init__(self, base, batch_size: int, sampling: TextSampling = GREEDY_TEXT):
         self.base, self.batch_size, self.sampling = base, batch_size, sampling
-        # The static decoder samples without penalties: a penalized text is written by greedy_generate.
-        self.static = static_decoding(base) and not sampling.penalized
+        self.static = static_decoding(base)
 
     def for_text(self, sampling: TextSampling) -> "EmbeddedWriter":
         """The same base and batch writing under other sampling settings."""
@@ -161,8 +160,7 @@ class EmbeddedWriter:
             return self.batch_size
         upper = min(DEFAULT_MAX_BATCH, len(contexts))
         if not self.static:
-            why = "the CPU's default" if not static_decoding(self.base) else "greedy_generate's default: the static decoder samples without penalties"
-            log(f"self-generated windows: batch {upper} ({why}; data.self_generate_batch_size sets it)")
+            log(f"self-generated windows: batch {upper} (the CPU's default; data.self_generate_batch_size sets it)")
             return upper
         positions = max(len(c) for c in contexts) + max_new_tokens - 1
         row = BatchDecoder.row_bytes(self.base.config, positions, self.base.lm_head.weight.dtype, self.sampling)
