@@ -50,7 +50,7 @@ GREEDY_STEP_BYTES_PER_LOGIT = 4
 SAMPLED_STEP_BYTES_PER_LOGIT = 36
 # Penalties add, over the vocabulary and beside the sampled step's: the penalized fp32 logits and their
 # padded copy, the answer's counts (fp32) and the mask of tokens seen (`sampling.penalized`).
-PENALTY_STEP_BYTES_PER_LOGIT = 17
+PENALTY_STEP_BYTES_PER_LOGIT = 24
 DEFAULT_MAX_BATCH = 160  # the largest batch a self-generation sizes itself to: the one measured fastest a window
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
 
