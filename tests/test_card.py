@@ -28,7 +28,7 @@ def test_export_writes_a_card_that_says_what_the_record_says(exported):
     assert f"{record['derived']['trainable_parameters']:,} of the head's {record['derived']['head_parameters']:,}" in card
     # one row per serving configuration and served step count, donor and trained counts as the metrics have them
     metrics = record["metrics"]
-    rows = [line for line in card.splitlines() if re.match(r"\| (greedy|temperature)", line)]
+    rows = [line for line in card.splitlines() if re.match(r"\| (greedy|temperature|instruct)", line)]
     assert len(rows) == len(metrics["serving"]) * len(metrics["served_steps"])
     greedy_k1 = metrics["heldout"]["trained"]["serving"]["greedy"]["served"]["1"]
     assert f"{greedy_k1['accepted'][0]:,} / {greedy_k1['proposed'][0]:,}" in rows[0]

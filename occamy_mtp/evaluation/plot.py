@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from occamy_mtp.config import PRESETS
+
 FIGURE_INCHES = (6.0, 3.6)
 DPI = 120
 DONOR_COLOR = "#8c8c8c"  # the donor in grey, every other head in colour
@@ -53,7 +55,8 @@ PANEL_INCHES = (3.2, 3.6)  # one panel per serving configuration
 
 
 def serving_words(serving: dict) -> str:
-    """A serving configuration in words: "greedy", "temperature 0.7, top-p 0.8, top-k 20"."""
+    """A serving configuration in words: "greedy", "temperature 0.7, top-p 0.8", and a preset by its
+    name: "instruct-general (temperature 0.7, top-p 0.8, top-k 20, presence penalty 1.5)"."""
     if serving["temperature"] == 0:
         return "greedy"
     words = [f"temperature {serving['temperature']:g}"]
@@ -61,7 +64,11 @@ def serving_words(serving: dict) -> str:
         words.append(f"top-p {serving['top_p']:g}")
     if serving.get("top_k", 0):
         words.append(f"top-k {serving['top_k']}")
-    return ", ".join(words)
+    for name, default in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+        if serving.get(name, default) != default:
+            words.append(f"{name.replace('_', ' ')} {serving[name]:g}")
+    label = serving.get("label", "")
+    return f"{label} ({', '.join(words)})" if label in PRESETS else ", ".join(words)
 
 
 def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
