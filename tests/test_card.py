@@ -47,7 +47,7 @@ def test_the_picture_has_a_panel_per_serving_configuration(exported, tmp_path):
     metrics = json.loads(RunDir.of(exported).metrics.read_text())
     one = plot_served({**metrics, "serving": metrics["serving"][:1]}, tmp_path / "one.png")
     two = plot_served(metrics, tmp_path / "two.png")
-    assert len(metrics["serving"]) == 3
+    assert len(metrics["serving"]) == 2
     assert Image.open(two).size[0] > 1.8 * Image.open(one).size[0]
 
 

@@ -366,6 +366,8 @@ def run_config(models, output, *overrides):
         "data.train_conversations=6", "data.validation_conversations=2", "data.heldout_conversations=2",
         "train.epochs=1", "train.lr=1.0e-2", "train.lr_warmup_steps=1", "train.checkpoint_every_steps=1",
         "train.select_every_steps=0", "eval.decoder_check_windows=0", "eval.served_steps=[1,2]", "eval.draft_steps=2",
+        # greedy and one preset (the default adds a second preset: one more store a run, the suite's minutes)
+        "eval.serving=[{temperature: 0}, instruct-general]",
         f"output.dir={output}", *overrides,
     ])
 
