@@ -102,8 +102,9 @@ def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
             axes.hlines(ceiling[str(k)]["mean_accept_length"], i - 0.45, i + 0.45, colors="black", linestyles="dashed",
                         linewidth=0.8, label="ceiling" if i == 0 else None)
         axes.set_xticks(range(len(steps)), [f"{k} draft{'s' * (k != 1)}" for k in steps])
-        axes.set_title(serving_words(serving) + (" (selected)" if label == metrics.get("selected_serving")
-                                                  and len(servings) > 1 else ""), fontsize=8)
+        words = serving_words(serving).replace(" (", "\n(").replace(", top-k", ",\ntop-k")  # a preset: its name above
+        axes.set_title(words + (" (selected)" if label == metrics.get("selected_serving") and len(servings) > 1 else ""),
+                       fontsize=7)
         axes.set_ylim(0, top + 0.6)
     axes_row[0].set_ylabel("tokens per pass of the base")
     axes_row[0].legend(fontsize=7, loc="upper left")
