@@ -90,22 +90,28 @@ _OWNED_FLAGS = {
 }
 
 
-def not_owned(path: Path) -> str | None:
-    """Why `open_owned` would refuse `path` (a link, another name, not a regular file), or None:
-    the same refusal before anything slow starts. `open_owned` checks again on the opened file."""
-    path = Path(path)
-    if path.is_symlink():
-        return (f"{path} is a symbolic link (to {os.readlink(path)}); the library writes no file through a link it "
-                "did not make: remove the link and run the command again")
-    if not path.exists():
-        return None
-    info = os.lstat(path)
-    if not stat.S_ISREG(info.st_mode):
+def _linked(path: Path) -> str:
+    return (f"{path} is a symbolic link (to {os.readlink(path)}); the library writes no file through a link it "
+            "did not make: remove the link and run the command again")
+
+
+def _not_its_own(path: Path, info: os.stat_result) -> str | None:
+    """Why a file of status `info` at `path` is not one the library may write in place, or None."""
+    if not stat.S_ISREG(info.st_mode):  # a fifo would block, or refuse the open; a device is nobody's output
         return f"{path} is not a regular file; the library writes there only a file of its own: remove it and run the command again"
     if info.st_nlink > 1:
         return (f"{path} has {info.st_nlink - 1} other name(s) (a hard link); writing it would change those files too, "
                 "so it is not opened: remove it and run the command again")
     return None
+
+
+def not_owned(path: Path) -> str | None:
+    """Why `open_owned` would refuse `path` (a link, another name, not a regular file), or None:
+    the same refusal before anything slow starts. `open_owned` checks again on the opened file."""
+    path = Path(path)
+    if path.is_symlink():
+        return _linked(path)
+    return _not_its_own(path, os.lstat(path)) if path.exists() else None
 
 
 def open_owned(path: Path, mode: str, encoding: str | None = None):
@@ -114,29 +120,25 @@ def open_owned(path: Path, mode: str, encoding: str | None = None):
     The last component is opened with O_NOFOLLOW, and the opened file must be a regular file
     with no other name: a symbolic link, or a hard link, placed at a lock or store path could
     point into the base directory, and opening it for writing would change the base. Such a
-    path raises `LinkedOutput` before a byte is written. The directories above `path` are the
-    caller's to check (`run.check_run` resolves every output directory against the base).
+    path raises `LinkedOutput` before a byte is written (`not_owned` before the open, and again
+    on the opened file, which a link swapped in meanwhile cannot pass). The directories above
+    `path` are the caller's to check (`run.check_run` resolves every output directory against the base).
     """
     path = Path(path)
+    problem = not_owned(path)
+    if problem:
+        raise LinkedOutput(problem)
     flags = _OWNED_FLAGS[mode] | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    not_regular = LinkedOutput(f"{path} is not a regular file; the library writes there only a file of its own: "
-                               "remove it and run the command again")
-    if os.path.lexists(path) and not path.is_symlink() and not stat.S_ISREG(os.lstat(path).st_mode):
-        raise not_regular  # a fifo would block, or refuse the open; a device is nobody's output
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as err:
         if err.errno == errno.ELOOP or path.is_symlink():
-            raise LinkedOutput(f"{path} is a symbolic link (to {os.readlink(path)}); the library writes no file through "
-                               "a link it did not make: remove the link and run the command again") from None
+            raise LinkedOutput(_linked(path)) from None
         raise
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise not_regular
-        if info.st_nlink > 1:
-            raise LinkedOutput(f"{path} has {info.st_nlink - 1} other name(s) (a hard link); writing it would change "
-                               "those files too, so it is not opened: remove it and run the command again")
+        problem = _not_its_own(path, os.fstat(fd))
+        if problem:
+            raise LinkedOutput(problem)
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
         if mode == "w":
             os.ftruncate(fd, 0)
