@@ -122,13 +122,17 @@ class _BatchOdds:
     lengths: list[int]
 
 
+def _targets(base, batch):
+    """The base's outputs over `batch`: from the base, or a target source (the offline cache) standing in for it."""
+    if hasattr(base, "outputs"):
+        return base.outputs(batch.input_ids, batch.attention_mask)
+    return base_outputs(base, batch.input_ids, batch.attention_mask)
+
+
 def _pass(base, head, windows, draft_steps: int, device, embed_text: bool = False):
     """The base's targets and the head's chain over one batch: (batch, targets, chain, hidden (K, B, T, D))."""
     batch = collate(windows, device)
-    if hasattr(base, "outputs"):  # a target source (the offline cache) instead of the base
-        targets = base.outputs(batch.input_ids, batch.attention_mask)
-    else:
-        targets = base_outputs(base, batch.input_ids, batch.attention_mask)
+    targets = _targets(base, batch)
     chain = chain_batch(batch.input_ids, targets.greedy, batch.assistant, batch.lengths, draft_steps, embed_text)
     return batch, targets, chain, head(chain.step_token_ids, targets.hidden)
 
@@ -378,8 +382,7 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tup
     processes it: greedy serving accepts it always (and the base's greedy text is that token), so
     both are 1 where the text is the base's greedy choice; sampled serving accepts it with p_t of it."""
     batch = collate(windows, device)
-    outputs = targets.outputs(batch.input_ids, batch.attention_mask) if hasattr(targets, "outputs") else base_outputs(
-        targets, batch.input_ids, batch.attention_mask)
+    outputs = _targets(targets, batch)
     ids = batch.input_ids
     given = torch.zeros(ids.shape, dtype=torch.float64)
     expected = torch.zeros(ids.shape, dtype=torch.float64)
@@ -420,12 +423,13 @@ def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int
     for start in range(0, len(windows), windows_per_batch):
         part = windows[start : start + windows_per_batch]
         for window, (hit, best) in zip(part, _ceiling_batch(targets, head, part, device, serving)):
-            # accept_given[a][k]: step k (0-based) at anchor a drafts x_{a+k+2}
-            steps = range(max(served_steps))
-            given = [[hit[a + k + 2] if a + k + 2 < len(hit) else 0.0 for k in steps] for a in range(len(hit))]
-            expected = [[best[a + k + 2] if a + k + 2 < len(best) else 0.0 for k in steps] for a in range(len(best))]
-            texts.append((given, expected, window.answer_start))
+            texts.append((_by_anchor(hit, max(served_steps)), _by_anchor(best, max(served_steps)), window.answer_start))
     return {k: expected_acceptance(texts, max_new_tokens, k) for k in served_steps}
+
+
+def _by_anchor(values: list[float], steps: int) -> list[list[float]]:
+    """Per-position odds as `expected_rounds` reads them: [anchor a][step k (0-based)] is position a + k + 2's."""
+    return [[values[a + k + 2] if a + k + 2 < len(values) else 0.0 for k in range(steps)] for a in range(len(values))]
 
 
 def ceiling_report(targets, head, heldout: dict[str, list], servings, served_steps, max_new_tokens: int,
@@ -802,8 +806,8 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
         results = {}
         log_stderr("evaluate: the ceiling, a drafter of the base's own choices, under each serving configuration")
         ceiling = ceiling_report(run.targets, donor, run.windows.heldout, servings, served_steps, budget, per_batch)
+        count = len(next(iter(run.windows.heldout.values())))
         for name, head in heads.items():
-            count = len(next(iter(run.windows.heldout.values())))
             log_stderr(f"evaluate: measuring the {name} head on {count} heldout {plural(count, 'window')} under "
                        f"{len(servings)} serving {plural(len(servings), 'configuration')}")
             results[name] = heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
