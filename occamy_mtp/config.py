@@ -175,7 +175,7 @@ class Serving:
     @property
     def penalized(self) -> bool:
         """Whether any penalty changes the base's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return any_penalty(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     def label(self) -> str:
         """The configuration's name in reports and directory names: a preset's name (instruct-general), or
@@ -204,6 +204,11 @@ def serving_preset(name: str, where: str = "eval.serving") -> Serving:
         raise ConfigError(f"{where}: unknown serving preset {name!r}; expected one of {', '.join(PRESETS)}, "
                           "or settings such as {temperature: 0.7, top_p: 0.8}")
     return PRESETS[name]
+
+
+def any_penalty(presence: float, frequency: float, repetition: float) -> bool:
+    """Whether penalties of these values change a logit (repetition 1 and the others 0 do not)."""
+    return bool(presence or frequency or repetition != 1.0)
 
 
 def sampling_label(temperature: float, top_p: float, top_k: int, presence_penalty: float = 0.0,
@@ -609,7 +614,7 @@ def check(config: RunConfig) -> None:
             (-2 <= frequency <= 2, f"{prefix}frequency_penalty", "a number in [-2, 2] (the OpenAI API's range)", frequency),
             (math.isfinite(repetition) and repetition > 0, f"{prefix}repetition_penalty", "a finite number > 0 (1: none)",
              repetition),
-            (temperature > 0 or (presence == 0 and frequency == 0 and repetition == 1), f"{prefix}temperature",
+            (temperature > 0 or not any_penalty(presence, frequency, repetition), f"{prefix}temperature",
              "a temperature above 0 where a penalty is set (greedy decoding under penalties is not modelled)", temperature),
         ]
     for i, s in enumerate(config.eval.serving):

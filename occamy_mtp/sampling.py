@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from occamy_mtp.config import DRAFT_RULES, Serving, sampling_label
+from occamy_mtp.config import DRAFT_RULES, Serving, any_penalty, sampling_label
 
 GREEDY_DRAFTS, SAMPLED_DRAFTS = DRAFT_RULES
 
@@ -72,7 +72,7 @@ def penalized(logits: torch.Tensor, history: History | None, presence: float = 0
     logit divided by it, a negative one multiplied), then `frequency` times each token's count in the
     answer and `presence` once for each token the answer holds, subtracted. float32; `logits` itself
     when no penalty is set."""
-    if not (presence or frequency or repetition != 1.0):
+    if not any_penalty(presence, frequency, repetition):
         return logits
     if history is None:
         raise ValueError("penalties need each row's answer and prompt ids")
@@ -213,7 +213,7 @@ class TextSampling:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        return any_penalty(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     def label(self) -> str:
         """greedy, or e.g. t0.7-p0.8-seed0, t1-p0.95-k20-pp1.5-seed0 (the settings that fix the text)."""
