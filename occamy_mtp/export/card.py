@@ -17,7 +17,6 @@ from occamy_mtp.evaluation.evaluate import share_of_ceiling
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
 
-CARD_FILE = "README.md"
 LIBRARY_NAME = "occamy-mtp"
 TAGS = ("speculative-decoding", "mtp", "multi-token-prediction", "draft-model")
 
@@ -74,11 +73,15 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
     data, train = settings["data"], settings["train"]
     base, donor = _model_name(record["base"]), _model_name(record["donor"])
     selection = record["training"]["selection"]
-    text = ("sampled at temperature " + f"{data['self_generate_temperature']:g}, top-p {data['self_generate_top_p']:g}"
-            if data["self_generate_temperature"] > 0 else "greedy")
+    # how the base wrote the train text, in the words the reports give a serving configuration
+    text = serving_words({name: data[f"self_generate_{name}"] for name in ("temperature", "top_p", "top_k",
+                          "presence_penalty", "frequency_penalty", "repetition_penalty") if f"self_generate_{name}" in data})
+    text = text if text == "greedy" else f"sampled ({text})"
     answers = {"self_generated": f"the base's own {text} continuations of",
                "data": "the recorded answers of", "mixed": f"the recorded answers and the base's own {text} continuations of"}
     trained_tensors = ", ".join(f"`{name}`" for name in derived["trainable_tensors"])
+    fitted = "distilling the base's top-1 choices" if train["loss"] == "top1" else \
+        f"fitting the base's distribution ({train['loss']})"
     written = selection.get("written_step")
     head_sha = record["outputs"][ckpt_io.HEAD_FILE]
     arithmetic = (record.get("reproducibility") or {}).get("trained_with") or {}
@@ -104,8 +107,7 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
          f"{derived['head_parameters']:,} parameters); the rest of the head, the base and its shared embedding and "
          f"lm_head stayed frozen. It learned from {answers[data['answers']]} {derived['train_windows']:,} train windows "
          f"({data['context_tokens']} context + up to {data['answer_tokens']} answer tokens each, from "
-         f"{record['dataset']['conversations_kept']:,} conversations), "
-         f"{'distilling the base' + chr(39) + 's top-1 choices' if train['loss'] == 'top1' else 'fitting the base' + chr(39) + 's distribution (' + train['loss'] + ')'}."),
+         f"{record['dataset']['conversations_kept']:,} conversations), {fitted}."),
         "",
         "## Training",
         "",
