@@ -54,6 +54,13 @@ class DataSettings:
     """Answer tokens kept per window; loss and metrics count only these."""
     turns: str = "last"
     """Which assistant turns become windows: last, first or every."""
+    thinking: str = "auto"
+    """How the windows' turns are rendered (the chat template's enable_thinking): on (thinking mode:
+    the prompt opens the think block and the answer span holds the reasoning, then the answer;
+    the base writes its continuations so), off (the empty think block; a turn's recorded reasoning
+    is left out and counted) or auto (on for a turn that records reasoning, `reasoning_content` or
+    an inline `<think>` block, off otherwise). The served windows are rendered as each
+    `eval.serving` configuration's `thinking` says."""
     train_conversations: int = 256
     """Conversations in the train split (surplus conversations are counted, not used)."""
     heldout_conversations: int = 32
@@ -120,11 +127,12 @@ class DataSettings:
 
 
 TURN_CHOICES = ("last", "first", "every")
+THINKING_CHOICES = ("auto", "on", "off")
 
 # The data settings that decide which windows a run builds and how they are split; the
 # keyword arguments of `occamy_mtp.data.prepare.prepare_windows`, under the same names.
 WINDOW_SETTINGS = (
-    "context_tokens", "answer_tokens", "turns", "train_conversations", "validation_conversations",
+    "context_tokens", "answer_tokens", "turns", "thinking", "train_conversations", "validation_conversations",
     "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",
 )
 
@@ -166,7 +174,8 @@ class Serving:
     min_p: float = 0.0
     """Refused above 0: vLLM refuses min_p with speculative decoding (docs/CONTRACT.md section 4c)."""
     thinking: bool = False
-    """Thinking mode (the chat template's enable_thinking). Not implemented yet: refused when true."""
+    """Thinking mode: the heldout prompts are rendered with the chat template's enable_thinking, so
+    that the base's continuations open with its reasoning (the model card's thinking presets)."""
 
     @property
     def greedy(self) -> bool:
@@ -179,13 +188,14 @@ class Serving:
 
     def label(self) -> str:
         """The configuration's name in reports and directory names: a preset's name (instruct-general), or
-        its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts."""
+        its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts, greedy-thinking."""
         for name, preset in PRESETS.items():
             if preset == self:
                 return name
         sampled_drafts = not self.greedy and self.draft == "sampled"
         return (sampling_label(self.temperature, self.top_p, self.top_k, self.presence_penalty, self.frequency_penalty,
-                               self.repetition_penalty) + ("-sampled-drafts" if sampled_drafts else ""))
+                               self.repetition_penalty) + ("-sampled-drafts" if sampled_drafts else "")
+                + ("-thinking" if self.thinking else ""))
 
 
 # The Qwen3.5/3.6 model card's serving presets (docs/CONTRACT.md section 4c): `eval.serving` takes
@@ -292,13 +302,20 @@ class EvalSettings:
     so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
-    serving: tuple[Serving, ...] = (Serving(), PRESETS["instruct-general"], PRESETS["instruct-reasoning"])
+    serving: tuple[Serving, ...] = (Serving(), *PRESETS.values())
     """The serving configurations every served figure is measured for: presets by name (`PRESETS`,
     the Qwen3.5/3.6 model card's) or settings, e.g. [{temperature: 0}, instruct-general,
-    {temperature: 0.7, top_p: 0.8}]. By default greedy and the card's two presets with thinking off
-    (the thinking presets wait for thinking mode). For each, the base writes its own continuation of
+    {temperature: 0.7, top_p: 0.8}]. By default greedy and the card's four presets. For each, the
+    heldout prompts are rendered in its thinking mode and the base writes its own continuation of
     every heldout context under that sampling (seeded: `data.self_generate_seed`) and the decoder's
     acceptance is the exact expectation over its draws given that text (docs/CONTRACT.md sections 4a-4c)."""
+    sampled_continuations: int = 4
+    """Continuations the base writes of each heldout (and validation) context under a sampled serving
+    configuration, each from its own seed (`data.self_generate_seed` + 0, 1, ...; a store each).
+    A sampled figure is exact given its texts, but each text is one draw: the figures average
+    over all of them, and their standard error (over contexts, `metrics.jackknife_se`) covers
+    both draws. 4 brings the demo's sampled 3-step figures to a standard error of at most 0.02
+    (bench/RESULTS.md)."""
     select_serving: int = 0
     """Which of `serving` (0: the first) checkpoint selection scores, export's refusal compares, and a
     kl or tv loss (`train.loss`) fits."""
@@ -352,6 +369,9 @@ class RunConfig:
                 if selected.get(name) == getattr(Serving(), name):
                     selected.pop(name)
             parts["eval.selected_serving"] = selected
+        if "train" in sections and self.train.select_every_steps and not self.selected_serving.greedy \
+                and self.eval.sampled_continuations != 1:  # selection scores every continuation (one before there were more)
+            parts["eval.sampled_continuations"] = self.eval.sampled_continuations
         return parts
 
     @property
@@ -362,7 +382,7 @@ class RunConfig:
 
 # (section, setting) pairs and serving settings that came after runs were fingerprinted: at their
 # defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
-_LATER_SETTINGS = (("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
+_LATER_SETTINGS = (("data", "thinking"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
                    ("data", "self_generate_repetition_penalty"))
 _LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
 _DEFAULTS = {"data": DataSettings()}
@@ -525,12 +545,15 @@ def check(config: RunConfig) -> None:
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
         (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
+        (config.data.thinking in THINKING_CHOICES, "data.thinking", ", ".join(THINKING_CHOICES[:-1]) + " or "
+         + THINKING_CHOICES[-1]),
         (config.data.context_tokens >= 1, "data.context_tokens", ">= 1"),
         (config.data.answer_tokens >= 2, "data.answer_tokens", ">= 2"),
         (config.data.train_conversations >= 1, "data.train_conversations", ">= 1"),
         (config.data.heldout_conversations >= 1, "data.heldout_conversations", ">= 1"),
         (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
         (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
+        (config.eval.sampled_continuations >= 1, "eval.sampled_continuations", ">= 1"),
         (config.data.self_generate_batch_size >= 0, "data.self_generate_batch_size", "0 (as many as fit) or more"),
         (all(u.startswith(("http://", "https://")) for u in config.data.self_generate_endpoints)
          and len(set(config.data.self_generate_endpoints)) == len(config.data.self_generate_endpoints),
@@ -622,10 +645,6 @@ def check(config: RunConfig) -> None:
             raise ConfigError(f"eval.serving[{i}].min_p: {s.min_p!r} is refused: vLLM refuses min_p with speculative "
                               "decoding (SamplingParams._validate_spec_decode, vLLM 0.32; docs/CONTRACT.md section 4c), "
                               "so no served figure exists for it; leave min_p at 0")
-        if s.thinking:
-            raise ConfigError(f"eval.serving[{i}] ({s.label()}): thinking mode is not implemented yet: the windows and "
-                              "the base's continuations are rendered with thinking off; serve a configuration with "
-                              "thinking: false (instruct-general, instruct-reasoning or explicit settings)")
     selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
         config.eval.serving) else None
     if selected is not None and selected.penalized and config.train.loss != "top1":

@@ -137,9 +137,21 @@ def train_text(config: RunConfig) -> TextSampling:
                         data.self_generate_repetition_penalty)
 
 
-def serving_text(config: RunConfig, serving) -> TextSampling:
-    """How the base writes the text a serving configuration is measured on."""
-    return text_sampling(serving, config.data.self_generate_seed)
+def serving_text(config: RunConfig, serving, continuation: int = 0) -> TextSampling:
+    """How the base writes the text a serving configuration is measured on: its `continuation`-th
+    sampled draw is seeded `data.self_generate_seed` + `continuation`."""
+    return text_sampling(serving, config.data.self_generate_seed + continuation)
+
+
+def serving_texts(config: RunConfig, serving) -> list[TextSampling]:
+    """Every way the base writes a serving configuration's text: one for greedy serving, and
+    `eval.sampled_continuations` seeds under sampling (one store each)."""
+    return [serving_text(config, serving, j) for j in range(1 if serving.greedy else config.eval.sampled_continuations)]
+
+
+def measured_windows(stores: "Stores", texts: list[TextSampling], prompts: list[Window]) -> list[Window]:
+    """The windows of `prompts` continued under each of `texts`, the continuations of one text after another's."""
+    return [w for sampling in texts for w in stores[sampling].windows(prompts)]
 
 
 # ----------------------------------------------------------------------------------
@@ -191,7 +203,7 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
         raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
     run_dir = RunDir.of(config)
     outputs = [("output.dir", run_dir.root), ("output.dir", run_dir.checkpoints)]
-    stores = dict.fromkeys([GREEDY_TEXT, train_text(config), *(serving_text(config, s) for s in config.eval.serving)])
+    stores = dict.fromkeys([GREEDY_TEXT, train_text(config), *(t for s in config.eval.serving for t in serving_texts(config, s))])
     outputs += [("data.self_generated_dir", self_generated_dir(config, sampling)) for sampling in stores]
     if config.data.target_cache:
         outputs.append(("data.target_cache", Path(config.data.target_cache)))
@@ -266,7 +278,8 @@ def prepare_data(config: RunConfig, tokenizer, log: Log = quiet) -> PreparedData
     size = sum(Path(f).stat().st_size for f in config.data.files if Path(f).is_file())
     log(f"data: reading {len(config.data.files)} file(s) ({size / 2**20:.1f} MiB) into windows")
     started = time.perf_counter()
-    data = prepare_windows(list(config.data.files), tokenizer, **window_settings(config.data))
+    data = prepare_windows(list(config.data.files), tokenizer, **window_settings(config.data),
+                           served_thinking={serving.thinking for serving in config.eval.serving})
     summary = data.summary()
     log(f"data: {summary['conversations_read']} conversations read, {summary['conversations_kept']} kept; "
         f"{summary['train_windows']} train / {summary['validation_windows']} validation / {summary['heldout_windows']} "
@@ -381,10 +394,12 @@ def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SP
     `data.self_generate_*` unless the head trains on the recorded answers only."""
     needed: dict[TextSampling, list[Window]] = {}
     if VALIDATION in splits:
-        needed.setdefault(serving_text(config, config.selected_serving), []).extend(data.validation)
+        selected = config.selected_serving
+        for sampling in serving_texts(config, selected):
+            needed.setdefault(sampling, []).extend(data.served_windows(VALIDATION, selected.thinking))
     if HELDOUT in splits:
-        for sampling in dict.fromkeys(serving_text(config, serving) for serving in config.eval.serving):
-            needed.setdefault(sampling, []).extend(data.heldout)
+        for sampling, thinking in dict.fromkeys((t, s.thinking) for s in config.eval.serving for t in serving_texts(config, s)):
+            needed.setdefault(sampling, []).extend(data.served_windows(HELDOUT, thinking))
     if TRAIN in splits and config.data.answers != "data":
         needed.setdefault(train_text(config), []).extend(data.train)
     return needed
@@ -427,10 +442,14 @@ def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, wr
                 w for pair in zip(data.train, generated) for w in pair if w.has_answer]  # a prompt's recorded half is empty
     heldout = {}
     if HELDOUT in splits:
-        heldout = {serving.label(): stores[serving_text(config, serving)].windows(data.heldout) for serving in config.eval.serving}
+        heldout = {serving.label(): measured_windows(stores, serving_texts(config, serving),
+                                                     data.served_windows(HELDOUT, serving.thinking))
+                   for serving in config.eval.serving}
+    selected = config.selected_serving
     return RunWindows(
         train=train,
-        validation=stores[serving_text(config, config.selected_serving)].windows(data.validation) if VALIDATION in splits else [],
+        validation=(measured_windows(stores, serving_texts(config, selected), data.served_windows(VALIDATION, selected.thinking))
+                    if VALIDATION in splits else []),
         heldout=heldout,
         heldout_data=recorded_heldout,
         self_generated={sampling.label(): stores[sampling].provenance(windows) for sampling, windows in needed.items()},
@@ -546,7 +565,8 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
     if check_data is not None:
         check_data(data)
     if max_heldout is not None:
-        data = dataclasses.replace(data, heldout=data.heldout[:max_heldout])
+        data = dataclasses.replace(data, heldout=data.heldout[:max_heldout], served={
+            mode: {**sides, HELDOUT: sides[HELDOUT][:max_heldout]} for mode, sides in data.served.items()})
     needed = self_generated_needed(config, data, splits)
     stores = open_stores(config, facts, stop_ids, needed) if self_generated else None
     engines = None

@@ -63,7 +63,7 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         ("", ["eval.serving=[{temprature: 0.7}]"], "unknown config key eval.serving[0].temprature"),
         ("", ["eval.serving=[{temperature: 0.7}, {temperature: 0.7}]"], "eval.serving: expected distinct configurations"),
         ("", ["eval.serving=[]"], "eval.serving: expected one or more"),
-        ("", ["eval.select_serving=3"], "eval.select_serving: expected an index into eval.serving, 0 to 2, got 3"),
+        ("", ["eval.select_serving=5"], "eval.select_serving: expected an index into eval.serving, 0 to 4, got 5"),
         ("", ["train.loss=ce"], "train.loss: expected top1, kl or tv"),
         ("", ["data.self_generate_temperature=-1"], "data.self_generate_temperature: expected a finite number >= 0"),
         ("", ["data.self_generate_top_p=0"], "data.self_generate_top_p: expected a number in (0, 1]"),
@@ -82,8 +82,14 @@ def test_serving_configurations_and_their_labels():
     assert [s.label() for s in config.eval.serving] == ["t0.6-k20-sampled-drafts", "greedy"]
     assert config.selected_serving == config.eval.serving[0] and config.selected_serving.top_p == 1.0
     default = load_config(None)
-    assert [s.label() for s in default.eval.serving] == ["greedy", "instruct-general", "instruct-reasoning"]
+    assert [s.label() for s in default.eval.serving] == ["greedy", "thinking-general", "thinking-coding",
+                                                         "instruct-general", "instruct-reasoning"]
+    assert [s.thinking for s in default.eval.serving] == [False, True, True, False, False]
     assert default.selected_serving.greedy
+    # a configuration of the presets' settings in the other thinking mode is not the preset, and says so
+    other = load_config(None, ["eval.serving=[{temperature: 0, thinking: true}, {temperature: 0.7, top_p: 0.8, top_k: 20, "
+                               "presence_penalty: 1.5, thinking: true}]"])
+    assert [s.label() for s in other.eval.serving] == ["greedy-thinking", "t0.7-p0.8-k20-pp1.5-thinking"]
     # selection scores the selected configuration, so it is part of what a resume must match
     assert default.fingerprint() != load_config(None, ["eval.select_serving=1"]).fingerprint()
     assert default.fingerprint() == load_config(None, ["eval.serving=[{temperature: 0}]"]).fingerprint()

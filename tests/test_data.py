@@ -242,7 +242,7 @@ def test_each_exclusion_reason_is_counted(tmp_path, small_tokenizer):
         chat("Say <|im_start|>", "Hello there."),
         {"messages": [{"role": "assistant", "content": "I open."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "late"}, {"role": "assistant", "content": "Hello."}]},
-        chat("Hi", "<think>\nreasoning\n</think>\n\nHello there."),
+        chat("Hi", "<think>\nreasoning\n</think>\n\nHello there."),  # an inline think block: a thinking turn, kept
         chat("How are you?", "I am fine."),
     ]
     result = prepared(tmp_path, small_tokenizer, records, turns="first", train_conversations=1, heldout_conversations=0, heldout_fraction=0.5)
@@ -254,8 +254,7 @@ def test_each_exclusion_reason_is_counted(tmp_path, small_tokenizer):
         "empty_answer": 1,
         "special_token_in_text": 2,
         "template_error": 2,
-        "template_prefix_mismatch": 1,
-        "beyond_split_size": 1,
+        "beyond_split_size": 2,
     }
     assert result.conversations_read == len(records)
     assert result.conversations_read == result.conversations_kept + sum(result.excluded.values())

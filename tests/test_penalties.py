@@ -32,7 +32,6 @@ def test_presets_by_name_beside_explicit_settings():
 @pytest.mark.parametrize("setting, message", [
     ("eval.serving=[instruct-genral]", "unknown serving preset 'instruct-genral'; expected one of thinking-general, "
                                        "thinking-coding, instruct-general, instruct-reasoning"),
-    ("eval.serving=[thinking-general]", "thinking mode is not implemented yet"),
     ("eval.serving=[{temperature: 0.7, min_p: 0.05}]", "vLLM refuses min_p with speculative decoding"),
     ("eval.serving=[{temperature: 0, presence_penalty: 1}]", "greedy decoding under penalties is not modelled"),
     ("eval.serving=[{temperature: 0.7, presence_penalty: 3}]", r"presence_penalty: expected a number in \[-2, 2\]"),

@@ -14,7 +14,8 @@ from occamy_mtp.config import TURN_CHOICES, DataSettings
 from occamy_mtp.data.reader import (BEYOND_SPLIT_SIZE, DEFAULT_EXCLUSIONS, DEFAULT_MAX_RECORD_BYTES, OPTIONAL_EXCLUSIONS,
                                     ChatReader, Excluded)
 from occamy_mtp.data.split import HELDOUT, TRAIN, VALIDATION, assign_split, default_fractions, keep_apart, split_key
-from occamy_mtp.data.windows import Window, conversation_windows, require_chat_template, tokenizer_identity
+from occamy_mtp.data.windows import (Window, conversation_windows, prompt_window, reasoning_left_out, require_chat_template,
+                                     require_thinking_switch, tokenizer_identity)
 
 # The defaults of the window settings are a run's (`config.DataSettings`, where defaults
 # live), but for the validation side: the function splits two ways unless asked; runs and
@@ -51,6 +52,26 @@ class PreparedData:
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
     kept_apart: dict[str, int] = field(default_factory=dict)
     """Windows dropped because another side holds their context or answer (`keep_apart`)."""
+    served: dict[bool, dict[str, list[Window]]] = field(default_factory=dict)
+    """The validation and heldout windows' prompts rendered in each thinking mode asked for
+    (`served_windows`): what the base continues under a serving configuration."""
+    reasoning_left_out: int = 0
+    """Windows of turns whose recorded reasoning was left out (`data.thinking: off`)."""
+    domains: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per heldout conversation (content hash): the file it was read from and its record's category
+    ("" for none): what the served figures are broken down by."""
+
+    def served_windows(self, side: str, thinking: bool) -> list[Window]:
+        """The prompts of `side`'s windows (validation or heldout), rendered with thinking on or off."""
+        if thinking not in self.served:
+            raise ValueError(f"the {side} prompts were not rendered with thinking {'on' if thinking else 'off'} "
+                             "(prepare_windows's served_thinking)")
+        return self.served[thinking][side]
+
+    def thinking_windows(self) -> dict[str, dict[str, int]]:
+        """Windows rendered with thinking on and off, on each side."""
+        return {side: {"thinking": sum(w.thinking for w in windows), "non_thinking": sum(not w.thinking for w in windows)}
+                for side, windows in ((TRAIN, self.train), (VALIDATION, self.validation), (HELDOUT, self.heldout))}
 
     @property
     def conversations_kept(self) -> int:
@@ -72,6 +93,9 @@ class PreparedData:
             "validation_windows": len(self.validation),
             "heldout_windows": len(self.heldout),
             "prompt_windows": self.prompt_windows(),
+            "settings_thinking": self.settings["thinking"],
+            "thinking_windows": self.thinking_windows(),
+            "reasoning_left_out": self.reasoning_left_out,
             "kept_apart": dict(self.kept_apart),
         }
 
@@ -127,6 +151,8 @@ class PreparedData:
                 "boundary_retokenized": self.boundary_retokenized,
                 "kept_apart": dict(self.kept_apart),
                 "prompts": self.prompt_windows(),
+                "thinking": self.thinking_windows(),
+                "reasoning_left_out": self.reasoning_left_out,
             },
             "split": {
                 "method": "sha256(f'{seed}:{conversation_hash}') as a fraction in [0, 1): heldout below "
@@ -168,6 +194,8 @@ def prepare_windows(
     validation_conversations: int = NO_VALIDATION,
     max_record_bytes: int = _DEFAULTS.max_record_bytes,
     prompts: bool = False,
+    thinking: str = _DEFAULTS.thinking,
+    served_thinking: Collection[bool] = (),
 ) -> PreparedData:
     """Read chat files, build assistant-only windows, split them; see the module docstring.
 
@@ -180,28 +208,47 @@ def prepare_windows(
     a conversation that ends with the user's message also gives its open turn's window, with
     no answer (`conversation_windows`); without, a record that is only a prompt is
     NO_ASSISTANT_TURN, the detail saying why. Windows are ordered by split key, then turn.
+    `thinking` (`data.thinking`) chooses how each turn renders (`windows.turn_thinking`);
+    `served_thinking` lists the thinking modes whose validation and heldout prompts are wanted
+    (`PreparedData.served_windows`). Thinking asked of a template without the switch is a
+    ConfigError naming it.
     """
     _check_settings(context_tokens, answer_tokens, turns, train_conversations, heldout_conversations, validation_conversations, exclude)
     require_chat_template(tokenizer)
+    if thinking == "on":
+        require_thinking_switch(tokenizer, "data.thinking")
+    if True in served_thinking:
+        require_thinking_switch(tokenizer, "eval.serving (a configuration with thinking: true)")
+    default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
+    fraction = default_heldout if heldout_fraction is None else heldout_fraction
     reader = ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
     windows_by_hash: dict[str, list[Window]] = {}  # the conversations that produced windows
+    served_by_hash: dict[bool, dict[str, list[Window]]] = {mode: {} for mode in sorted(set(served_thinking))}
     first_location: dict[str, str] = {}  # content hash -> where it was read
     boundary_retokenized = 0
+    left_out: dict[str, int] = {}  # content hash -> its windows' turns whose reasoning is left out
+    domains: dict[str, dict[str, str]] = {}
     for conversation in reader:
         built = conversation_windows(
             tokenizer, conversation, context_tokens=context_tokens, answer_tokens=answer_tokens, turns=turns, exclude=exclude,
-            prompts=prompts,
+            prompts=prompts, thinking=thinking,
         )
         if isinstance(built, Excluded):
             reader.exclude(built.reason, conversation.location, built.detail)
             continue
         windows, retokenized = built
-        windows_by_hash[conversation.content_hash] = windows
-        first_location[conversation.content_hash] = conversation.location
+        content_hash = conversation.content_hash
+        windows_by_hash[content_hash] = windows
+        first_location[content_hash] = conversation.location
         boundary_retokenized += retokenized
+        left_out[content_hash] = reasoning_left_out(conversation, [w.turn_index for w in windows], thinking)
+        if split_key(content_hash, split_seed) < fraction:  # may land on the heldout side
+            domains[content_hash] = {"file": conversation.source, "category": conversation.category}
+        if split_key(content_hash, split_seed) < fraction + validation_fraction:  # may land on a measured side
+            for mode, built_served in served_by_hash.items():
+                built_served[content_hash] = [prompt_window(tokenizer, conversation, w.turn_index, context_tokens, mode)
+                                              for w in windows]
 
-    default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
-    fraction = default_heldout if heldout_fraction is None else heldout_fraction
     assignment = assign_split(
         windows_by_hash, train_conversations=train_conversations, heldout_conversations=heldout_conversations, seed=split_seed,
         heldout_fraction=fraction, validation_conversations=validation_conversations, validation_fraction=validation_fraction,
@@ -226,12 +273,18 @@ def prepare_windows(
         "validation_fraction": validation_fraction,
         "skip_bad_records": skip_bad_records,
         "exclude": sorted(exclude),
-        "enable_thinking": False,
+        "thinking": thinking,
         "kept_apart_by": "context and answer",
         "prompts": prompts,
     }
     sides = {side: [w for h in members[side] for w in windows_by_hash[h]] for side in members}
     kept_apart = keep_apart(sides)
+    served = {}
+    for mode, built_served in served_by_hash.items():
+        served[mode] = {}
+        for side in (VALIDATION, HELDOUT):
+            kept = {(w.conversation_hash, w.turn_index) for w in sides[side]}
+            served[mode][side] = [w for h in members[side] for w in built_served[h] if (h, w.turn_index) in kept]
     return PreparedData(
         train=sides[TRAIN],
         heldout=sides[HELDOUT],
@@ -248,6 +301,9 @@ def prepare_windows(
         tokenizer_identity=tokenizer_identity(tokenizer),
         max_record_bytes=max_record_bytes,
         kept_apart=kept_apart,
+        served=served,
+        reasoning_left_out=sum(left_out[h] for side in members.values() for h in side),
+        domains={h: domains[h] for h in members[HELDOUT]},
     )
 
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,10 @@ class DataError(OccamyError, ValueError):
 class Message:
     role: str  # "system", "user" or "assistant"
     content: str
+    reasoning: str = ""
+    """An assistant turn's reasoning, as the record carries it: its `reasoning_content` (or
+    `reasoning`) field, as vLLM's and SGLang's reasoning parsers return it, or the inline
+    `<think>...</think>` block that opened its content. Empty when it records none."""
 
 
 @dataclass(frozen=True)
@@ -93,11 +97,16 @@ class Conversation:
 
     messages: tuple[Message, ...]
     location: str  # "path:line" for JSONL, "path: record N" for JSON arrays and parquet
+    category: str = ""
+    """The record's `category` string, if it has one (served figures are broken down by it)."""
+    source: str = ""
+    """The data file (or Hub dataset) it was read from, as `data.files` names it."""
 
     @cached_property
     def content_hash(self) -> str:
         """sha256 of the roles and contents only: the conversation's identity for the split."""
-        canonical = json.dumps([[m.role, m.content] for m in self.messages], ensure_ascii=False, separators=(",", ":"))
+        canonical = json.dumps([[m.role, m.content] + ([m.reasoning] if m.reasoning else []) for m in self.messages],
+                               ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
@@ -171,6 +180,7 @@ class ChatReader:
                 if isinstance(conversation, Excluded):
                     self.exclude(conversation.reason, location, conversation.detail)
                     continue
+                conversation = replace(conversation, source=source)
                 if conversation.content_hash in first_location:
                     self.exclude(DUPLICATE_CONVERSATION, location, f"same as {first_location[conversation.content_hash]}")
                     continue
@@ -329,9 +339,10 @@ def normalise_record(
     list of parts ({"type": "text", "text": ...}, image/audio/file parts). ShareGPT
     style: {"conversations": [{"from", "value"}]} (a top-level "system" string becomes
     the system turn). A prompt set's record: {"prompt": str} (and "system"), the user's
-    turn alone. Unknown keys are ignored; so is any per-message reasoning field:
-    windows are built with thinking disabled. A conversation whose messages hold more
-    than `max_record_bytes` of text (UTF-8) is RECORD_TOO_LARGE.
+    turn alone. Unknown keys are ignored. An assistant message's reasoning is read from its
+    `reasoning_content` or `reasoning` string, else from an inline `<think>...</think>` block that
+    opens its content (`split_reasoning`). A conversation whose messages hold more than
+    `max_record_bytes` of text (UTF-8), reasoning included, is RECORD_TOO_LARGE.
     """
     if isinstance(record, _Malformed):
         raise DataError(f"{location}: {record.problem}")
@@ -374,13 +385,46 @@ def normalise_record(
             raise DataError(f"{where}: unknown role {role!r}; expected one of {accepted} (tool roles are excluded and counted)")
         text, part_has_non_text = _content_text(raw.get(this_content_key), where)
         has_non_text = has_non_text or part_has_non_text
-        messages.append(Message(ROLE_SPELLINGS[spelled], text))
+        role = ROLE_SPELLINGS[spelled]
+        reasoning = ""
+        if role == "assistant":
+            reasoning, text = _reasoning(raw, text, where)
+        messages.append(Message(role, text, reasoning))
     if has_non_text and not drop_non_text:
         return Excluded(NON_TEXT_CONTENT)
-    text_bytes = sum(_utf8_length(message.content) for message in messages)
+    text_bytes = sum(_utf8_length(message.content) + _utf8_length(message.reasoning) for message in messages)
     if text_bytes > max_record_bytes:
         return Excluded(RECORD_TOO_LARGE, f"{text_bytes} bytes of text, over the limit of {max_record_bytes} (max_record_bytes)")
-    return Conversation(tuple(messages), location)
+    category = record.get("category")
+    return Conversation(tuple(messages), location, category.strip() if isinstance(category, str) else "")
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning")  # vLLM's and SGLang's reasoning parsers; newer vLLM says reasoning
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant text that holds an inline think block, as Qwen's
+    chat template splits it: the reasoning is what lies between the last `<think>` before the
+    first `</think>` and that `</think>`, the answer what follows it; ("", content) without a
+    `</think>`. Both are trimmed, as the template trims them."""
+    if THINK_CLOSE not in content:
+        return "", content
+    before, _, after = content.partition(THINK_CLOSE)
+    return before.split(THINK_OPEN)[-1].strip(), after.strip()
+
+
+def _reasoning(raw: dict, content: str, where: str) -> tuple[str, str]:
+    """(reasoning, content) of one assistant message: a reasoning field, else an inline think block."""
+    for key in REASONING_KEYS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataError(f"{where}: {key!r} must be a string (the turn's reasoning), got {type(value).__name__}")
+        if value.strip():
+            return value, content
+    return split_reasoning(content)
 
 
 def _utf8_length(text: str) -> int:

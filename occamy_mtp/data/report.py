@@ -33,6 +33,13 @@ def _format_summary(summary: dict[str, Any]) -> str:
     if any(summary["prompt_windows"].values()):
         lines.append("prompts (no recorded answer; the base writes it): " + " / ".join(
             str(summary["prompt_windows"][side]) for side in (TRAIN, VALIDATION, HELDOUT)) + " train / validation / heldout windows")
+    thinking = summary["thinking_windows"]
+    lines.append("thinking mode (data.thinking " + summary["settings_thinking"] + "): " + " / ".join(
+        f"{thinking[side]['thinking']} of {thinking[side]['thinking'] + thinking[side]['non_thinking']}"
+        for side in (TRAIN, VALIDATION, HELDOUT)) + " train / validation / heldout windows rendered with thinking on")
+    if summary["reasoning_left_out"]:
+        lines.append(f"reasoning left out: {summary['reasoning_left_out']} windows' turns record reasoning that "
+                     "data.thinking off leaves out of them")
     dropped = {side.removesuffix("_windows_dropped"): n for side, n in summary["kept_apart"].items() if n}
     if dropped:
         lines.append("kept apart: " + ", ".join(f"{n} {side}" for side, n in dropped.items()) + " windows dropped, sharing "

@@ -34,15 +34,19 @@ class Window:
 
     `input_ids[answer_start:]` is the assistant span: the first <= answer_tokens tokens of
     the assistant turn as the template renders it, ending with the end-of-turn token
-    (`<|im_end|>`) when it falls within the limit: the served base predicts it too. `input_ids[:answer_start]` is the <= context_tokens
-    tokens just before it, ending with the template's assistant header (and, for Qwen
-    with thinking disabled, the empty think block).
+    (`<|im_end|>`) when it falls within the limit: the served base predicts it too.
+    `input_ids[:answer_start]` is the <= context_tokens tokens just before it, ending with the
+    template's generation prompt: for Qwen the assistant header and, with thinking off, the
+    empty think block, or with thinking on the opened one (`<think>\n`), so that the span
+    starts with the reasoning.
     """
 
     conversation_hash: str
     turn_index: int  # index of the assistant message in the normalised conversation's messages
     input_ids: tuple[int, ...]
     answer_start: int
+    thinking: bool = False
+    """Rendered in thinking mode (the template's enable_thinking)."""
 
     def assistant_mask(self) -> list[bool]:
         """mask[p] is True iff position p holds an assistant-span token.
@@ -92,17 +96,39 @@ class _TurnTokens:
     boundary_retokenized: bool
 
 
-def render_turn(tokenizer, messages: Sequence[Message], turn_index: int) -> tuple[str, str] | Excluded:
-    """(prompt text, assistant span text) of messages[turn_index] as the template renders it."""
+def turn_thinking(messages: Sequence[Message], turn_index: int, mode: str) -> bool:
+    """Whether messages[turn_index] renders in thinking mode under `data.thinking` = `mode`
+    (auto: iff the turn records reasoning; an open turn records none)."""
+    if mode != "auto":
+        return mode == "on"
+    return turn_index < len(messages) and bool(messages[turn_index].reasoning)
+
+
+def _as_dicts(messages: Sequence[Message], turn_index: int, thinking: bool) -> list[dict]:
+    """The template's input for messages[:turn_index + 1]. Earlier turns carry their reasoning (the
+    template decides what to keep of it: Qwen's drops it before the last user query); the turn
+    itself carries it in thinking mode only, as a non-thinking engine never writes one."""
+    out = []
+    for index, message in enumerate(messages[: turn_index + 1]):
+        entry = {"role": message.role, "content": message.content}
+        if message.reasoning and (index < turn_index or thinking):
+            entry["reasoning_content"] = message.reasoning
+        out.append(entry)
+    return out
+
+
+def render_turn(tokenizer, messages: Sequence[Message], turn_index: int, thinking: bool = False) -> tuple[str, str] | Excluded:
+    """(prompt text, assistant span text) of messages[turn_index] as the template renders it,
+    with the template's enable_thinking = `thinking`."""
     if turn_index == 0:
         return Excluded(TEMPLATE_ERROR, "the conversation opens with an assistant turn: there is no prompt")
-    as_dicts = [{"role": m.role, "content": m.content} for m in messages[: turn_index + 1]]
+    as_dicts = _as_dicts(messages, turn_index, thinking)
     try:
         prompt = tokenizer.apply_chat_template(as_dicts[:turn_index], tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=False)
+                                               enable_thinking=thinking)
         if turn_index == len(messages):  # the open turn of a prompt: nothing recorded after the generation prompt
             return prompt, ""
-        turn = tokenizer.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=False, enable_thinking=False)
+        turn = tokenizer.apply_chat_template(as_dicts, tokenize=False, add_generation_prompt=False, enable_thinking=thinking)
     except (jinja2.TemplateError, ValueError) as err:
         return Excluded(TEMPLATE_ERROR, str(err))
     if not turn.startswith(prompt):
@@ -227,11 +253,13 @@ def conversation_windows(
     turns: str = _DEFAULTS.turns,
     exclude: Collection[str] = DEFAULT_EXCLUSIONS,
     prompts: bool = False,
+    thinking: str = _DEFAULTS.thinking,
 ) -> tuple[list[Window], int] | Excluded:
     """The windows of one conversation and how many were retokenized at the boundary,
     or the reason it is excluded (checked in EXCLUSION_REASONS order). With `prompts`, a
     conversation ending with the user's message gives the window of its open turn: the
-    rendered prompt as context and no answer (`Window.has_answer`), for the base to write."""
+    rendered prompt as context and no answer (`Window.has_answer`), for the base to write.
+    `thinking` (`data.thinking`: auto, on or off) chooses each turn's rendering (`turn_thinking`)."""
     turn_indices = selected_turns(conversation, turns, prompts)
     if not turn_indices:
         detail = ("a prompt without its answer: usable when the base writes the answers (data.answers: self_generated "
@@ -250,14 +278,53 @@ def conversation_windows(
     windows: list[Window] = []
     retokenized = 0
     for k in turn_indices:
-        rendered = render_turn(tokenizer, conversation.messages, k)
+        in_thinking = turn_thinking(conversation.messages, k, thinking)
+        rendered = render_turn(tokenizer, conversation.messages, k, in_thinking)
         if isinstance(rendered, Excluded):
             return rendered
         tokens = tokenize_window(tokenizer, *rendered, context_tokens, answer_tokens)
         retokenized += tokens.boundary_retokenized
         context, answer = tokens.context_ids, tokens.answer_ids
-        windows.append(Window(content_hash, k, tuple(context + answer), len(context)))
+        windows.append(Window(content_hash, k, tuple(context + answer), len(context), in_thinking))
     return windows, retokenized
+
+
+def prompt_window(tokenizer, conversation: Conversation, turn_index: int, context_tokens: int, thinking: bool) -> Window:
+    """The window of turn `turn_index`'s prompt alone, rendered with enable_thinking = `thinking`: what
+    a serving configuration's base continues (`Window.has_answer` is False). The turn must render
+    (`conversation_windows` kept it): DataError naming the conversation otherwise."""
+    rendered = render_turn(tokenizer, conversation.messages[:turn_index], turn_index, thinking)
+    if isinstance(rendered, Excluded):
+        raise DataError(f"{conversation.location}: message {turn_index}'s prompt does not render with thinking "
+                        f"{'on' if thinking else 'off'} ({rendered.reason}: {rendered.detail})")
+    context, _, _ = _last_tokens(tokenizer, rendered[0], context_tokens)
+    return Window(conversation.content_hash, turn_index, tuple(context), len(context), thinking)
+
+
+def reasoning_left_out(conversation: Conversation, turn_indices: Sequence[int], thinking: str) -> int:
+    """How many of the turns record reasoning that their windows leave out (thinking off)."""
+    return sum(1 for k in turn_indices if k < len(conversation.messages) and conversation.messages[k].reasoning
+               and not turn_thinking(conversation.messages, k, thinking))
+
+
+def has_thinking_switch(tokenizer) -> bool:
+    """Whether the chat template's generation prompt depends on enable_thinking."""
+    probe = [{"role": "user", "content": "Hi"}]
+    try:
+        on, off = (tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True, enable_thinking=flag)
+                   for flag in (True, False))
+    except (jinja2.TemplateError, ValueError):
+        return False
+    return on != off
+
+
+def require_thinking_switch(tokenizer, asked_by: str) -> None:
+    """ConfigError naming the template when thinking is asked (by `asked_by`) of one without the switch."""
+    if not has_thinking_switch(tokenizer):
+        identity = tokenizer_identity(tokenizer)
+        raise ConfigError(f"{asked_by}: thinking mode was asked, but the chat template of {identity['name_or_path']!r} "
+                          f"(sha256 {identity['chat_template_sha256'][:12]}...) has no thinking switch: its generation "
+                          "prompt is the same with enable_thinking true and false")
 
 
 def special_token_texts(tokenizer) -> list[str]:

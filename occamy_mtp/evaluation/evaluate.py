@@ -27,8 +27,12 @@ from occamy_mtp.evaluation.metrics import (
     acceptance_from_counts,
     acceptance_summary,
     decoder_rounds,
+    ExpectedCounts,
     expected_acceptance,
+    expected_rounds,
     replayed_acceptance,
+    replayed_counts,
+    summed_acceptance,
 )
 from occamy_mtp.base.logits import chunked_greedy
 from occamy_mtp.targets.base import base_outputs
@@ -352,11 +356,45 @@ def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, wi
 
 
 def _served(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
+    counts = _served_counts(results, windows, served_steps, max_new_tokens)
+    clusters = [context_key(w) for w in windows]
+    return {k: summed_acceptance(c, k, clusters=clusters) for k, c in counts.items()}
+
+
+def _served_counts(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, list[ExpectedCounts]]:
+    """Per served step count, the decoder's counts on each window's text (replayed, or expected under sampling)."""
     if results and isinstance(results[0], _BatchOdds):
-        texts = [(given, expected, window.answer_start) for window, (given, expected) in zip(windows, _odds(results))]
-        return {k: expected_acceptance(texts, max_new_tokens, k) for k in served_steps}
-    texts = [(outcome.accepted, window.answer_start) for window, outcome in zip(windows, _outcomes(results))]
-    return {k: replayed_acceptance(texts, max_new_tokens, k) for k in served_steps}
+        odds = _odds(results)
+        return {k: [expected_rounds(given, expected, w.answer_start, max_new_tokens, k) for w, (given, expected) in zip(windows, odds)]
+                for k in served_steps}
+    outcomes = _outcomes(results)
+    return {k: [replayed_counts(o.accepted, w.answer_start, max_new_tokens, k) for w, o in zip(windows, outcomes)]
+            for k in served_steps}
+
+
+def context_key(window) -> tuple[str, int]:
+    """What identifies a window's context: its conversation and turn (its continuations share it)."""
+    return window.conversation_hash, window.turn_index
+
+
+# Context-length buckets of the served figures (`by_context`): [low, high) tokens of context a window holds.
+CONTEXT_BUCKETS = (("<256", 0, 256), ("256-1k", 256, 1024), ("1k-4k", 1024, 4096), ("4k+", 4096, None))
+
+
+def context_bucket(tokens: int) -> str:
+    return next(name for name, low, high in CONTEXT_BUCKETS if tokens >= low and (high is None or tokens < high))
+
+
+def grouped_acceptance(counts: dict[int, list[ExpectedCounts]], windows, group_of) -> dict[str, dict[str, dict]]:
+    """The served figures of each group of windows (`group_of(window)`: its name, None for none), per step count."""
+    names: dict[str, list[int]] = {}
+    for index, window in enumerate(windows):
+        name = group_of(window)
+        if name is not None:
+            names.setdefault(name, []).append(index)
+    return {name: {str(k): summed_acceptance([c[i] for i in members], k, clusters=[context_key(windows[i]) for i in members])
+                            .to_dict() for k, c in counts.items()}
+            for name, members in names.items()}
 
 
 def _odds(results: list[_BatchOdds]) -> list[tuple[list[list[float]], list[list[float]]]]:
@@ -424,7 +462,8 @@ def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int
         part = windows[start : start + windows_per_batch]
         for window, (hit, best) in zip(part, _ceiling_batch(targets, head, part, device, serving)):
             texts.append((_by_anchor(hit, max(served_steps)), _by_anchor(best, max(served_steps)), window.answer_start))
-    return {k: expected_acceptance(texts, max_new_tokens, k) for k in served_steps}
+    clusters = [context_key(w) for w in windows]
+    return {k: expected_acceptance(texts, max_new_tokens, k, clusters=clusters) for k in served_steps}
 
 
 def _by_anchor(values: list[float], steps: int) -> list[list[float]]:
@@ -449,7 +488,7 @@ def share_of_ceiling(donor: float, trained: float, ceiling: float) -> float | No
 
 
 def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, served_steps, draft_steps: int,
-                   max_new_tokens: int, windows_per_batch: int = 4) -> dict:
+                   max_new_tokens: int, windows_per_batch: int = 4, domains: dict[str, dict] | None = None) -> dict:
     """Every heldout figure of one head, from one pass over each set of windows.
 
     * `serving`: per serving configuration (its label; `heldout` holds the windows the base
@@ -458,6 +497,11 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
         there (decoder replay, or its expectation under sampling; exact): the headline;
       * `every_anchor`: the chain over every anchor of the same text (exact, but another
         sample than the decoder's anchors);
+      * `by_context`: the served figures by the context's length (`CONTEXT_BUCKETS`, those the
+        windows reach);
+      * `by_file`, `by_category`: the served figures by the data file a conversation came from and
+        by its record's `category` (`domains`: conversation hash -> {file, category}; records
+        without a category are left out of `by_category`, empty when none has one);
     * `teacher_forced`: agreement, NLL and the greedy chain on the recorded answers
       (`recorded`); the acceptance there is an approximation, and has pointed the wrong
       way. None when no heldout window has a recorded answer (a prompt set).
@@ -467,11 +511,16 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     for serving in servings:
         windows = heldout[serving.label()]
         results = list(_batches(targets, head, windows, steps, windows_per_batch, serving))
-        served = _served(results, windows, served_steps, max_new_tokens)
+        counts = _served_counts(results, windows, served_steps, max_new_tokens)
+        clusters = [context_key(w) for w in windows]
+        domain = (domains or {}).get
         by_serving[serving.label()] = {
             "settings": asdict(serving),
-            "served": {str(k): a.to_dict() for k, a in served.items()},
+            "served": {str(k): summed_acceptance(c, k, clusters=clusters).to_dict() for k, c in counts.items()},
             "every_anchor": _metrics(results, len(windows), steps, SELF_GENERATED).to_dict(),
+            "by_context": grouped_acceptance(counts, windows, lambda w: context_bucket(w.answer_start)),
+            "by_file": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("file")),
+            "by_category": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("category") or None),
         }
     return {
         "serving": by_serving,
@@ -660,6 +709,18 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _with_error(figures: dict) -> str:
+    """A mean accept length with its standard error, when it has one."""
+    se = figures.get("mean_accept_length_se", 0.0)
+    return f"{figures['mean_accept_length']:.3f}" + (f" ± {se:.3f}" if se else "")
+
+
+def _short_group(name: str, limit: int = 18) -> str:
+    """A group's name in a table row: a file by its last part, anything longer than `limit` cut."""
+    name = name.rsplit("/", 1)[-1]
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
 def format_served(reports: dict[str, dict], servings, served_steps, max_new_tokens: int, selected: str | None = None,
                   ceiling: dict | None = None) -> str:
     """The headline of `heldout_report`s side by side, one column per head: per serving
@@ -674,29 +735,45 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     lines = [
         "served acceptance (exact): the reference speculative decoder on the base's own continuation of "
         f"{first['texts']} heldout {plural(first['texts'], 'prompt')} (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
-        "(decoder replay), sampled (the decoder's expected counts given the base's sampled text)",
+        "(decoder replay), sampled (the decoder's expected counts given each of the base's sampled continuations); "
+        "± one standard error over contexts",
         f"  {'':<48}" + "".join(f"{name:>{width}}" for name in columns),
     ]
     for serving in servings:
         label = serving.label()
         mark = " (selected)" if label == selected and len(servings) > 1 else ""
-        lines.append(f"  {label}{mark}: temperature {serving.temperature:g}, top_p {serving.top_p:g}, top_k {serving.top_k}, "
-                     f"{serving.draft} drafts")
+        penalties = "".join(f", {name.replace('_', ' ')} {getattr(serving, name):g}" for name, none in (
+            ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)) if getattr(serving, name) != none)
+        per_context = reports[names[0]]["serving"][label]["served"][str(served_steps[0])]
+        continuations = (f", {per_context['texts'] // max(1, per_context['contexts'])} continuations a context"
+                         if per_context.get("contexts") and per_context["texts"] > per_context["contexts"] else "")
+        lines.append(f"  {label}{mark}: temperature {serving.temperature:g}, top_p {serving.top_p:g}, top_k {serving.top_k}"
+                     f"{penalties}, thinking {'on' if serving.thinking else 'off'}, {serving.draft} drafts{continuations}")
         for k in served_steps:
             figures = [reports[name]["serving"][label]["served"][str(k)] for name in names]
             figures += [ceiling[label][str(k)]] if ceiling else []
             for j in range(k):
                 lines.append(f"    {f'{k}-step drafts: step {j + 1} acceptance':<46}"
                              + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
-            for text, field in (("mean accept length", "mean_accept_length"), ("tokens per verify pass", "tokens_per_verify_pass")):
-                lines.append(f"    {f'{k}-step drafts: {text}':<46}" + "".join(f"{f[field]:>{width}.3f}" for f in figures))
+            lines.append(f"    {f'{k}-step drafts: mean accept length':<46}" + "".join(f"{_with_error(f):>{width}}" for f in figures))
+            lines.append(f"    {f'{k}-step drafts: tokens per verify pass':<46}"
+                         + "".join(f"{f['tokens_per_verify_pass']:>{width}.3f}" for f in figures))
             if ceiling and "donor" in reports:
                 top, base = ceiling[label][str(k)]["mean_accept_length"], figures[names.index("donor")]["mean_accept_length"]
                 shares = [share_of_ceiling(base, f["mean_accept_length"], top) for f in figures[: len(names)]]
                 lines.append(f"    {f'{k}-step drafts: share of donor -> ceiling':<46}"
                              + "".join(f"{'-' if v is None or name == 'donor' else format(v, '.1%'):>{width}}"
                                        for name, v in zip(names, shares)))
-
+        k = max(served_steps)
+        for key, what in (("by_context", "context"), ("by_file", "file"), ("by_category", "category")):
+            groups = reports[names[0]]["serving"][label].get(key) or {}
+            if len(groups) < 2 and key != "by_category" or not groups:
+                continue  # one group is the whole
+            for group in groups:
+                cells = [reports[name]["serving"][label][key].get(group, {}).get(str(k)) for name in names]
+                count = next((c["contexts"] for c in cells if c), 0)
+                title = f"{k}-step accept length, {what} {_short_group(group)} ({count})"
+                lines.append(f"    {title:<46}" + "".join(f"{_with_error(c) if c else '-':>{width}}" for c in cells))
     def recorded(field: str, form: str):
         return lambda r: "absent" if r["teacher_forced"] is None else format(r["teacher_forced"][field], form)
 
@@ -811,7 +888,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
             log_stderr(f"evaluate: measuring the {name} head on {count} heldout {plural(count, 'window')} under "
                        f"{len(servings)} serving {plural(len(servings), 'configuration')}")
             results[name] = heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
-                                           served_steps, steps, budget, per_batch)
+                                           served_steps, steps, budget, per_batch, run.data.domains)
         report.update(
             text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
             selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results, ceiling=ceiling,

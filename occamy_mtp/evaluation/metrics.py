@@ -33,8 +33,9 @@ are the same numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 def acceptance_summary(proposed: Sequence[int], accepted: Sequence[int], drafted: int) -> tuple[list[float], float, float]:
@@ -131,6 +132,8 @@ class ExpectedCounts:
     drafted: float
     passes: float
     """Base passes after the prefill: rounds and plain steps."""
+    generated_after_first: int = 0
+    """Tokens the text holds after its first generated one."""
 
 
 def expected_rounds(
@@ -181,7 +184,15 @@ def expected_rounds(
             reached = kept
         if emitted + in_text + 1 < generated:  # every draft accepted, then the bonus token
             arrive[emitted + in_text + 1] += weight * reached
-    return ExpectedCounts(proposed, accepted, drafted, passes)
+    return ExpectedCounts(proposed, accepted, drafted, passes, length - prompt_length - 1)
+
+
+def replayed_counts(accepted_at: Sequence[int], prompt_length: int, max_new_tokens: int, draft_steps: int) -> ExpectedCounts:
+    """The decoder's counts over one greedy text (`decoder_rounds`), in `expected_rounds`' form."""
+    rounds, passes = decoder_rounds(accepted_at, prompt_length, max_new_tokens, draft_steps)
+    proposed, accepted, drafted = counts_from_outcomes([r.steps for r in rounds], [r.accepted for r in rounds], draft_steps)
+    return ExpectedCounts([float(n) for n in proposed], [float(n) for n in accepted], float(drafted), float(passes),
+                          len(accepted_at) - prompt_length - 1)
 
 
 @dataclass(frozen=True)
@@ -202,6 +213,11 @@ class Acceptance:
     tokens_per_verify_pass: float
     """Generated tokens after each prompt's first, per base pass: the measured speed-up over
     plain greedy decoding in base passes."""
+    contexts: int = 0
+    """Distinct contexts among the texts (several sampled continuations of one context are one)."""
+    mean_accept_length_se: float = 0.0
+    """The standard error of `mean_accept_length` over contexts (`jackknife_se`): the spread of the
+    figure between sets of contexts and continuations drawn as these were. 0 for one context."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,37 +244,77 @@ def acceptance_from_counts(
 
 
 def replayed_acceptance(
-    texts: Sequence[tuple[Sequence[int], int]], max_new_tokens: int, draft_steps: int
+    texts: Sequence[tuple[Sequence[int], int]], max_new_tokens: int, draft_steps: int, clusters: Sequence | None = None,
 ) -> Acceptance:
-    """The decoder's figures over texts given as (accepted_at, prompt_length) pairs."""
-    scorable, hits = [], []
-    passes = generated_after_first = 0
-    for accepted_at, prompt_length in texts:
-        rounds, text_passes = decoder_rounds(accepted_at, prompt_length, max_new_tokens, draft_steps)
-        scorable += [r.steps for r in rounds]
-        hits += [r.accepted for r in rounds]
-        passes += text_passes
-        generated_after_first += len(accepted_at) - prompt_length - 1
-    proposed, accepted, drafted = counts_from_outcomes(scorable, hits, draft_steps)
-    return acceptance_from_counts(draft_steps, len(texts), proposed, accepted, drafted, passes, generated_after_first)
+    """The decoder's figures over texts given as (accepted_at, prompt_length) pairs (`summed_acceptance`)."""
+    counts = [replayed_counts(accepted_at, prompt_length, max_new_tokens, draft_steps) for accepted_at, prompt_length in texts]
+    return summed_acceptance(counts, draft_steps, clusters=clusters)
 
 
 def expected_acceptance(
     texts: Sequence[tuple[Sequence[Sequence[float]], Sequence[Sequence[float]], int]], max_new_tokens: int,
-    draft_steps: int,
+    draft_steps: int, clusters: Sequence | None = None,
 ) -> Acceptance:
     """The decoder's expected figures over texts given as (accept_given, accept_expected,
     prompt_length) triples (`expected_rounds`): expected counts summed over the texts, and
-    the figures of those sums, as an engine's counters sum them."""
+    the figures of those sums, as an engine's counters sum them (`summed_acceptance`)."""
     counts = [expected_rounds(given, expected, prompt_length, max_new_tokens, draft_steps)
               for given, expected, prompt_length in texts]
-    generated_after_first = sum(len(given) - prompt_length - 1 for given, _, prompt_length in texts)
-    return summed_acceptance(counts, draft_steps, generated_after_first)
+    return summed_acceptance(counts, draft_steps, clusters=clusters)
 
 
-def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, generated_after_first: int) -> Acceptance:
-    """The figures of expected counts (`expected_rounds`) summed over texts."""
+def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, generated_after_first: int | None = None,
+                      clusters: Sequence | None = None) -> Acceptance:
+    """The figures of counts (`expected_rounds`, `replayed_counts`) summed over texts, with the
+    standard error of the mean accept length over `clusters` (one key per text: the texts of
+    one context share it; default: every text its own). `generated_after_first` defaults to
+    the texts' own."""
     proposed = [sum(c.proposed[k] for c in counts) for k in range(draft_steps)]
     accepted = [sum(c.accepted[k] for c in counts) for k in range(draft_steps)]
-    return acceptance_from_counts(draft_steps, len(counts), proposed, accepted, sum(c.drafted for c in counts),
-                                  sum(c.passes for c in counts), generated_after_first)
+    generated = sum(c.generated_after_first for c in counts) if generated_after_first is None else generated_after_first
+    keys = list(range(len(counts))) if clusters is None else list(clusters)
+    if len(keys) != len(counts):
+        raise ValueError(f"clusters: {len(keys)} keys for {len(counts)} texts")
+    figures = acceptance_from_counts(draft_steps, len(counts), proposed, accepted, sum(c.drafted for c in counts),
+                                     sum(c.passes for c in counts), generated)
+    return replace(figures, contexts=len(set(keys)), mean_accept_length_se=jackknife_se(counts, keys, draft_steps))
+
+
+def jackknife_se(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_steps: int) -> float:
+    """The delete-one-cluster jackknife standard error of the mean accept length of summed counts.
+
+    The figure is a ratio of sums over texts, so its spread is read by leaving out one cluster
+    (a context with all its continuations) at a time: SE^2 = (n - 1) / n * sum_i (L_(i) - mean L_(.))^2
+    over the n clusters. It covers both draws: which contexts, and which continuation of each.
+    """
+    groups: dict = {}
+    for key, c in zip(clusters, counts):
+        proposed, accepted = groups.setdefault(key, ([0.0] * draft_steps, [0.0] * draft_steps))
+        for k in range(draft_steps):
+            proposed[k] += c.proposed[k]
+            accepted[k] += c.accepted[k]
+    n = len(groups)
+    if n < 2:
+        return 0.0
+    total_proposed = [sum(g[0][k] for g in groups.values()) for k in range(draft_steps)]
+    total_accepted = [sum(g[1][k] for g in groups.values()) for k in range(draft_steps)]
+    lengths = []
+    for proposed, accepted in groups.values():
+        left_proposed = [t - p for t, p in zip(total_proposed, proposed)]
+        left_accepted = [t - a for t, a in zip(total_accepted, accepted)]
+        lengths.append(acceptance_summary(left_proposed, left_accepted, 0)[1])
+    mean = sum(lengths) / n
+    return math.sqrt((n - 1) / n * sum((length - mean) ** 2 for length in lengths))
+
+
+NOISE_STANDARD_ERRORS = 2.0
+
+
+def difference_noise(donor: dict, trained: dict) -> dict:
+    """The standard error of trained - donor (mean accept lengths, `Acceptance.to_dict()`), taken as if
+    the two were measured on independent texts: sqrt(se_d^2 + se_t^2). Both are measured on the same
+    texts, whose draws move them alike, so this over-states the noise: a difference it calls
+    significant is; one it calls within noise may not be."""
+    se = math.hypot(donor.get("mean_accept_length_se", 0.0), trained.get("mean_accept_length_se", 0.0))
+    difference = trained["mean_accept_length"] - donor["mean_accept_length"]
+    return {"standard_error": se, "within_noise": abs(difference) < NOISE_STANDARD_ERRORS * se}

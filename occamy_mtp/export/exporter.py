@@ -17,6 +17,7 @@ bytes against TRAINING.json). Temporaries of a killed export are removed by the 
 
 from __future__ import annotations
 
+
 import json
 import sys
 import time
@@ -37,6 +38,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
 from occamy_mtp.evaluation.evaluate import ceiling_report, format_served, heldout_report, reference_decoder_check
 from occamy_mtp.evaluation.plot import plot_served
+from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_noise
 from occamy_mtp.export.card import model_card
 from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
 
@@ -113,12 +115,14 @@ def verify_export(path: Path, donor: dict[str, torch.Tensor], trained_disk: dict
 
 def compare_heads(heldout: dict, served_steps, allow_worse: bool, serving: str) -> dict:
     """Donor against trained on the headline under the serving configuration labelled `serving`:
-    the mean accept length at each served step count."""
+    the mean accept length at each served step count, and whether the difference is within
+    noise (`within_noise`: under NOISE_STANDARD_ERRORS standard errors of the difference)."""
     steps = {}
     for k in served_steps:
-        donor = heldout["donor"]["serving"][serving]["served"][str(k)]["mean_accept_length"]
-        trained = heldout["trained"]["serving"][serving]["served"][str(k)]["mean_accept_length"]
-        steps[str(k)] = {"donor": donor, "trained": trained, "difference": trained - donor}
+        donor, trained = (heldout[name]["serving"][serving]["served"][str(k)] for name in ("donor", "trained"))
+        steps[str(k)] = {"donor": donor["mean_accept_length"], "trained": trained["mean_accept_length"],
+                         "difference": trained["mean_accept_length"] - donor["mean_accept_length"],
+                         **difference_noise(donor, trained)}
     not_worse = all(s["difference"] >= 0 for s in steps.values())
     return {"criterion": CRITERION, "serving": serving, "steps": steps, "trained_not_worse": not_worse,
             "allow_worse": allow_worse, "written": not_worse or allow_worse}
@@ -266,7 +270,7 @@ def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[d
         f"serving {plural(len(config.eval.serving), 'configuration')}")
     report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.serving,
                             config.eval.served_steps, config.eval.draft_steps, config.data.answer_tokens,
-                            config.eval.windows_per_batch)
+                            config.eval.windows_per_batch, run.data.domains)
     reason = None
     if run.models.base is None:
         reason = "data.target_cache is set (no base loaded)"
@@ -311,8 +315,12 @@ def format_metrics(metrics: dict) -> str:
     servings = [Serving(**{k: v for k, v in s.items() if k != "label"}) for s in metrics["serving"]]
     lines = [format_served(metrics["heldout"], servings, metrics["served_steps"], metrics["max_new_tokens"],
                            metrics["selected_serving"], metrics["ceiling"])]
-    verdict = "not worse than the donor" if metrics["comparison"]["trained_not_worse"] else "WORSE than the donor"
-    lines.append(f"trained head: {verdict} under {metrics['selected_serving']} ({metrics['comparison']['criterion']})")
+    comparison = metrics["comparison"]
+    verdict = "not worse than the donor" if comparison["trained_not_worse"] else "WORSE than the donor"
+    noise = [k for k, step in comparison["steps"].items() if step.get("within_noise")]
+    within = (f"; within noise at {', '.join(noise)} {plural(len(noise), 'step')} (the difference is under "
+              f"{NOISE_STANDARD_ERRORS:g} standard errors)") if noise else ""
+    lines.append(f"trained head: {verdict} under {metrics['selected_serving']} ({comparison['criterion']}){within}")
     for name, checks in metrics["decoder_check"].items():
         if "skipped" in checks:
             lines.append(f"reference decoder check ({name}): skipped, {checks['skipped']}")

@@ -1,5 +1,7 @@
-"""The `generate` command: a chat dataset's answers rewritten by the frozen base (greedy), as a
-resumable JSONL file of records, through the self-generated store's writer.
+"""The `generate` command: a chat dataset's answers rewritten by the frozen base (greedy, in
+`data.thinking`'s mode), as a resumable JSONL file of records, through the self-generated store's
+writer. A turn written in thinking mode keeps the base's reasoning in `reasoning_content` and its
+answer in `content`, as vLLM's and SGLang's reasoning parsers return them.
 
 docs/REGENERATE.md sets out the details.
 """
@@ -35,7 +37,7 @@ DEFAULT_MAX_NEW_TOKENS = windows.DEFAULT_ANSWER_TOKENS  # a window scores at mos
 SIDECAR_SUFFIX = ".meta.json"
 SIDECAR_FORMAT = 1
 # Settings that change what the generated text is: a resume must match them.
-COMPARED_SETTINGS = ("turns", "max_new_tokens", "eos_token_ids", "enable_thinking", "dtype", "exclude", "skip_bad_records")
+COMPARED_SETTINGS = ("turns", "max_new_tokens", "eos_token_ids", "thinking", "dtype", "exclude", "skip_bad_records")
 # Tokenizer fields that change the rendering (its path may differ between runs).
 COMPARED_TOKENIZER_FIELDS = ("vocab_size", "eos_token", "chat_template_sha256")
 COMPARED_BASE_FIELDS = ("config_sha256", "weights_sample_sha256")
@@ -65,6 +67,8 @@ class Prompt:
     conversation: reader.Conversation
     turn_index: int  # index of the regenerated assistant message in conversation.messages
     prompt_ids: tuple[int, ...]
+    thinking: bool = False
+    """Rendered in thinking mode: the base writes its reasoning, then `</think>` and the answer."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -90,28 +94,32 @@ def read_prompts(
     exclude: Collection[str] = reader.DEFAULT_EXCLUSIONS,
     skip_bad_records: bool = False,
     max_record_bytes: int = reader.DEFAULT_MAX_RECORD_BYTES,
+    thinking: str = "auto",
 ) -> Prompts:
     """The prompts of the selected assistant turns, in file order, with training's exclusions (`data.reader`, `data.windows`).
 
     A conversation is kept iff `prepare_windows` would build windows from it with the
-    same `turns` and `exclude` (the same reasons, counted the same way, duplicates
+    same `turns`, `exclude` and `thinking` (the same reasons, counted the same way, duplicates
     included); its prompt is the window's context before truncation.
     """
     if turns not in TURN_CHOICES:
         raise ValueError(f"turns must be {' or '.join(TURN_CHOICES)}, got {turns!r}")
     windows.require_chat_template(tokenizer)
+    if thinking == "on":
+        windows.require_thinking_switch(tokenizer, "data.thinking")
     read = reader.ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)
     prompts: list[Prompt] = []
     for conversation in read:
         # The window builder is the judge of what is kept, so both exclude alike.
-        built = windows.conversation_windows(tokenizer, conversation, turns=turns, exclude=exclude)
+        built = windows.conversation_windows(tokenizer, conversation, turns=turns, exclude=exclude, thinking=thinking)
         if isinstance(built, reader.Excluded):
             read.exclude(built.reason, conversation.location, built.detail)
             continue
         for turn_index in windows.selected_turns(conversation, turns):
-            prompt_text, _ = windows.render_turn(tokenizer, conversation.messages, turn_index)
+            in_thinking = windows.turn_thinking(conversation.messages, turn_index, thinking)
+            prompt_text, _ = windows.render_turn(tokenizer, conversation.messages, turn_index, in_thinking)
             prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
-            prompts.append(Prompt(conversation, turn_index, prompt_ids))
+            prompts.append(Prompt(conversation, turn_index, prompt_ids, in_thinking))
     return Prompts(prompts=prompts, files=read.files, conversations_read=read.conversations_read,
                    excluded=read.excluded(), excluded_examples=read.excluded_examples())
 
@@ -120,15 +128,17 @@ def read_prompts(
 
 
 def roundtrip_outcome(
-    tokenizer, messages: Sequence[reader.Message], generated_ids: Sequence[int], finished: bool, end_of_turn_id: int | None
+    tokenizer, messages: Sequence[reader.Message], generated_ids: Sequence[int], finished: bool, end_of_turn_id: int | None,
+    thinking: bool = False, text: str | None = None,
 ) -> str:
     """Whether chat template + tokenizer turn the record's text back into `generated_ids`.
 
-    `messages` end with the generated assistant turn (its text); `end_of_turn_id` is
-    `data.windows.template_end_of_turn_id(tokenizer)`. See the module docstring for the outcomes,
-    checked in ROUNDTRIP_OUTCOMES order.
+    `messages` end with the generated assistant turn; `text` is what the base wrote, decoded
+    (default: that turn's content; in thinking mode its reasoning, `</think>` and answer);
+    `end_of_turn_id` is `data.windows.template_end_of_turn_id(tokenizer)`. See the module
+    docstring for the outcomes, checked in ROUNDTRIP_OUTCOMES order.
     """
-    text = messages[-1].content
+    text = messages[-1].content if text is None else text
     content_ids = list(generated_ids[:-1] if finished else generated_ids)
     if finished and generated_ids[-1] != end_of_turn_id:
         return DIFFERENT_END_TOKEN
@@ -136,7 +146,7 @@ def roundtrip_outcome(
         return LOSSY_DECODE
     if any(token in text for token in windows.special_token_texts(tokenizer)):
         return SPECIAL_TOKEN_IN_TEXT
-    rendered = windows.render_turn(tokenizer, messages, len(messages) - 1)
+    rendered = windows.render_turn(tokenizer, messages, len(messages) - 1, thinking)
     end_text = "" if end_of_turn_id is None else _decode(tokenizer, [end_of_turn_id])
     if isinstance(rendered, reader.Excluded) or not rendered[1].startswith(text + end_text):
         return TEMPLATE_REWROTE_TEXT
@@ -197,9 +207,14 @@ def make_record(
     generated_ids = [int(t) for t in generated_ids]
     finished = bool(generated_ids) and generated_ids[-1] in eos_token_ids
     text = _decode(tokenizer, generated_ids[:-1] if finished else generated_ids)
-    messages = list(prompt.conversation.messages[: prompt.turn_index]) + [reader.Message("assistant", text)]
+    if prompt.thinking:  # the prompt opened the think block: the text is reasoning, `</think>`, answer
+        reasoning, content = reader.split_reasoning(text) if reader.THINK_CLOSE in text else (text.strip(), "")
+    else:
+        reasoning, content = "", text
+    messages = list(prompt.conversation.messages[: prompt.turn_index]) + [reader.Message("assistant", content, reasoning)]
     return {
-        "messages": [{"role": m.role, "content": m.content} for m in messages],
+        "messages": [{"role": m.role, "content": m.content, **({"reasoning_content": m.reasoning} if m.reasoning else {})}
+                     for m in messages],
         "meta": {
             "source": prompt.conversation.location,
             "source_hash": prompt.conversation.content_hash,
@@ -207,7 +222,8 @@ def make_record(
             "prompt_tokens": len(prompt.prompt_ids),
             "generated_tokens": len(generated_ids),
             "finished": finished,
-            "roundtrip": roundtrip_outcome(tokenizer, messages, generated_ids, finished, end_of_turn_id),
+            "thinking": prompt.thinking,
+            "roundtrip": roundtrip_outcome(tokenizer, messages, generated_ids, finished, end_of_turn_id, prompt.thinking, text),
             "generated_token_ids": generated_ids,
         },
     }
@@ -327,6 +343,7 @@ def regenerate_answers(
     skip_bad_records: bool = False,
     progress: bool = False,
     max_record_bytes: int = reader.DEFAULT_MAX_RECORD_BYTES,
+    thinking: str = "auto",
 ) -> GenerateReport:
     """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
 
@@ -352,7 +369,7 @@ def regenerate_answers(
         "turns": turns,
         "max_new_tokens": max_new_tokens,
         "eos_token_ids": sorted(eos),
-        "enable_thinking": False,
+        "thinking": thinking,
         "dtype": str(parameter.dtype).removeprefix("torch."),
         "exclude": sorted(exclude),
         "skip_bad_records": skip_bad_records,
@@ -382,7 +399,8 @@ def regenerate_answers(
 
     # 2. The prompts (a DataError stops here, before anything is written).
     read = read_prompts(
-        files, tokenizer, turns=turns, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes
+        files, tokenizer, turns=turns, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes,
+        thinking=thinking,
     )
     selected = read.prompts if limit is None else read.prompts[:limit]
     done = existing.keys
@@ -485,8 +503,8 @@ def _format_report(report: GenerateReport) -> str:
 def main(argv: list[str] | None = None) -> int:
     cli = command_line(
         "python -m occamy_mtp generate",
-        "Regenerate the answers of data.files with the frozen base model.base (greedy, thinking disabled, resumable): "
-        "data.turns chooses the turns, data.answer_tokens bounds each answer, data.self_generate_batch_size the batch.",
+        "Regenerate the answers of data.files with the frozen base model.base (greedy, resumable): "
+        "data.thinking renders the prompts with thinking on or off, data.turns chooses the turns, data.answer_tokens bounds each answer, data.self_generate_batch_size the batch.",
         config_required=False)
     cli.add_argument("--out", required=True, type=Path, help="output JSONL (appended to and resumed when it exists)")
     cli.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (default: cuda when present)")
@@ -528,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         skip_bad_records=data.skip_bad_records,
         progress=not args.no_progress,
         max_record_bytes=data.max_record_bytes,
+        thinking=data.thinking,
         log=lambda line: print(line, file=sys.stderr, flush=True),  # the batch chosen, and why
     )
     print(_format_report(report))

@@ -37,6 +37,7 @@ from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_acceptance
+from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
@@ -252,14 +253,15 @@ def selection_step(state: TrainState, head: MTPHead, run: Run, act_dtype: torch.
     with as_served(head, act_dtype), head_autocast(head, device, act_dtype):
         served = served_acceptance(run.targets, head, run.windows.validation, config.eval.served_steps,
                                    config.data.answer_tokens, config.eval.windows_per_batch, config.selected_serving)
-    score = selection_score(served)
-    state.selection.append({"step": state.step, "score": score,
+    score, score_se = selection_score(served), selection_score_se(served)
+    state.selection.append({"step": state.step, "score": score, "score_se": score_se,
                             **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
     is_best = state.best_score is None or score > state.best_score
     if is_best:
         state.best_step, state.best_score = state.step, score
     state.selection_seconds += time.perf_counter() - started
-    log(f"select: step {state.step}: {score:.4f} (best: step {state.best_step}, {state.best_score:.4f})")
+    log(f"select: step {state.step}: {score:.4f}" + (f" ± {score_se:.4f}" if score_se else "")
+        + f" (best: step {state.best_step}, {state.best_score:.4f})")
     return is_best
 
 
@@ -297,6 +299,12 @@ def as_served(head: MTPHead, dtype: torch.dtype):
 def selection_score(served: dict) -> float:
     """What selection maximises: the mean over the served step counts of the replayed mean accept length."""
     return sum(a.mean_accept_length for a in served.values()) / len(served)
+
+
+def selection_score_se(served: dict) -> float:
+    """A standard error of `selection_score`: the mean of the step counts' standard errors, which bounds
+    that of their mean from above (the step counts are measured on the same texts)."""
+    return sum(a.mean_accept_length_se for a in served.values()) / len(served)
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, min_ratio: float) -> float:
@@ -473,9 +481,23 @@ def _selection_summary(config: RunConfig, state: TrainState, validation_windows:
         "donor_score": state.selection[0]["score"] if state.selection else None,
         "best_step": state.best_step,
         "best_score": state.best_score,
+        **_selection_noise(state),
         "written_step": state.best_step,
         "seconds": state.selection_seconds,
     }
+
+
+def _selection_noise(state: TrainState) -> dict:
+    """Whether the chosen step beats the donor (step 0's score) by more than noise: by more than
+    NOISE_STANDARD_ERRORS times sqrt(se_best^2 + se_donor^2), which over-states the noise of two
+    figures measured on the same texts."""
+    if not state.selection or state.best_step is None:
+        return {}
+    donor = state.selection[0]
+    best = next(entry for entry in state.selection if entry["step"] == state.best_step)
+    se = math.hypot(donor.get("score_se", 0.0), best.get("score_se", 0.0))
+    return {"best_minus_donor": best["score"] - donor["score"], "difference_se": se,
+            "within_noise": abs(best["score"] - donor["score"]) < NOISE_STANDARD_ERRORS * se}
 
 
 def _log_line(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:
