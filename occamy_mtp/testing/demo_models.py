@@ -67,6 +67,11 @@ class DemoSettings:
     linear_head_dim: int = 64
     """Gated DeltaNet key and value head dim. 64 (or 128) is what vLLM's CPU kernels accept,
     so that a real engine can serve the demo; the test models use 16."""
+    thinking: bool = True
+    """Train on each conversation twice: as it is, rendered with thinking off, and with reasoning
+    (`demo_reasoning`) before its last answer, rendered with thinking on. The models then write
+    reasoning after a thinking-mode prompt (`<think>\\n`) and answer at once after a
+    non-thinking one (the empty think block), as the Qwen3.5 family does."""
 
 
 def restyle(text: str) -> str:
@@ -76,6 +81,33 @@ def restyle(text: str) -> str:
     from the donor's, which is what makes the donor's head go stale.
     """
     return "Occamy here. " + text.lower()
+
+
+def _first_sentence(paragraph: str, limit: int = 120) -> str:
+    """The paragraph's first sentence (or line), whitespace collapsed, at most `limit` characters."""
+    text = " ".join(paragraph.split())
+    end = min((i + 1 for i in (text.find(". "), text.find(": ")) if i >= 0), default=len(text))
+    return text[: min(end, limit)].rstrip()
+
+
+def demo_reasoning(question: str, answer: str) -> str:
+    """The demo's reasoning before `answer` to `question`: the question restated, then the first
+    sentences of the answer's first paragraphs as a plan. Deterministic, and made of the
+    conversation's own words, as a real model's reasoning mostly is."""
+    paragraphs = [p for p in answer.split("\n\n") if p.strip()]
+    lines = [f"The user asks: {_first_sentence(question)}",
+             f"The documentation answers this in {len(paragraphs)} parts. The first ones say:"]
+    lines += [f"- {_first_sentence(p)}" for p in paragraphs[:4]]
+    lines.append("I will answer with that text, in its order.")
+    return "\n".join(lines)
+
+
+def with_reasoning(messages: list[dict]) -> list[dict]:
+    """`messages` whose last assistant turn carries `demo_reasoning` as its reasoning_content."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    question = next(m["content"] for m in reversed(messages[:last]) if m["role"] == "user")
+    return [dict(m, reasoning_content=demo_reasoning(question, m["content"])) if i == last else m
+            for i, m in enumerate(messages)]
 
 
 def _conversations(path: Path) -> list[list[dict]]:
@@ -88,10 +120,12 @@ def _conversations(path: Path) -> list[list[dict]]:
 
 
 def _packed_sequences(tokenizer, conversations: list[list[dict]], length: int) -> torch.Tensor:
-    """Render every conversation with the chat template and pack them into (N, length) rows."""
+    """Render every conversation with the chat template and pack them into (N, length) rows. A
+    conversation whose last answer carries reasoning is rendered with thinking on."""
     stream: list[int] = []
     for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, enable_thinking=False)
+        thinking = any("reasoning_content" in m for m in messages)
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, enable_thinking=thinking)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         stream.extend(ids)
@@ -204,8 +238,12 @@ def build_demo_models(
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
     conversations = _conversations(data_path)
+    if settings.thinking:
+        conversations = conversations + [with_reasoning(messages) for messages in conversations]
     restyled = [
-        [dict(m, content=restyle(m["content"])) if m["role"] == "assistant" else m for m in messages]
+        [{**m, "content": restyle(m["content"]), **({"reasoning_content": restyle(m["reasoning_content"])}
+                                                     if "reasoning_content" in m else {})}
+         if m["role"] == "assistant" else m for m in messages]
         for messages in conversations
     ]
     donor_sequences = _packed_sequences(tokenizer, conversations, settings.sequence_tokens)
