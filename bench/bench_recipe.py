@@ -2,6 +2,16 @@
 
     PYTHONPATH=. python3 bench/bench_recipe.py --out recipe.json           # H200, real dimensions
     PYTHONPATH=. python3 bench/bench_recipe.py --tiny --device cpu         # a smoke run of the same code
+    PYTHONPATH=. python3 bench/bench_recipe.py --text thinking-general     # the thinking-mode recipe
+    PYTHONPATH=. python3 bench/bench_recipe.py --context-tokens 4096       # a long-context recipe
+
+Windows hold `--context-tokens` (128, the design card's) + 382 tokens. The run's text is
+`--text`: greedy (the default recipe) or a preset (configs/demo-thinking.yaml's thinking-general):
+the base writes every continuation under it, selection scores it on `eval.sampled_continuations`
+continuations of each validation context, and the export measures both heads under every default
+serving configuration (greedy and the four presets, each sampled one on that many continuations of
+each heldout context), as a run does. Under sampling each text is its own window of random tokens,
+so the cache pass and the evaluation cost what a run's distinct continuations cost.
 
 A random-weight Qwen3.5-35B-A3B-shaped base and head are built directly on the device
 (speed and memory do not depend on the values). The recipe, timed phase by phase, with
@@ -67,7 +77,8 @@ from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_chec
 from occamy_mtp.base.fastbase import FastBasePass
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
-from occamy_mtp.config import TrainSettings, step_loss_weights
+from occamy_mtp.config import PRESETS, EvalSettings, Serving, TrainSettings, step_loss_weights
+from occamy_mtp.sampling import GREEDY_TEXT, text_sampling
 from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
@@ -211,8 +222,12 @@ def main() -> int:
     parser.add_argument("--draft-steps", type=int, default=1, help="train.draft_steps: the chain loss over this many steps")
     parser.add_argument("--step-loss-weights", default="", help="train.step_loss_weights, comma-separated (default: equal)")
     parser.add_argument("--profile-export", default="", help="write the export phase's cProfile (cumulative, top 80) to this file")
+    parser.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS, help="context tokens a window holds")
+    parser.add_argument("--text", choices=("greedy", *PRESETS), default="greedy",
+                        help="how the base writes the run's text and which configuration selection scores")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    context_tokens = args.context_tokens
     device = torch.device(args.device)
     if args.memory_cap_gib:
         torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1],
@@ -247,13 +262,24 @@ def main() -> int:
     build_seconds = time.perf_counter() - started
 
     generator = torch.Generator().manual_seed(1)
-    length = CONTEXT_TOKENS + ANSWER_TOKENS
-    windows = [
-        Window("random", 0, tuple(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()), CONTEXT_TOKENS)
-        for _ in range(TRAIN_WINDOWS + VALIDATION_WINDOWS + HELDOUT_WINDOWS)
-    ]
-    train_windows = windows[:TRAIN_WINDOWS]
-    validation, heldout = windows[TRAIN_WINDOWS : TRAIN_WINDOWS + VALIDATION_WINDOWS], windows[-HELDOUT_WINDOWS:]
+    length = context_tokens + ANSWER_TOKENS
+    selected = Serving() if args.text == "greedy" else PRESETS[args.text]
+    sampling = GREEDY_TEXT if selected.greedy else text_sampling(selected, 0)
+    continuations_each = EvalSettings().sampled_continuations
+    servings = EvalSettings().serving  # greedy and the four presets
+
+    def random_windows(count: int) -> list[Window]:
+        return [Window("random", 0, tuple(torch.randint(0, config.vocab_size, (length,), generator=generator).tolist()),
+                       context_tokens) for _ in range(count)]
+
+    def texts(serving: Serving) -> int:
+        return 1 if serving.greedy else continuations_each
+
+    train_windows = random_windows(TRAIN_WINDOWS)
+    validation = random_windows(VALIDATION_WINDOWS * texts(selected))
+    heldout_by = {s.label(): random_windows(HELDOUT_WINDOWS * texts(s)) for s in servings}
+    heldout = heldout_by["greedy"]
+    windows = train_windows + validation + [w for ws in heldout_by.values() for w in ws]
     phases = Phases(device)
     result: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -264,18 +290,22 @@ def main() -> int:
         "step_loss_weights": list(step_loss_weights(settings)),
         "windows": len(windows),
         "tokens": len(windows) * length,
+        "context_tokens": context_tokens,
+        "text": args.text,
+        "servings_measured": [s.label() for s in servings],
+        "sampled_continuations": continuations_each,
         "build_seconds_excluded": build_seconds,
     }
 
     # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check
     if args.generate_windows:
-        contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[: args.generate_windows]]
+        contexts = [w.input_ids[:context_tokens] for w in windows[: args.generate_windows]]
 
         def generate():
             # As a run writes a store's continuations (`EmbeddedWriter.answers`): the batch sized once,
             # one decoder for every batch. A decoder a batch, built while the last one's memory is
             # still cached, ran out of memory on fixed segments (bench/RESULTS.md).
-            writer = EmbeddedWriter(base, args.generate_batch_size)
+            writer = EmbeddedWriter(base, args.generate_batch_size, sampling)
             size = writer.batch_for(contexts, ANSWER_TOKENS, print)
             if device.type == "cuda":
                 stats = torch.cuda.memory_stats(device)
@@ -285,7 +315,7 @@ def main() -> int:
             out = [None] * len(contexts)
             sync(device)
             last = time.perf_counter()
-            sized = EmbeddedWriter(base, size)  # the batch just sized: no second hand-back
+            sized = EmbeddedWriter(base, size, sampling)  # the batch just sized: no second hand-back
             for index, continuation in sized.answers(contexts, [True] * len(contexts), ANSWER_TOKENS, set(), print):
                 out[index] = continuation
                 if index + 1 == len(contexts) or (index + 1) % size == 0:  # a batch's last context: the batch is written
@@ -303,7 +333,7 @@ def main() -> int:
             "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
         }
     for size in [int(x) for x in args.extra_generate_batch_sizes.split(",") if x.strip()]:
-        contexts = [w.input_ids[:CONTEXT_TOKENS] for w in windows[:size]]
+        contexts = [w.input_ids[:context_tokens] for w in windows[:size]]
         name = f"self_generate_batch{size}"
         continuations = phases(name, lambda c=contexts, b=size: self_generate(base, c, ANSWER_TOKENS, set(), b))
         seconds = phases.results[name]["seconds"]
@@ -339,7 +369,8 @@ def main() -> int:
     def select():
         started = time.perf_counter()
         with as_served(head, dtype), head_autocast(head, device, dtype):  # as train.loop.selection_step
-            phases.unit("selection", lambda: served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS))
+            phases.unit("selection", lambda: served_acceptance(targets, head.eval(), validation, SERVED_STEPS, ANSWER_TOKENS,
+                                                               serving=selected))
         head.train()
         sync(device)
         selection_seconds.append(time.perf_counter() - started)
@@ -373,6 +404,9 @@ def main() -> int:
         runners = {model: shared.with_head(model) for model in (donor, head)} if checked else {}  # one base runner, a head runner each
         for name, model in (("donor", donor), ("trained", head)):
             phases.unit("evaluation", lambda m=model: evaluate_head(targets, m.eval(), heldout, draft_steps=3, windows_per_batch=4))
+            for serving in servings:  # the served figures of every configuration, as export measures them
+                phases.unit(f"served {serving.label()}", lambda m=model, s=serving: served_acceptance(
+                    targets, m.eval(), heldout_by[s.label()], SERVED_STEPS, ANSWER_TOKENS, serving=s))
             for k in SERVED_STEPS if checked else ():
                 sync(device)
                 started = time.perf_counter()

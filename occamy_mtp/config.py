@@ -128,6 +128,8 @@ class DataSettings:
 
 TURN_CHOICES = ("last", "first", "every")
 THINKING_CHOICES = ("auto", "on", "off")
+# Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
+_SWITCHES = ("data.thinking",)
 
 # The data settings that decide which windows a run builds and how they are split; the
 # keyword arguments of `occamy_mtp.data.prepare.prepare_windows`, under the same names.
@@ -479,6 +481,8 @@ def _build(cls, values: dict, path: str):
         dotted = f"{path}.{name}" if path else name
         if dataclasses.is_dataclass(annotation):
             kwargs[name] = _build(annotation, value, dotted)
+        elif dotted in _SWITCHES and isinstance(value, bool):  # YAML reads on and off as true and false
+            kwargs[name] = "on" if value else "off"
         else:
             kwargs[name] = _coerce(value, annotation, dotted)
     return cls(**kwargs)

@@ -24,7 +24,8 @@ from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 
-RECORD_FORMAT = 4  # 3: metrics and self-generated stores per serving configuration; 4: the ceiling, reproducibility
+RECORD_FORMAT = 5  # 3: metrics and self-generated stores per serving configuration; 4: the ceiling, reproducibility;
+# 5: standard errors, several sampled continuations a context, figures by context length, file and category
 _PACKAGES = ("torch", "transformers", "accelerate", "safetensors", "datasets", "tokenizers", "numpy", "deepspeed", "wandb")
 def load_hash_cache(path: Path) -> dict:
     try:
@@ -199,11 +200,13 @@ _METRICS = {
 _SERVED = {
     "draft_steps": int, "texts": int, "proposed": [float], "accepted": [float], "drafted": float, "acceptance": [float],
     "mean_accept_length": float, "accept_rate": float, "verify_passes": float, "tokens_per_verify_pass": float,
+    "contexts": int, "mean_accept_length_se": float,
 }
 _SETTINGS = {"temperature": float, "top_p": float, "top_k": int, "draft": str}
 # "serving" maps each serving configuration's label to _SERVING_REPORT, whose "served" maps each
 # served step count ("1", "3") to _SERVED; both checked in validate_record.
-_SERVING_REPORT = {"settings": _SETTINGS, "served": dict, "every_anchor": _METRICS}
+_SERVING_REPORT = {"settings": {**_SETTINGS, "thinking": bool}, "served": dict, "every_anchor": _METRICS,
+                   "by_context": dict, "by_file": dict, "by_category": dict}
 _HEAD_REPORT = {"serving": dict, "teacher_forced": (_METRICS, None)}  # None: prompts only
 _STORE = {"identity": dict, "windows": int, "finished": int, "generated_tokens": int, "generation_seconds": float}
 _IDENTITY = {

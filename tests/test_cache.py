@@ -178,7 +178,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed
+    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed, serving_texts
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -191,9 +191,11 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
                          self_generated_needed(cached_config, data))
     windows = run_windows(cached_config, data, stores).all()
-    # self-generated (the heldout ones under each serving configuration: greedy and the two default
-    # presets), + recorded heldout
-    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * (len(cached_config.eval.serving) + 1)
+    # self-generated (the heldout ones under each serving configuration: greedy once and each of the four
+    # default presets eval.sampled_continuations times), + recorded heldout
+    texts = sum(len(serving_texts(cached_config, s)) for s in cached_config.eval.serving)
+    assert texts == 1 + 4 * cached_config.eval.sampled_continuations
+    assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * (texts + 1)
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
     C.build_cache(library, C.cache_identity(ckpt_io.checkpoint_fingerprint(world["base_path"]), windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
                   T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
@@ -217,7 +219,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
         parts = [(online["teacher_forced"], cached["teacher_forced"])]
         parts += [(online["serving"][label]["every_anchor"], cached["serving"][label]["every_anchor"])
-                  for label in ("greedy", "instruct-general", "instruct-reasoning")]
+                  for label in ("greedy", "thinking-general", "thinking-coding", "instruct-general", "instruct-reasoning")]
         for online_part, cached_part in parts:
             assert online_part["scored_positions"] == cached_part["scored_positions"]
             # the cache holds per-window targets, evaluation batches windows: equal up to rounding near-ties

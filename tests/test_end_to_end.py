@@ -115,7 +115,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.model.head import SharedWeights
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_store, serving_text
+    from occamy_mtp.run import BaseFacts, open_store, serving_texts
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
@@ -134,7 +134,8 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     assert layout == "fused"
     tokenizer = AutoTokenizer.from_pretrained(models["tokenizer"], local_files_only=True)
     data = prepare_windows([SAMPLE_DATA_PATH], tokenizer, context_tokens=24, answer_tokens=40,
-                           train_conversations=12, validation_conversations=4, heldout_conversations=4)
+                           train_conversations=12, validation_conversations=4, heldout_conversations=4,
+                           served_thinking=(False, True))
     metrics = evaluate_head(base, head, data.heldout, draft_steps=2)
     recorded = record["metrics"]["heldout"]["trained"]
     teacher_forced = recorded["teacher_forced"]
@@ -144,10 +145,14 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     assert metrics.accepted == teacher_forced["accepted"] and metrics.proposed == teacher_forced["proposed"]
     # The headline, from the run's stored self-generated heldout windows of each serving configuration.
     config = load_config(trained["config"])
-    assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "instruct-general", "instruct-reasoning"]
+    assert [s["label"] for s in record["metrics"]["serving"]] == ["greedy", "thinking-general", "thinking-coding", "instruct-general", "instruct-reasoning"]
+    facts, stops = BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)
     for serving in config.eval.serving:
-        store = open_store(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), serving_text(config, serving))
-        served = served_acceptance(base, head, store.windows(data.heldout), (1, 2), max_new_tokens=40, serving=serving)
+        # every continuation of each heldout prompt, rendered in the configuration's thinking mode, one store a seed
+        prompts = data.served_windows("heldout", serving.thinking)
+        texts = [w for sampling in serving_texts(config, serving) for w in open_store(config, facts, stops, sampling).windows(prompts)]
+        assert len(texts) == len(prompts) * (1 if serving.greedy else config.eval.sampled_continuations)
+        served = served_acceptance(base, head, texts, (1, 2), max_new_tokens=40, serving=serving)
         for k, figures in served.items():
             # greedy: integer counts; sampled: expected counts; and the figures made from them
             assert figures.to_dict() == recorded["serving"][serving.label()]["served"][str(k)], (serving.label(), k)

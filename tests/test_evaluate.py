@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from occamy_mtp.config import EvalSettings
 import torch
 import torch.nn.functional as F
 
@@ -177,7 +179,8 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
     # the serving configurations asked for: greedy, and temperature 0.7 with top-p 0.8 (its own sampled text)
     assert report["selected_serving"] == "greedy" and [s["label"] for s in report["serving"]] == ["greedy", "t0.7-p0.8"]
     stores = report["self_generated"]["stores"]
-    assert set(stores) == {"greedy", "t0.7-p0.8-seed0"} and report["self_generated"]["max_new_tokens"] == 8
+    continuations = [f"t0.7-p0.8-seed{j}" for j in range(EvalSettings().sampled_continuations)]
+    assert set(stores) == {"greedy", *continuations} and report["self_generated"]["max_new_tokens"] == 8
     assert all(0 < store["generated_tokens"] <= 16 for store in stores.values())
     for head_report in report["heads"].values():
         assert list(head_report["serving"]) == ["greedy", "t0.7-p0.8"]
@@ -296,15 +299,17 @@ def test_cli_honours_the_eval_and_data_settings_of_its_config(checkpoints, tmp_p
     out = tmp_path / "eval"
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     report = json.loads((out / "evaluation.json").read_text())
-    # one store a serving configuration (greedy, and the default presets' two), each written at the config's batch
-    assert batch_sizes == [1, 1, 1] and report["self_generated"]["batch_size"] == 1
+    # one store a way of writing the text (greedy, and each of the default presets' four on its own seeds), each
+    # written at the config's batch
+    stores = 1 + 4 * EvalSettings().sampled_continuations
+    assert batch_sizes == [1] * stores and report["self_generated"]["batch_size"] == 1
     trained = report["heads"]["trained"]["serving"]
     assert report["served_steps"] == [2] and all(set(s["served"]) == {"2"} for s in trained.values())
     assert report["heads"]["trained"]["teacher_forced"]["draft_steps"] == 2
     # The continuations are the run's own stores: a second evaluation writes none.
     assert main(["--config", str(config_path), "--head", str(checkpoints["donor"]), "--out", str(out)]) == 0
     stores = json.loads((out / "evaluation.json").read_text())["self_generated"]["stores"]
-    assert batch_sizes == [1, 1, 1] and all(store["generated_now"] == 0 for store in stores.values())
+    assert batch_sizes == [1] * len(stores) and all(store["generated_now"] == 0 for store in stores.values())
 
 
 def test_cli_refuses_a_head_export_would_refuse(checkpoints, tmp_path, capsys):

@@ -1384,7 +1384,7 @@ def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figur
     assert windows["heldout"] == 2 and windows["train"] > 0
     for head in ("donor", "trained"):
         assert record["metrics"]["heldout"][head]["teacher_forced"] is None
-        assert all(by_serving["served"]["1"]["texts"] == 2 for by_serving in record["metrics"]["heldout"][head]["serving"].values())
+        assert all(by_serving["served"]["1"]["contexts"] == 2 for by_serving in record["metrics"]["heldout"][head]["serving"].values())
     assert "absent" in format_metrics(record["metrics"])
     with pytest.raises(ConfigError, match="the data are prompts"):
         evaluate_run(config, tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),

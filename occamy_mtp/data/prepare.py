@@ -218,7 +218,9 @@ def prepare_windows(
     if thinking == "on":
         require_thinking_switch(tokenizer, "data.thinking")
     if True in served_thinking:
-        require_thinking_switch(tokenizer, "eval.serving (a configuration with thinking: true)")
+        require_thinking_switch(tokenizer, "eval.serving (a configuration with thinking: true)",
+                                "; serve configurations without thinking, e.g. eval.serving=[{temperature: 0}, "
+                                "instruct-general, instruct-reasoning]")
     default_heldout, validation_fraction = default_fractions(train_conversations, heldout_conversations, validation_conversations)
     fraction = default_heldout if heldout_fraction is None else heldout_fraction
     reader = ChatReader(paths, exclude=exclude, skip_bad_records=skip_bad_records, max_record_bytes=max_record_bytes)

@@ -318,13 +318,13 @@ def has_thinking_switch(tokenizer) -> bool:
     return on != off
 
 
-def require_thinking_switch(tokenizer, asked_by: str) -> None:
+def require_thinking_switch(tokenizer, asked_by: str, hint: str = "") -> None:
     """ConfigError naming the template when thinking is asked (by `asked_by`) of one without the switch."""
     if not has_thinking_switch(tokenizer):
         identity = tokenizer_identity(tokenizer)
         raise ConfigError(f"{asked_by}: thinking mode was asked, but the chat template of {identity['name_or_path']!r} "
                           f"(sha256 {identity['chat_template_sha256'][:12]}...) has no thinking switch: its generation "
-                          "prompt is the same with enable_thinking true and false")
+                          f"prompt is the same with enable_thinking true and false{hint}")
 
 
 def special_token_texts(tokenizer) -> list[str]:

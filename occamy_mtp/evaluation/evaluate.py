@@ -917,7 +917,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
 def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, runners: Runners) -> dict:
     """The reference decoder on the run's heldout prompts under one serving configuration."""
     config = run.config
-    windows = run.windows.heldout[serving.label()]
+    windows = distinct_contexts(run.windows.heldout[serving.label()])
     decodes = len(windows) * (1 if serving.greedy else len(seeds))
     log_stderr(f"evaluate: reference decoder, {serving.label()}, {draft_steps}-step drafts: {decodes} "
                f"{plural(decodes, 'decode')}")
@@ -930,6 +930,17 @@ def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, runners
     check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, config.data.answer_tokens, serving,
                                   config.eval.windows_per_batch)
     return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}
+
+
+def distinct_contexts(windows) -> list:
+    """The first window of each context (`context_key`), in order: a sampled configuration's windows hold
+    several continuations of each prompt, and a decoder starts from the prompt alone."""
+    seen, out = set(), []
+    for window in windows:
+        if context_key(window) not in seen:
+            seen.add(context_key(window))
+            out.append(window)
+    return out
 
 
 def _format_decoder_checks(checks_by_head: dict) -> str:

@@ -188,11 +188,10 @@ def expected_rounds(
 
 
 def replayed_counts(accepted_at: Sequence[int], prompt_length: int, max_new_tokens: int, draft_steps: int) -> ExpectedCounts:
-    """The decoder's counts over one greedy text (`decoder_rounds`), in `expected_rounds`' form."""
+    """The decoder's counts over one greedy text (`decoder_rounds`), in `expected_rounds`' form (whole numbers)."""
     rounds, passes = decoder_rounds(accepted_at, prompt_length, max_new_tokens, draft_steps)
     proposed, accepted, drafted = counts_from_outcomes([r.steps for r in rounds], [r.accepted for r in rounds], draft_steps)
-    return ExpectedCounts([float(n) for n in proposed], [float(n) for n in accepted], float(drafted), float(passes),
-                          len(accepted_at) - prompt_length - 1)
+    return ExpectedCounts(proposed, accepted, drafted, passes, len(accepted_at) - prompt_length - 1)
 
 
 @dataclass(frozen=True)
@@ -269,8 +268,8 @@ def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, genera
     standard error of the mean accept length over `clusters` (one key per text: the texts of
     one context share it; default: every text its own). `generated_after_first` defaults to
     the texts' own."""
-    proposed = [sum(c.proposed[k] for c in counts) for k in range(draft_steps)]
-    accepted = [sum(c.accepted[k] for c in counts) for k in range(draft_steps)]
+    proposed = [sum((c.proposed[k] for c in counts), 0) for k in range(draft_steps)]
+    accepted = [sum((c.accepted[k] for c in counts), 0) for k in range(draft_steps)]
     generated = sum(c.generated_after_first for c in counts) if generated_after_first is None else generated_after_first
     keys = list(range(len(counts))) if clusters is None else list(clusters)
     if len(keys) != len(counts):

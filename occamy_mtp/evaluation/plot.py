@@ -57,8 +57,9 @@ PANEL_INCHES = (3.2, 3.6)  # one panel per serving configuration
 def serving_words(serving: dict) -> str:
     """A serving configuration in words: "greedy", "temperature 0.7, top-p 0.8", and a preset by its
     name: "instruct-general (temperature 0.7, top-p 0.8, top-k 20, presence penalty 1.5)"."""
+    thinking = ", thinking" if serving.get("thinking") and serving.get("label", "") not in PRESETS else ""
     if serving["temperature"] == 0:
-        return "greedy"
+        return "greedy" + thinking
     words = [f"temperature {serving['temperature']:g}"]
     if serving.get("top_p", 1) < 1:
         words.append(f"top-p {serving['top_p']:g}")
@@ -68,7 +69,7 @@ def serving_words(serving: dict) -> str:
         if serving.get(name, default) != default:
             words.append(f"{name.replace('_', ' ')} {serving[name]:g}")
     label = serving.get("label", "")
-    return f"{label} ({', '.join(words)})" if label in PRESETS else ", ".join(words)
+    return f"{label} ({', '.join(words)})" if label in PRESETS else ", ".join(words) + thinking
 
 
 def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:

@@ -40,6 +40,12 @@ def _count(accepted: float, proposed: float) -> str:
     return f"{accepted:,.1f} / {proposed:,.1f} (expected)"
 
 
+def _length(figures: dict) -> str:
+    """A mean accept length, ± its standard error where it has one."""
+    se = figures.get("mean_accept_length_se", 0.0)
+    return f"{figures['mean_accept_length']:.3f}" + (f" ± {se:.3f}" if se else "")
+
+
 def acceptance_table(metrics: dict) -> list[str]:
     """One row per serving configuration and served step count: first-step acceptance and the mean
     accept length, donor beside trained, and the ceiling a perfect drafter reaches where it is known."""
@@ -62,7 +68,7 @@ def acceptance_table(metrics: dict) -> list[str]:
             rows.append(
                 f"| {serving_words(serving)} | {k}-step | {_count(donor['accepted'][0], donor['proposed'][0])} ({donor['acceptance'][0]:.2%}) "
                 f"| {_count(trained['accepted'][0], trained['proposed'][0])} ({trained['acceptance'][0]:.2%}) "
-                f"| {donor['mean_accept_length']:.3f} → **{trained['mean_accept_length']:.3f}** | {ceiling} "
+                f"| {_length(donor)} → **{_length(trained)}** | {ceiling} "
                 f"| {'-' if share is None else format(share, '.1%')} |")
     return rows
 
@@ -129,7 +135,9 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
          "each prompt, per serving configuration. Greedy counts are the decoder's; sampled ones are its expected "
          "counts given the text the base sampled there (a draft is accepted with the base's processed probability "
          "of it, as SGLang and vLLM accept their default argmax drafts). Accept length counts the base's own token "
-         "too, as SGLang reports it. The ceiling is what a perfect drafter would reach on the same text, one that "
+         "too, as SGLang reports it. A thinking configuration renders the prompts with thinking on, so the base "
+         "writes its reasoning first. Sampled figures average several continuations of each prompt; ± is one "
+         "standard error over prompts. The ceiling is what a perfect drafter would reach on the same text, one that "
          "drafts the base's own choice at every step (under greedy serving every draft is then accepted; under "
          "sampling each with the base's probability of its top token), and the share is how much of the way from "
          "the donor to it the trained head went."),
@@ -147,8 +155,8 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
         "round's starting penalties to the whole round (occamy-mtp's docs/CONTRACT.md section 4c).",
         "- Concurrency and batching in an engine, and engines or versions other than those in the library's docs "
         "(docs/ENGINES.md).",
-        f"- Contexts longer than {data['context_tokens']} tokens, and thinking mode: the windows were rendered "
-        "with thinking off.",
+        f"- Contexts longer than {data['context_tokens']} tokens: every window keeps at most that many tokens "
+        "of its conversation.",
         "- Quantized bases (FP8, NVFP4): the head was trained and measured on the unquantized base.",
         "",
         "## Use",

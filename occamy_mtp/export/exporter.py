@@ -42,7 +42,7 @@ from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_nois
 from occamy_mtp.export.card import model_card
 from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
 
-METRICS_FORMAT = 4  # 3: served figures per serving configuration; 4: the ceiling
+METRICS_FORMAT = 5  # 3: served figures per serving configuration; 4: the ceiling; 5: standard errors, figures by group
 HEADLINE = (
     "served acceptance: the reference speculative decoder on the base's own continuation of each heldout prompt, "
     "written under each serving configuration (self-generated heldout windows; greedy: decoder replay; sampled: the "
