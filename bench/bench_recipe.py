@@ -223,6 +223,9 @@ def main() -> int:
     parser.add_argument("--step-loss-weights", default="", help="train.step_loss_weights, comma-separated (default: equal)")
     parser.add_argument("--profile-export", default="", help="write the export phase's cProfile (cumulative, top 80) to this file")
     parser.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS, help="context tokens a window holds")
+    parser.add_argument("--train-windows", type=int, default=TRAIN_WINDOWS, help="fewer to time a long-context recipe in part")
+    parser.add_argument("--validation-windows", type=int, default=VALIDATION_WINDOWS)
+    parser.add_argument("--heldout-windows", type=int, default=HELDOUT_WINDOWS)
     parser.add_argument("--text", choices=("greedy", *PRESETS), default="greedy",
                         help="how the base writes the run's text and which configuration selection scores")
     parser.add_argument("--out", default="")
@@ -275,9 +278,9 @@ def main() -> int:
     def texts(serving: Serving) -> int:
         return 1 if serving.greedy else continuations_each
 
-    train_windows = random_windows(TRAIN_WINDOWS)
-    validation = random_windows(VALIDATION_WINDOWS * texts(selected))
-    heldout_by = {s.label(): random_windows(HELDOUT_WINDOWS * texts(s)) for s in servings}
+    train_windows = random_windows(args.train_windows)
+    validation = random_windows(args.validation_windows * texts(selected))
+    heldout_by = {s.label(): random_windows(args.heldout_windows * texts(s)) for s in servings}
     heldout = heldout_by["greedy"]
     windows = train_windows + validation + [w for ws in heldout_by.values() for w in ws]
     phases = Phases(device)

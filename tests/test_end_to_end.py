@@ -155,7 +155,9 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
         served = served_acceptance(base, head, texts, (1, 2), max_new_tokens=40, serving=serving)
         for k, figures in served.items():
             # greedy: integer counts; sampled: expected counts; and the figures made from them
-            assert figures.to_dict() == recorded["serving"][serving.label()]["served"][str(k)], (serving.label(), k)
+            written = dict(recorded["serving"][serving.label()]["served"][str(k)])
+            assert len(written.pop("per_context")["contexts"]) == len(prompts)
+            assert figures.to_dict() == written, (serving.label(), k)
     comparison = record["metrics"]["comparison"]
     assert comparison["allow_worse"] and comparison["written"] and comparison["serving"] == "greedy"
     assert set(comparison["steps"]) == {"1", "2"}

@@ -25,8 +25,8 @@ from occamy_mtp.data import reader, windows
 from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.data.reader import DataError, normalise_record
 from occamy_mtp.evaluation.evaluate import context_bucket, grouped_acceptance
-from occamy_mtp.evaluation.metrics import (difference_noise, expected_rounds, jackknife_se, replayed_acceptance,
-                                           replayed_counts, summed_acceptance)
+from occamy_mtp.evaluation.metrics import (difference_noise, expected_rounds, jackknife_se, paired_difference_se,
+                                           per_context, replayed_acceptance, replayed_counts, summed_acceptance)
 from occamy_mtp.run import serving_texts
 from occamy_mtp.selfgen import regenerate
 from occamy_mtp.testing.tokenizer import build_tokenizer
@@ -277,10 +277,34 @@ def test_grouped_figures_are_the_figures_of_their_members():
     assert grouped_acceptance(counts, windows_, lambda w: None) == {}
 
 
+def test_paired_standard_error_is_the_jackknife_of_the_difference():
+    generator = torch.Generator().manual_seed(9)
+    texts = [(torch.randint(0, 2, (24,), generator=generator).tolist(), 4) for _ in range(8)]
+    better = [([1 if u < 0.8 else a for a, u in zip(accepted, torch.rand(24, generator=generator).tolist())], p)
+              for accepted, p in texts]
+    clusters = [n // 2 for n in range(8)]  # four contexts, two continuations each
+    a, b = ([replayed_counts(x, p, 20, 3) for x, p in side] for side in (texts, better))
+    pa, pb = per_context(a, clusters, 3), per_context(b, clusters, 3)
+    assert pa["contexts"] == ["0", "1", "2", "3"] and len(pa["proposed"]) == 4
+    keys = sorted(set(clusters))
+    differences = [replayed_acceptance([t for t, c in zip(better, clusters) if c != key], 20, 3).mean_accept_length
+                   - replayed_acceptance([t for t, c in zip(texts, clusters) if c != key], 20, 3).mean_accept_length
+                   for key in keys]
+    mean = sum(differences) / 4
+    assert paired_difference_se(pa, pb) == pytest.approx(math.sqrt(3 / 4 * sum((d - mean) ** 2 for d in differences)), rel=1e-12)
+    assert paired_difference_se(pa, pa) == 0.0  # a head against itself: no noise at all
+    donor = {**summed_acceptance(a, 3, clusters=clusters).to_dict(), "per_context": pa}
+    trained = {**summed_acceptance(b, 3, clusters=clusters).to_dict(), "per_context": pb}
+    assert difference_noise(donor, trained)["paired"] and difference_noise(donor, trained)["standard_error"] < math.hypot(
+        donor["mean_accept_length_se"], trained["mean_accept_length_se"])
+    with pytest.raises(ValueError, match="different contexts"):
+        paired_difference_se(pa, {**pb, "contexts": ["x", "1", "2", "3"]})
+
+
 def test_noise_of_a_difference():
     donor = {"mean_accept_length": 1.50, "mean_accept_length_se": 0.03}
     assert difference_noise(donor, {"mean_accept_length": 1.55, "mean_accept_length_se": 0.04}) == {
-        "standard_error": pytest.approx(0.05), "within_noise": True}
+        "standard_error": pytest.approx(0.05), "paired": False, "within_noise": True}
     assert not difference_noise(donor, {"mean_accept_length": 1.70, "mean_accept_length_se": 0.04})["within_noise"]
     assert not difference_noise({"mean_accept_length": 2.0}, {"mean_accept_length": 2.0})["within_noise"]  # greedy: exact
 

@@ -29,6 +29,7 @@ from occamy_mtp.evaluation.metrics import (
     decoder_rounds,
     ExpectedCounts,
     expected_acceptance,
+    per_context,
     expected_rounds,
     replayed_acceptance,
     replayed_counts,
@@ -355,6 +356,17 @@ def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, wi
     return _served(results, windows, served_steps, max_new_tokens)
 
 
+def served_with_contexts(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
+                         serving: Serving | None = None) -> dict[int, dict]:
+    """`served_acceptance`'s figures as dicts, each with its counts per context (`metrics.per_context`),
+    which a paired comparison of two heads on the same windows reads (`metrics.difference_noise`)."""
+    results = list(_batches(base, head, windows, max(served_steps), windows_per_batch, serving))
+    counts = _served_counts(results, windows, served_steps, max_new_tokens)
+    clusters = [context_key(w) for w in windows]
+    return {k: {**summed_acceptance(c, k, clusters=clusters).to_dict(), "per_context": per_context(c, clusters, k)}
+            for k, c in counts.items()}
+
+
 def _served(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
     counts = _served_counts(results, windows, served_steps, max_new_tokens)
     clusters = [context_key(w) for w in windows]
@@ -494,7 +506,8 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     * `serving`: per serving configuration (its label; `heldout` holds the windows the base
       wrote under each):
       * `served`: per served step count, what the reference speculative decoder measures
-        there (decoder replay, or its expectation under sampling; exact): the headline;
+        there (decoder replay, or its expectation under sampling; exact): the headline, with
+        the counts per context (`per_context`) that a paired comparison of two heads reads;
       * `every_anchor`: the chain over every anchor of the same text (exact, but another
         sample than the decoder's anchors);
       * `by_context`: the served figures by the context's length (`CONTEXT_BUCKETS`, those the
@@ -516,7 +529,8 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
         domain = (domains or {}).get
         by_serving[serving.label()] = {
             "settings": asdict(serving),
-            "served": {str(k): summed_acceptance(c, k, clusters=clusters).to_dict() for k, c in counts.items()},
+            "served": {str(k): {**summed_acceptance(c, k, clusters=clusters).to_dict(), "per_context": per_context(c, clusters, k)}
+                       for k, c in counts.items()},
             "every_anchor": _metrics(results, len(windows), steps, SELF_GENERATED).to_dict(),
             "by_context": grouped_acceptance(counts, windows, lambda w: context_bucket(w.answer_start)),
             "by_file": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("file")),
@@ -744,9 +758,9 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
         mark = " (selected)" if label == selected and len(servings) > 1 else ""
         penalties = "".join(f", {name.replace('_', ' ')} {getattr(serving, name):g}" for name, none in (
             ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)) if getattr(serving, name) != none)
-        per_context = reports[names[0]]["serving"][label]["served"][str(served_steps[0])]
-        continuations = (f", {per_context['texts'] // max(1, per_context['contexts'])} continuations a context"
-                         if per_context.get("contexts") and per_context["texts"] > per_context["contexts"] else "")
+        shown = reports[names[0]]["serving"][label]["served"][str(served_steps[0])]
+        continuations = (f", {shown['texts'] // max(1, shown['contexts'])} continuations a context"
+                         if shown.get("contexts") and shown["texts"] > shown["contexts"] else "")
         lines.append(f"  {label}{mark}: temperature {serving.temperature:g}, top_p {serving.top_p:g}, top_k {serving.top_k}"
                      f"{penalties}, thinking {'on' if serving.thinking else 'off'}, {serving.draft} drafts{continuations}")
         for k in served_steps:

@@ -306,14 +306,52 @@ def jackknife_se(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_ste
     return math.sqrt((n - 1) / n * sum((length - mean) ** 2 for length in lengths))
 
 
+def per_context(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_steps: int) -> dict:
+    """The counts summed per context (`clusters`: one key per text), in first-seen order: what a paired
+    comparison of two heads on the same texts needs (`difference_noise`). Keys are written as text."""
+    groups: dict = {}
+    for key, c in zip(clusters, counts):
+        proposed, accepted = groups.setdefault(key, ([0.0] * draft_steps, [0.0] * draft_steps))
+        for k in range(draft_steps):
+            proposed[k] += c.proposed[k]
+            accepted[k] += c.accepted[k]
+    return {"contexts": [":".join(str(part) for part in key) if isinstance(key, tuple) else str(key) for key in groups],
+            "proposed": [g[0] for g in groups.values()], "accepted": [g[1] for g in groups.values()]}
+
+
+def paired_difference_se(a: dict, b: dict) -> float:
+    """The delete-one-context jackknife standard error of L(b) - L(a), the mean accept lengths of two
+    heads' `per_context` counts on the same contexts: the spread the two share (which contexts, which
+    continuations) cancels, so a real difference stands out of it."""
+    if a["contexts"] != b["contexts"]:
+        raise ValueError("the two heads were measured on different contexts")
+    n = len(a["contexts"])
+    if n < 2:
+        return 0.0
+
+    def leave_one_out(counts: dict) -> list[float]:
+        totals_p = [sum(column) for column in zip(*counts["proposed"])]
+        totals_a = [sum(column) for column in zip(*counts["accepted"])]
+        return [acceptance_summary([t - p for t, p in zip(totals_p, proposed)], [t - x for t, x in zip(totals_a, accepted)], 0)[1]
+                for proposed, accepted in zip(counts["proposed"], counts["accepted"])]
+
+    differences = [y - x for x, y in zip(leave_one_out(a), leave_one_out(b))]
+    mean = sum(differences) / n
+    return math.sqrt((n - 1) / n * sum((d - mean) ** 2 for d in differences))
+
+
 NOISE_STANDARD_ERRORS = 2.0
 
 
 def difference_noise(donor: dict, trained: dict) -> dict:
-    """The standard error of trained - donor (mean accept lengths, `Acceptance.to_dict()`), taken as if
-    the two were measured on independent texts: sqrt(se_d^2 + se_t^2). Both are measured on the same
-    texts, whose draws move them alike, so this over-states the noise: a difference it calls
-    significant is; one it calls within noise may not be."""
-    se = math.hypot(donor.get("mean_accept_length_se", 0.0), trained.get("mean_accept_length_se", 0.0))
+    """Whether trained - donor (mean accept lengths, `Acceptance.to_dict()`) is within noise: under
+    NOISE_STANDARD_ERRORS standard errors of the difference. Paired where both carry `per_context`
+    counts on the same contexts (`paired_difference_se`); else taken as if the two were measured on
+    independent texts, sqrt(se_d^2 + se_t^2), which over-states the noise of figures measured on the
+    same texts (a difference it calls significant is; one it calls within noise may not be)."""
+    if donor.get("per_context") and trained.get("per_context"):
+        se, paired = paired_difference_se(donor["per_context"], trained["per_context"]), True
+    else:
+        se, paired = math.hypot(donor.get("mean_accept_length_se", 0.0), trained.get("mean_accept_length_se", 0.0)), False
     difference = trained["mean_accept_length"] - donor["mean_accept_length"]
-    return {"standard_error": se, "within_noise": abs(difference) < NOISE_STANDARD_ERRORS * se}
+    return {"standard_error": se, "paired": paired, "within_noise": abs(difference) < NOISE_STANDARD_ERRORS * se}

@@ -36,8 +36,8 @@ from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_s
 from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.evaluation.evaluate import served_acceptance
-from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS
+from occamy_mtp.evaluation.evaluate import served_with_contexts
+from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, paired_difference_se
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
@@ -251,11 +251,18 @@ def selection_step(state: TrainState, head: MTPHead, run: Run, act_dtype: torch.
     started = time.perf_counter()
     device = head.fc.weight.device
     with as_served(head, act_dtype), head_autocast(head, device, act_dtype):
-        served = served_acceptance(run.targets, head, run.windows.validation, config.eval.served_steps,
-                                   config.data.answer_tokens, config.eval.windows_per_batch, config.selected_serving)
+        served = served_with_contexts(run.targets, head, run.windows.validation, config.eval.served_steps,
+                                      config.data.answer_tokens, config.eval.windows_per_batch, config.selected_serving)
     score, score_se = selection_score(served), selection_score_se(served)
-    state.selection.append({"step": state.step, "score": score, "score_se": score_se,
-                            **{f"accept_length_k{k}": a.mean_accept_length for k, a in served.items()}})
+    entry = {"step": state.step, "score": score, "score_se": score_se,
+             **{f"accept_length_k{k}": a["mean_accept_length"] for k, a in served.items()}}
+    if not state.selection:  # the donor: what every later step is compared with, context by context
+        entry["per_context"] = {str(k): a["per_context"] for k, a in served.items()}
+    else:
+        donor = state.selection[0].get("per_context")
+        if donor is not None:  # the paired standard error of the score's difference from the donor's
+            entry["vs_donor_se"] = sum(paired_difference_se(donor[str(k)], a["per_context"]) for k, a in served.items()) / len(served)
+    state.selection.append(entry)
     is_best = state.best_score is None or score > state.best_score
     if is_best:
         state.best_step, state.best_score = state.step, score
@@ -298,13 +305,17 @@ def as_served(head: MTPHead, dtype: torch.dtype):
 
 def selection_score(served: dict) -> float:
     """What selection maximises: the mean over the served step counts of the replayed mean accept length."""
-    return sum(a.mean_accept_length for a in served.values()) / len(served)
+    return sum(_figure(a, "mean_accept_length") for a in served.values()) / len(served)
 
 
 def selection_score_se(served: dict) -> float:
     """A standard error of `selection_score`: the mean of the step counts' standard errors, which bounds
     that of their mean from above (the step counts are measured on the same texts)."""
-    return sum(a.mean_accept_length_se for a in served.values()) / len(served)
+    return sum(_figure(a, "mean_accept_length_se") for a in served.values()) / len(served)
+
+
+def _figure(acceptance, name: str) -> float:
+    return acceptance[name] if isinstance(acceptance, dict) else getattr(acceptance, name)
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, min_ratio: float) -> float:
@@ -489,13 +500,15 @@ def _selection_summary(config: RunConfig, state: TrainState, validation_windows:
 
 def _selection_noise(state: TrainState) -> dict:
     """Whether the chosen step beats the donor (step 0's score) by more than noise: by more than
-    NOISE_STANDARD_ERRORS times sqrt(se_best^2 + se_donor^2), which over-states the noise of two
-    figures measured on the same texts."""
+    NOISE_STANDARD_ERRORS standard errors of the difference, paired context by context (`vs_donor_se`;
+    for runs from before it, sqrt(se_best^2 + se_donor^2), which over-states it)."""
     if not state.selection or state.best_step is None:
         return {}
     donor = state.selection[0]
     best = next(entry for entry in state.selection if entry["step"] == state.best_step)
-    se = math.hypot(donor.get("score_se", 0.0), best.get("score_se", 0.0))
+    if best is donor:
+        return {"best_minus_donor": 0.0, "difference_se": 0.0, "within_noise": True}
+    se = best.get("vs_donor_se", math.hypot(donor.get("score_se", 0.0), best.get("score_se", 0.0)))
     return {"best_minus_donor": best["score"] - donor["score"], "difference_se": se,
             "within_noise": abs(best["score"] - donor["score"]) < NOISE_STANDARD_ERRORS * se}
 
