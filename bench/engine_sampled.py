@@ -24,6 +24,7 @@ support). Writes the JSON report to --out and prints one line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -35,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from occamy_mtp.config import Serving, load_config, window_settings  # noqa: E402
+from occamy_mtp.config import ConfigError, Serving, load_config, serving_preset, window_settings  # noqa: E402
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids  # noqa: E402
 from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
@@ -104,7 +105,7 @@ def ask(url: str, model: str, contexts, request: Request, tokenizer, steps: int)
 @torch.no_grad()
 def sampling_fidelity(base, measured: list[MeasuredText], serving: Serving) -> dict:
     """Whether the engine's text is a sample of what was asked: of its generated tokens, how many the
-    processed distribution p excludes (a sampler that honours temperature and top-p writes none,
+    processed distribution p excludes (penalties included: a sampler that honours them writes none,
     up to bf16 rounding at the nucleus' edge), and their mean log-probability under p and under
     the unprocessed softmax."""
     excluded = total = 0
@@ -114,7 +115,11 @@ def sampling_fidelity(base, measured: list[MeasuredText], serving: Serving) -> d
         start = text.window.answer_start
         logits = base(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1].float()  # each predicts the next token
         tokens = torch.tensor(ids[start:])
-        p = sampling.base_probs(logits, serving).gather(-1, tokens[:, None])[:, 0]
+        history = None
+        if serving.penalized:  # each token's penalties over the answer before it, as the engine applied them
+            positions = torch.arange(start, len(ids))
+            history = sampling.answer_histories(torch.tensor([ids]), torch.tensor([start]), torch.zeros_like(positions), positions)
+        p = sampling.base_probs(logits, serving, history).gather(-1, tokens[:, None])[:, 0]
         excluded += int((p <= 0).sum())
         total += len(tokens)
         log_p += float(p[p > 0].log().sum())
@@ -129,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="the run's config (its split gives the heldout windows)")
     parser.add_argument("--head", required=True, help="the served head's file, or 'donor' (model.donor_head)")
     parser.add_argument("--draft-steps", type=int, required=True, help="the server's K; 0: a server without MTP (the text alone is checked)")
-    parser.add_argument("--temperature", type=float, required=True)
+    parser.add_argument("--serving", default="", help="a preset by name (thinking-general, instruct-general, ...): its "
+                        "sampling, penalties and thinking mode, in place of --temperature, --top-p, --top-k")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--draft", default="greedy", help="greedy or sampled: the engine's draft rule (vLLM's draft_sample_method)")
@@ -140,16 +147,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     args, overrides = parser.parse_known_args(argv)
     config = load_config(args.config, overrides)
-    serving = Serving(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, draft=args.draft)
+    if args.serving:
+        try:
+            serving = dataclasses.replace(serving_preset(args.serving, "--serving"), draft=args.draft)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    else:
+        serving = Serving(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, draft=args.draft)
     if serving.greedy:
-        print("error: --temperature must be above 0 (greedy serving is engine_check.sh's main stage)", file=sys.stderr)
+        print("error: --temperature must be above 0, or --serving a preset (greedy serving is engine_check.sh's main stage)",
+              file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(config)
     max_tokens = args.max_tokens or config.data.answer_tokens
-    contexts = heldout_window_contexts(list(config.data.files), tokenizer, **window_settings(config.data))[: args.windows]
+    contexts = heldout_window_contexts(list(config.data.files), tokenizer, serving.thinking,
+                                       **window_settings(config.data))[: args.windows]
     text_config = ckpt_io.read_config(config.model.base).text_config
     request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
-                      TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed))
+                      TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed, serving.presence_penalty,
+                                   serving.frequency_penalty, serving.repetition_penalty))
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
     measured, raw = ask(args.url, model, contexts, request, tokenizer, args.draft_steps)
@@ -165,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         head = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, attn_implementation=config.model.attn_implementation)[0]
         head = head.to(dtype).eval()
         check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
-    report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args),
+    report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args), **dataclasses.asdict(serving),
               "out": str(args.out), "config": str(args.config)}, "requests": len(measured), "max_tokens": max_tokens,
               "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "fidelity": fidelity,
               "check": check, "answers": raw}

@@ -44,6 +44,17 @@ def world(tmp_path_factory):
     return {"root": root, "base": models / "base", "head": models / "donor", "tokenizer": models / "tokenizer", "config": config}
 
 
+def assert_proposals_agree(measured: dict, expected: dict, answers: list) -> None:
+    """Under greedy drafts the drafts proposed are certain given the text, with one difference of
+    counting at a text's end: a round whose accepted draft is the stop token drafted its later steps
+    too, and the server's histogram counts them proposed, where the library's walk stops at the text's
+    last token. So step 1 agrees exactly, and each later step by at most one a finished answer."""
+    finished = sum(answer["finished"] for answer in answers)
+    assert measured["proposed"][0] == expected["proposed"][0]
+    for served, walked in zip(measured["proposed"][1:], expected["proposed"][1:]):
+        assert 0 <= served - walked <= finished, (measured["proposed"], expected["proposed"], finished)
+
+
 @pytest.mark.parametrize("draft", ["greedy", "sampled"])
 def test_the_engine_check_s_expectation_holds_for_the_library_s_own_server(world, draft, capsys):
     process, url = start_server(world, "--head", str(world["head"]), "--tokenizer", str(world["tokenizer"]), "--mode", "speculative",
@@ -65,6 +76,32 @@ def test_the_engine_check_s_expectation_holds_for_the_library_s_own_server(world
     assert measured["verify_passes"] > 0 and sum(measured["accepted"]) > 0
     assert abs(check["z"]["accepted"]) < 4.5, check["z"]
     if draft == "greedy":  # the walk given the text is certain
-        assert measured["proposed"] == expected["proposed"]
+        assert_proposals_agree(measured, expected, report["answers"])
         budget_ends = sum(not answer["finished"] for answer in report["answers"])  # at most one plain step each
         assert 0 <= expected["verify_passes"] - measured["verify_passes"] <= budget_ends
+
+
+def test_a_preset_by_name_brings_its_thinking_mode(world, capsys):
+    """--serving thinking-coding: the card's sampling (temperature 0.6, top-p 0.95, top-k 20) on prompts rendered
+    with thinking on, and the expectation still holds on the server's text."""
+    from transformers import AutoTokenizer
+
+    process, url = start_server(world, "--head", str(world["head"]), "--tokenizer", str(world["tokenizer"]), "--mode", "speculative",
+                                "--draft-steps", str(DRAFT_STEPS), "--draft", "greedy")
+    out = world["root"] / "thinking-coding.json"
+    try:
+        code = engine_sampled.main(["--url", url, "--config", str(world["config"]), "--head", "donor", "--draft-steps",
+                                    str(DRAFT_STEPS), "--serving", "thinking-coding", "--windows", str(WINDOWS),
+                                    "--max-tokens", "32", "--out", str(out)])
+    finally:
+        stop(process)
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["serving"]["label"] == "thinking-coding" and report["requests"] == WINDOWS
+    tokenizer = AutoTokenizer.from_pretrained(str(world["tokenizer"]))
+    assert all(tokenizer.decode(a["prompt_ids"]).endswith("<|im_start|>assistant\n<think>\n") for a in report["answers"])
+    assert report["fidelity"]["outside_the_processed_support"] == 0 and abs(report["check"]["z"]["accepted"]) < 4.5
+    assert_proposals_agree(report["check"]["measured"], report["check"]["expected"], report["answers"])  # greedy drafts: certain
+    assert engine_sampled.main(["--url", url, "--config", str(world["config"]), "--head", "donor", "--draft-steps", "1",
+                                "--serving", "no-such-preset", "--out", str(out)]) == 2
+    assert "expected one of thinking-general, thinking-coding" in capsys.readouterr().err

@@ -109,17 +109,23 @@ def heldout_prefixes(paths, tokenizer, **split) -> list[ValidationPrompt]:
     return prompts
 
 
-def heldout_window_contexts(paths, tokenizer, **split) -> list[ValidationPrompt]:
+def heldout_window_contexts(paths, tokenizer, served_thinking: bool | None = None, **split) -> list[ValidationPrompt]:
     """Each heldout window's context (the <= context_tokens tokens before its answer, ending
-    with the assistant header), as token ids: the prompts `occamy_mtp.evaluation.evaluate
+    with the template's generation prompt), as token ids: the prompts `occamy_mtp.evaluation.evaluate
     --reference-decoder` decodes, so that the engine's acceptance and the library's are
     measured on the same prompts, token for token. Pass the window and split settings of
-    training (context_tokens=..., answer_tokens=..., train_conversations=..., ...)."""
+    training (context_tokens=..., answer_tokens=..., train_conversations=..., ...). With
+    `served_thinking` (a serving configuration's mode), the prompts are rendered in that mode, as
+    evaluation renders that configuration's (`PreparedData.served_windows`)."""
     from occamy_mtp.data.prepare import prepare_windows
 
-    prepared = prepare_windows(paths, tokenizer, **split)
+    if served_thinking is None:
+        windows = prepare_windows(paths, tokenizer, **split).heldout
+    else:
+        windows = prepare_windows(paths, tokenizer, served_thinking=(served_thinking,), **split).served_windows(
+            "heldout", served_thinking)
     return [ValidationPrompt(f"window-{w.conversation_hash[:12]}-{w.turn_index}", "window", (), tuple(w.input_ids[: w.answer_start]))
-            for w in prepared.heldout]
+            for w in windows]
 
 
 def prompt_set(total: int, heldout: list[ValidationPrompt]) -> list[ValidationPrompt]:
