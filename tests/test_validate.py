@@ -469,3 +469,19 @@ def test_vllm_that_does_not_speculate_with_logprobs_gets_an_acceptance_pass(tmp_
     assert report["acceptance"]["acceptance_pass"]["drafted_nothing"] is False
     assert report["acceptance_pass"] == {"of": 2, "compared_by": ["token_ids"], "differences": []}
     assert report["passed"], V.format_summary(report)
+
+
+def test_thinking_prompts_open_the_think_block(tiny):
+    """--thinking: chat requests ask the template for thinking, completions prompts are rendered with it, and the
+    heldout windows' contexts are the thinking-mode prompts evaluation measures a thinking preset on."""
+    split = dict(train_conversations=4, heldout_conversations=3)
+    tokenizer = tiny["tokenizer"]
+    on, off = (V.heldout_window_contexts([tiny["data"]], tokenizer, mode, **split) for mode in (True, False))
+    assert [p.name for p in on] == [p.name for p in off]
+    assert all(tokenizer.decode(p.prompt_ids).endswith("assistant\n<think>\n") for p in on)
+    assert all(tokenizer.decode(p.prompt_ids).endswith("<think>\n\n</think>\n\n") for p in off)
+    prompt = V.prompt_set(1, [])[0]
+    assert V.request_body(prompt, E.RequestSettings(thinking=True), "m")["chat_template_kwargs"] == {"enable_thinking": True}
+    assert V.request_body(prompt, E.RequestSettings(), "m")["chat_template_kwargs"] == {"enable_thinking": False}
+    body = V.request_body(prompt, E.RequestSettings(endpoint=E.COMPLETIONS, thinking=True), "m", tokenizer)
+    assert body["prompt"].endswith("<|im_start|>assistant\n<think>\n")

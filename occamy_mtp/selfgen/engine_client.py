@@ -69,6 +69,8 @@ class RequestSettings:
     engine_fields: bool = True
     """Ask for SGLang's per-request speculative counts (`return_meta_info`, `return_spec_tokens_details`)."""
     extra_body: dict = field(default_factory=dict)
+    thinking: bool = False
+    """Render the chat prompts with the template's enable_thinking on (chat: `chat_template_kwargs`)."""
 
 
 class RequestFailed(Exception):

@@ -146,7 +146,7 @@ def request_body(prompt: ValidationPrompt, settings: RequestSettings, model: str
     if settings.endpoint == CHAT:
         if prompt.prompt_ids is not None:
             raise ValidationError(f"{prompt.name}: a token-id prompt needs --endpoint completions")
-        body.update(messages=list(prompt.messages), chat_template_kwargs={"enable_thinking": False})
+        body.update(messages=list(prompt.messages), chat_template_kwargs={"enable_thinking": settings.thinking})
         if settings.logprobs:
             body.update(logprobs=True, top_logprobs=settings.top_logprobs)
         if settings.engine_fields:
@@ -158,7 +158,7 @@ def request_body(prompt: ValidationPrompt, settings: RequestSettings, model: str
             raise ValidationError("--endpoint completions needs --tokenizer to render the chat template")
         else:
             body["prompt"] = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True,
-                                                           tokenize=False, enable_thinking=False)
+                                                           tokenize=False, enable_thinking=settings.thinking)
         if settings.logprobs:
             body["logprobs"] = max(1, settings.top_logprobs)  # completions: the count includes the chosen token
     if settings.engine_fields:
@@ -528,7 +528,7 @@ def _acceptance_line(role: str, acceptance: dict | None) -> list[str]:
 
 def format_summary(report: dict) -> str:
     lines = [f"validation: reference {report['reference']} vs candidate {report['candidate']} ({report['endpoint']}, "
-             f"max_tokens {report['max_tokens']}, greedy, thinking disabled)"]
+             f"max_tokens {report['max_tokens']}, greedy, thinking {'on' if report.get('thinking') else 'off'})"]
     fixed = report["fixed"]
     lines.append(f"fixed prompts: {fixed['exact']}/{fixed['of']} exact matches (tokens, and logprobs within "
                  f"{report['logprob_tolerance']:g}); max |logprob difference| {report['max_logprob_diff']:.3e}")
@@ -636,6 +636,7 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
         "reference": reference,
         "candidate": candidate,
         "endpoint": runs["reference"]["endpoint"],
+        "thinking": bool(runs["reference"]["settings"].get("thinking", False)),
         "max_tokens": runs["reference"]["settings"]["max_tokens"],
         "require_drafts": require_drafts,
         "prompt_set": [{"name": p.name, "source": p.source} for p in prompts],
@@ -671,6 +672,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--allow-no-drafts", action="store_true", help="the candidate need not speculate (two servers without MTP)")
     cli.add_argument("--acceptance-pass", choices=ACCEPTANCE_PASS_MODES, default="auto",
                      help="send the prompts once more without logprobs: auto (when the logprob run drafted nothing), always, never")
+    cli.add_argument("--thinking", action="store_true",
+                     help="render the prompts with thinking on (the card's thinking presets; chat: chat_template_kwargs)")
     cli.add_argument("--out", required=True, type=Path, help="directory for validation.json and the responses files")
     cli.add_argument("--quiet", action="store_true")
     args, config = parse(cli, argv)
@@ -693,16 +696,20 @@ def main(argv: list[str] | None = None) -> int:
     from occamy_mtp.data.windows import load_tokenizer
 
     tokenizer = load_tokenizer(config) if files or args.endpoint == COMPLETIONS else None
+    if args.thinking and tokenizer is not None:
+        from occamy_mtp.data.windows import require_thinking_switch
+
+        require_thinking_switch(tokenizer, "--thinking")
     split = window_settings(config.data)
     try:
         if args.prompt_source == "windows":
-            prompts = heldout_window_contexts(files, tokenizer, **split)[: args.prompts]
+            prompts = heldout_window_contexts(files, tokenizer, args.thinking, **split)[: args.prompts]
         else:
             prompts = prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else [])
     except ValueError as err:
         raise ValidationError(str(err)) from None
     settings = RequestSettings(args.endpoint, args.max_tokens, args.timeout, args.model, not args.no_token_ids,
-                               True, args.top_logprobs, not args.no_engine_fields, extra)
+                               True, args.top_logprobs, not args.no_engine_fields, extra, args.thinking)
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     try:
         report = validate(args.reference, args.candidate, prompts, args.out, settings, min(args.cold_warm, len(prompts)),
