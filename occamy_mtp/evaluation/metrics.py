@@ -286,24 +286,7 @@ def jackknife_se(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_ste
     (a context with all its continuations) at a time: SE^2 = (n - 1) / n * sum_i (L_(i) - mean L_(.))^2
     over the n clusters. It covers both draws: which contexts, and which continuation of each.
     """
-    groups: dict = {}
-    for key, c in zip(clusters, counts):
-        proposed, accepted = groups.setdefault(key, ([0.0] * draft_steps, [0.0] * draft_steps))
-        for k in range(draft_steps):
-            proposed[k] += c.proposed[k]
-            accepted[k] += c.accepted[k]
-    n = len(groups)
-    if n < 2:
-        return 0.0
-    total_proposed = [sum(g[0][k] for g in groups.values()) for k in range(draft_steps)]
-    total_accepted = [sum(g[1][k] for g in groups.values()) for k in range(draft_steps)]
-    lengths = []
-    for proposed, accepted in groups.values():
-        left_proposed = [t - p for t, p in zip(total_proposed, proposed)]
-        left_accepted = [t - a for t, a in zip(total_accepted, accepted)]
-        lengths.append(acceptance_summary(left_proposed, left_accepted, 0)[1])
-    mean = sum(lengths) / n
-    return math.sqrt((n - 1) / n * sum((length - mean) ** 2 for length in lengths))
+    return _spread(_leave_one_out(per_context(counts, clusters, draft_steps)))
 
 
 def per_context(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_steps: int) -> dict:
@@ -325,19 +308,24 @@ def paired_difference_se(a: dict, b: dict) -> float:
     continuations) cancels, so a real difference stands out of it."""
     if a["contexts"] != b["contexts"]:
         raise ValueError("the two heads were measured on different contexts")
-    n = len(a["contexts"])
+    return _spread([y - x for x, y in zip(_leave_one_out(a), _leave_one_out(b))])
+
+
+def _leave_one_out(counts: dict) -> list[float]:
+    """The mean accept length of `per_context` counts with each context left out in turn."""
+    totals_p = [sum(column) for column in zip(*counts["proposed"])]
+    totals_a = [sum(column) for column in zip(*counts["accepted"])]
+    return [acceptance_summary([t - p for t, p in zip(totals_p, proposed)], [t - x for t, x in zip(totals_a, accepted)], 0)[1]
+            for proposed, accepted in zip(counts["proposed"], counts["accepted"])]
+
+
+def _spread(values: list[float]) -> float:
+    """The jackknife's standard error from its leave-one-out values: sqrt((n - 1) / n * sum (v_i - mean)^2); 0 under 2."""
+    n = len(values)
     if n < 2:
         return 0.0
-
-    def leave_one_out(counts: dict) -> list[float]:
-        totals_p = [sum(column) for column in zip(*counts["proposed"])]
-        totals_a = [sum(column) for column in zip(*counts["accepted"])]
-        return [acceptance_summary([t - p for t, p in zip(totals_p, proposed)], [t - x for t, x in zip(totals_a, accepted)], 0)[1]
-                for proposed, accepted in zip(counts["proposed"], counts["accepted"])]
-
-    differences = [y - x for x, y in zip(leave_one_out(a), leave_one_out(b))]
-    mean = sum(differences) / n
-    return math.sqrt((n - 1) / n * sum((d - mean) ** 2 for d in differences))
+    mean = sum(values) / n
+    return math.sqrt((n - 1) / n * sum((v - mean) ** 2 for v in values))
 
 
 NOISE_STANDARD_ERRORS = 2.0
