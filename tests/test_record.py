@@ -31,13 +31,19 @@ def test_reference_record_is_the_demo_recipe(reference):
         "mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"]
     metrics = reference["metrics"]
     assert metrics["comparison"]["trained_not_worse"] and not metrics["comparison"]["allow_worse"]
-    assert metrics["selected_serving"] == "greedy" and [s["label"] for s in metrics["serving"]] == [
-        "greedy", "instruct-general", "instruct-reasoning"]
-    for k in ("1", "3"):  # the headline: the trained head ahead of the donor where serving runs it (greedily)
-        donor, trained = (metrics["heldout"][name]["serving"]["greedy"]["served"][k] for name in ("donor", "trained"))
-        assert trained["mean_accept_length"] > donor["mean_accept_length"], k
-    # the stores: greedy, and the heldout sampled under each preset
-    assert set(reference["self_generated"]) == {"greedy", "t0.7-p0.8-k20-pp1.5-seed0", "t1-k40-pp2-seed0"}
+    # the default recipe: thinking mode, the base's text sampled as thinking-general writes it, selected there
+    assert reference["settings"]["data"]["thinking"] == "on"
+    assert metrics["selected_serving"] == "thinking-general" and [s["label"] for s in metrics["serving"]] == [
+        "greedy", "thinking-general", "thinking-coding", "instruct-general", "instruct-reasoning"]
+    for label in (s["label"] for s in metrics["serving"]):  # above the donor under every default configuration
+        for k in ("1", "3"):
+            donor, trained = (metrics["heldout"][name]["serving"][label]["served"][k] for name in ("donor", "trained"))
+            assert trained["mean_accept_length"] > donor["mean_accept_length"], (label, k)
+            assert trained["contexts"] == 32 and trained["texts"] == (32 if label == "greedy" else 4 * 32)
+    # the stores: greedy, and each preset's text on four seeds (thinking-general's first is also the train text)
+    seeds = range(reference["settings"]["eval"]["sampled_continuations"])
+    presets = ("t1-p0.95-k20-pp1.5", "t0.6-p0.95-k20", "t0.7-p0.8-k20-pp1.5", "t1-k40-pp2")
+    assert set(reference["self_generated"]) == {"greedy", *(f"{p}-seed{j}" for p in presets for j in seeds)}
 
 
 @pytest.mark.parametrize(
