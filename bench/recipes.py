@@ -2,7 +2,8 @@
 
     python bench/recipes.py --models runs/demo/models --out runs/recipes [--recipes data,default,...]
 
-Each recipe is the embedded default's config (`configs/demo.yaml`) with overrides. It is
+Each recipe is the greedy-text recipe's config (`configs/demo-greedy.yaml`, the embedded default until
+the default moved to the card's thinking mode) with overrides. It is
 trained with `train.py`'s own `train()` and measured with `export.py`'s own `export()`
 (`--allow-worse`, so that a losing head is measured too), all in one process and
 sharing one store of self-generated windows, so every recipe is measured on the same
@@ -38,11 +39,11 @@ SERVING = "eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0.8}]"
 FOR_SAMPLED = "eval.select_serving=1"  # select and refuse by the second of SERVING
 SAMPLED_TEXT = ["data.self_generate_temperature=0.7", "data.self_generate_top_p=0.8"]
 RECIPES = {
-    # name: (what it is, overrides on configs/demo.yaml)
+    # name: (what it is, overrides on configs/demo-greedy.yaml)
     "data": ("recorded answers, last step (the original recipe)", ["data.answers=data", NO_SELECTION]),
     "data-select": ("recorded answers, best validation step", ["data.answers=data"]),
     "selfgen": ("self-generated answers, last step", [NO_SELECTION]),
-    "default": ("self-generated answers, best validation step (the default)", []),
+    "default": ("self-generated greedy answers, best validation step (configs/demo-greedy.yaml)", []),
     "mixed": ("recorded + self-generated answers, best validation step", ["data.answers=mixed"]),
     "lr5e-4": ("as default, lr 5e-4", ["train.lr=5e-4"]),
     "steps1024": ("as default, 4 epochs (1024 steps)", ["train.epochs=4"]),
@@ -81,7 +82,7 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
     results = {}
     for name in names:
         what, overrides = RECIPES[name]
-        config = load_config(ROOT / "configs" / "demo.yaml", [*common, *overrides, f"output.dir={out / name}"])
+        config = load_config(ROOT / "configs" / "demo-greedy.yaml", [*common, *overrides, f"output.dir={out / name}"])
         started = time.perf_counter()
         if not RunDir.of(config).train_summary.is_file():
             train(config)

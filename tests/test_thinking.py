@@ -320,3 +320,12 @@ def test_sampled_serving_is_measured_on_several_seeds():
     selected = ["eval.select_serving=1", "train.select_every_steps=8"]
     assert load_config(None, selected).fingerprint() != load_config(None, selected + ["eval.sampled_continuations=2"]).fingerprint()
     assert load_config(None).fingerprint() == load_config(None, ["eval.sampled_continuations=2"]).fingerprint()
+
+
+def test_data_thinking_is_spelled_on_off_or_auto():
+    # YAML 1.1 reads a bare on / off as a boolean: taken as meant
+    assert load_config(None, ["data.thinking=on"]).data.thinking == "on"
+    assert load_config(None, ["data.thinking=off"]).data.thinking == "off"
+    assert load_config(None).data.thinking == "auto"
+    with pytest.raises(ConfigError, match="data.thinking: expected auto, on or off, got 'sometimes'"):
+        load_config(None, ["data.thinking=sometimes"])
