@@ -329,3 +329,14 @@ def test_data_thinking_is_spelled_on_off_or_auto():
     assert load_config(None).data.thinking == "auto"
     with pytest.raises(ConfigError, match="data.thinking: expected auto, on or off, got 'sometimes'"):
         load_config(None, ["data.thinking=sometimes"])
+
+
+def test_a_turn_of_reasoning_alone_is_kept_in_thinking_mode(tokenizer, tmp_path):
+    """A turn whose budget ended inside the think block (generate writes it with an empty answer) is text to
+    score in thinking mode, and an empty answer with thinking off."""
+    record = {"messages": [user("Name a colour."), {"role": "assistant", "content": "", "reasoning_content": "Red is a"}]}
+    path = write(tmp_path / "unfinished.jsonl", [record])
+    kept = prepare_windows([path], tokenizer, train_conversations=1, heldout_conversations=0, thinking="auto")
+    assert kept.excluded == {} and decode(tokenizer, kept.train[0].input_ids[kept.train[0].answer_start:]).startswith("Red is a")
+    dropped = prepare_windows([path], tokenizer, train_conversations=1, heldout_conversations=0, thinking="off")
+    assert dropped.excluded == {"empty_answer": 1}

@@ -266,7 +266,7 @@ def conversation_windows(
                   "or mixed)") if open_turn(conversation) else ""
         return Excluded(NO_ASSISTANT_TURN, detail)
     recorded = [k for k in turn_indices if k < len(conversation.messages)]
-    if EMPTY_ANSWER in exclude and any(not conversation.messages[k].content.strip() for k in recorded):
+    if EMPTY_ANSWER in exclude and any(not _spoken(conversation.messages, k, thinking) for k in recorded):
         return Excluded(EMPTY_ANSWER)
     special = special_token_texts(tokenizer)
     for index, message in enumerate(conversation.messages[: max(turn_indices) + 1]):
@@ -287,6 +287,13 @@ def conversation_windows(
         context, answer = tokens.context_ids, tokens.answer_ids
         windows.append(Window(content_hash, k, tuple(context + answer), len(context), in_thinking))
     return windows, retokenized
+
+
+def _spoken(messages: Sequence[Message], turn_index: int, thinking: str) -> bool:
+    """Whether the turn's window has text to score: its answer, or in thinking mode its reasoning (a turn
+    whose budget ended inside the think block records reasoning alone)."""
+    message = messages[turn_index]
+    return bool(message.content.strip()) or (bool(message.reasoning.strip()) and turn_thinking(messages, turn_index, thinking))
 
 
 def prompt_window(tokenizer, conversation: Conversation, turn_index: int, context_tokens: int, thinking: bool) -> Window:
