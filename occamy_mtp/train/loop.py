@@ -182,7 +182,17 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             except files.DiskFull as err:
                 raise files.DiskFull(f"{err}. {_how_to_recover(run_dir, state.step)}") from None
         accelerator.end_training()
+        _leave_process_group(accelerator)
         return summary
+
+
+def _leave_process_group(accelerator) -> None:
+    """Every process leaves the process group together, explicitly. Left to the interpreter's exit, a
+    process whose peer had already gone sometimes waited forever in gloo's teardown (outputs written,
+    one rank exited, the other blocked on a futex)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------
