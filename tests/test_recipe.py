@@ -48,11 +48,16 @@ def models(tmp_path_factory):
     return root
 
 
-def trained_and_exported(models, root, records: list[str]) -> dict:
+# Selection and the refusal use thinking-general, the second configuration of the default eval.serving and
+# of this shorter list, which the tests that need only the selected configuration measure (fewer texts).
+SELECTED_AND_GREEDY = "eval.serving=[{temperature: 0}, thinking-general]"
+
+
+def trained_and_exported(models, root, records: list[str], *extra: str) -> dict:
     data = root / "chats.jsonl"
     data.write_text("".join(records))
     overrides = [f"model.base={models / 'base'}", f"model.donor_head={models / 'donor'}", f"data.files=[{data}]",
-                 f"output.dir={root / 'run'}", *RECIPE]
+                 f"output.dir={root / 'run'}", *RECIPE, *extra]
     config = load_config("configs/demo.yaml", overrides)
     summary = train(config)
     record = export(config, log=lambda message: None)
@@ -77,7 +82,7 @@ def cut_before_the_first_answer(line: str) -> str:
 @pytest.fixture(scope="module")
 def prompt_run(models, tmp_path_factory):
     prompts = [cut_before_the_first_answer(line) for line in sample_conversations()]
-    return trained_and_exported(models, tmp_path_factory.mktemp("recipe-prompts"), prompts)
+    return trained_and_exported(models, tmp_path_factory.mktemp("recipe-prompts"), prompts, SELECTED_AND_GREEDY)
 
 
 @pytest.mark.parametrize("data", ["conversations", "prompts alone"])
@@ -122,15 +127,16 @@ def test_a_head_worse_than_the_donor_is_refused_unless_allowed(run, capsys):
     run_dir = RunDir.of(run["config"])
     path = run_dir.trained_tensors
     before = {path_: path_.read_bytes() for path_ in run_dir.export_outputs()}
+    config = load_config("configs/demo.yaml", [*run["overrides"], SELECTED_AND_GREEDY])  # the refusal needs the selected one
     with safe_open(path, "pt") as handle:
         metadata, tensors = handle.metadata(), {k: handle.get_tensor(k) for k in handle.keys()}
     tensors["fc.weight"] = torch.zeros_like(tensors["fc.weight"])  # the head no longer sees its inputs
     save_file(tensors, path, metadata=metadata)
 
     with pytest.raises(ExportError, match="worse than the donor where serving runs it, so it was not written"):
-        export(run["config"], log=lambda message: None)
+        export(config, log=lambda message: None)
     assert {path_: path_.read_bytes() for path_ in run_dir.export_outputs()} == before
-    argv = ["--config", "configs/demo.yaml", *run["overrides"]]
+    argv = ["--config", "configs/demo.yaml", *run["overrides"], SELECTED_AND_GREEDY]
     assert export_main(argv) == 2
     assert "WORSE than the donor" in capsys.readouterr().err
 
