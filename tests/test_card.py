@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -125,3 +126,17 @@ def test_training_prints_a_line_every_log_every_steps(run_models, tmp_path, caps
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert "mean loss of steps 1-2" in lines[0] and "mean loss of steps 5-6" in lines[-1]
+
+
+def test_the_card_names_the_mode_the_train_text_was_written_in():
+    """The reference record (the default recipe): sampled at thinking-general, in thinking mode; the same record
+    with thinking off, and greedy text by the library's defaults, say so."""
+    from occamy_mtp.export.card import model_card
+
+    record = json.loads((Path(__file__).resolve().parent.parent / "TRAINING.json").read_text())
+    assert ("the base's own sampled (temperature 1, top-p 0.95, top-k 20, presence penalty 1.5), thinking-mode "
+            "continuations of") in model_card(record)
+    record["settings"]["data"]["thinking"] = "off"
+    assert "presence penalty 1.5), non-thinking continuations of" in model_card(record)
+    record["settings"]["data"].update(thinking="auto", self_generate_temperature=0.0)
+    assert "the base's own greedy continuations of" in model_card(record)

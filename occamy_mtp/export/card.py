@@ -83,6 +83,7 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
     text = serving_words({name: data[f"self_generate_{name}"] for name in ("temperature", "top_p", "top_k",
                           "presence_penalty", "frequency_penalty", "repetition_penalty") if f"self_generate_{name}" in data})
     text = text if text == "greedy" else f"sampled ({text})"
+    text += {"on": ", thinking-mode", "auto": ""}.get(data.get("thinking", "auto"), ", non-thinking")
     answers = {"self_generated": f"the base's own {text} continuations of",
                "data": "the recorded answers of", "mixed": f"the recorded answers and the base's own {text} continuations of"}
     trained_tensors = ", ".join(f"`{name}`" for name in derived["trainable_tensors"])
