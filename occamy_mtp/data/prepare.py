@@ -244,9 +244,10 @@ def prepare_windows(
         first_location[content_hash] = conversation.location
         boundary_retokenized += retokenized
         left_out[content_hash] = reasoning_left_out(conversation, [w.turn_index for w in windows], thinking)
-        if split_key(content_hash, split_seed) < fraction:  # may land on the heldout side
+        key = split_key(content_hash, split_seed)
+        if key < fraction:  # may land on the heldout side
             domains[content_hash] = {"file": conversation.source, "category": conversation.category}
-        if split_key(content_hash, split_seed) < fraction + validation_fraction:  # may land on a measured side
+        if key < fraction + validation_fraction:  # may land on a measured side
             for mode, built_served in served_by_hash.items():
                 built_served[content_hash] = [prompt_window(tokenizer, conversation, w.turn_index, context_tokens, mode)
                                               for w in windows]

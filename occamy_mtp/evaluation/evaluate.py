@@ -361,7 +361,11 @@ def served_with_contexts(base, head, windows, served_steps, max_new_tokens: int,
     """`served_acceptance`'s figures as dicts, each with its counts per context (`metrics.per_context`),
     which a paired comparison of two heads on the same windows reads (`metrics.difference_noise`)."""
     results = list(_batches(base, head, windows, max(served_steps), windows_per_batch, serving))
-    counts = _served_counts(results, windows, served_steps, max_new_tokens)
+    return _served_figures(_served_counts(results, windows, served_steps, max_new_tokens), windows)
+
+
+def _served_figures(counts: dict[int, list[ExpectedCounts]], windows) -> dict[int, dict]:
+    """Per served step count, the figures of `counts` summed over `windows` with their counts per context."""
     clusters = [context_key(w) for w in windows]
     return {k: {**summed_acceptance(c, k, clusters=clusters).to_dict(), "per_context": per_context(c, clusters, k)}
             for k, c in counts.items()}
@@ -525,12 +529,10 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
         windows = heldout[serving.label()]
         results = list(_batches(targets, head, windows, steps, windows_per_batch, serving))
         counts = _served_counts(results, windows, served_steps, max_new_tokens)
-        clusters = [context_key(w) for w in windows]
         domain = (domains or {}).get
         by_serving[serving.label()] = {
             "settings": asdict(serving),
-            "served": {str(k): {**summed_acceptance(c, k, clusters=clusters).to_dict(), "per_context": per_context(c, clusters, k)}
-                       for k, c in counts.items()},
+            "served": {str(k): figures for k, figures in _served_figures(counts, windows).items()},
             "every_anchor": _metrics(results, len(windows), steps, SELF_GENERATED).to_dict(),
             "by_context": grouped_acceptance(counts, windows, lambda w: context_bucket(w.answer_start)),
             "by_file": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("file")),
@@ -659,7 +661,6 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
     Under greedy drafts the walk given the text is certain, so every text's verify passes
     equal their expectation and that z is 0.
     """
-    from occamy_mtp.evaluation.metrics import expected_rounds, summed_acceptance
 
     started = time.perf_counter()
     odds = _odds(list(_batches(base, head, [m.window for m in measured], draft_steps, windows_per_batch, serving)))
@@ -723,7 +724,7 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _with_error(figures: dict) -> str:
+def with_error(figures: dict) -> str:
     """A mean accept length with its standard error, when it has one."""
     se = figures.get("mean_accept_length_se", 0.0)
     return f"{figures['mean_accept_length']:.3f}" + (f" ± {se:.3f}" if se else "")
@@ -769,7 +770,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
             for j in range(k):
                 lines.append(f"    {f'{k}-step drafts: step {j + 1} acceptance':<46}"
                              + "".join(f"{f['acceptance'][j]:>{width}.2%}" for f in figures))
-            lines.append(f"    {f'{k}-step drafts: mean accept length':<46}" + "".join(f"{_with_error(f):>{width}}" for f in figures))
+            lines.append(f"    {f'{k}-step drafts: mean accept length':<46}" + "".join(f"{with_error(f):>{width}}" for f in figures))
             lines.append(f"    {f'{k}-step drafts: tokens per verify pass':<46}"
                          + "".join(f"{f['tokens_per_verify_pass']:>{width}.3f}" for f in figures))
             if ceiling and "donor" in reports:
@@ -787,7 +788,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
                 cells = [reports[name]["serving"][label][key].get(group, {}).get(str(k)) for name in names]
                 count = next((c["contexts"] for c in cells if c), 0)
                 title = f"{k}-step accept length, {what} {_short_group(group)} ({count})"
-                lines.append(f"    {title:<46}" + "".join(f"{_with_error(c) if c else '-':>{width}}" for c in cells))
+                lines.append(f"    {title:<46}" + "".join(f"{with_error(c) if c else '-':>{width}}" for c in cells))
     def recorded(field: str, form: str):
         return lambda r: "absent" if r["teacher_forced"] is None else format(r["teacher_forced"][field], form)
 

@@ -341,5 +341,10 @@ def difference_noise(donor: dict, trained: dict) -> dict:
         se, paired = paired_difference_se(donor["per_context"], trained["per_context"]), True
     else:
         se, paired = math.hypot(donor.get("mean_accept_length_se", 0.0), trained.get("mean_accept_length_se", 0.0)), False
-    difference = trained["mean_accept_length"] - donor["mean_accept_length"]
-    return {"standard_error": se, "paired": paired, "within_noise": abs(difference) < NOISE_STANDARD_ERRORS * se}
+    return {"standard_error": se, "paired": paired,
+            "within_noise": within_noise(trained["mean_accept_length"] - donor["mean_accept_length"], se)}
+
+
+def within_noise(difference: float, standard_error: float) -> bool:
+    """Whether a difference is under NOISE_STANDARD_ERRORS of its standard errors (an exact one, se 0, never is)."""
+    return abs(difference) < NOISE_STANDARD_ERRORS * standard_error

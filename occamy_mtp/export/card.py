@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from occamy_mtp.console import plural
-from occamy_mtp.evaluation.evaluate import share_of_ceiling
+from occamy_mtp.evaluation.evaluate import share_of_ceiling, with_error
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
 
@@ -40,12 +40,6 @@ def _count(accepted: float, proposed: float) -> str:
     return f"{accepted:,.1f} / {proposed:,.1f} (expected)"
 
 
-def _length(figures: dict) -> str:
-    """A mean accept length, ± its standard error where it has one."""
-    se = figures.get("mean_accept_length_se", 0.0)
-    return f"{figures['mean_accept_length']:.3f}" + (f" ± {se:.3f}" if se else "")
-
-
 def acceptance_table(metrics: dict) -> list[str]:
     """One row per serving configuration and served step count: first-step acceptance and the mean
     accept length, donor beside trained, and the ceiling a perfect drafter reaches where it is known."""
@@ -68,7 +62,7 @@ def acceptance_table(metrics: dict) -> list[str]:
             rows.append(
                 f"| {serving_words(serving)} | {k}-step | {_count(donor['accepted'][0], donor['proposed'][0])} ({donor['acceptance'][0]:.2%}) "
                 f"| {_count(trained['accepted'][0], trained['proposed'][0])} ({trained['acceptance'][0]:.2%}) "
-                f"| {_length(donor)} → **{_length(trained)}** | {ceiling} "
+                f"| {with_error(donor)} → **{with_error(trained)}** | {ceiling} "
                 f"| {'-' if share is None else format(share, '.1%')} |")
     return rows
 

@@ -37,7 +37,7 @@ from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_with_contexts
-from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, paired_difference_se
+from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
@@ -314,18 +314,15 @@ def as_served(head: MTPHead, dtype: torch.dtype):
 
 
 def selection_score(served: dict) -> float:
-    """What selection maximises: the mean over the served step counts of the replayed mean accept length."""
-    return sum(_figure(a, "mean_accept_length") for a in served.values()) / len(served)
+    """What selection maximises: the mean over the served step counts of the replayed mean accept length
+    (`served_with_contexts`' figures)."""
+    return sum(a["mean_accept_length"] for a in served.values()) / len(served)
 
 
 def selection_score_se(served: dict) -> float:
     """A standard error of `selection_score`: the mean of the step counts' standard errors, which bounds
     that of their mean from above (the step counts are measured on the same texts)."""
-    return sum(_figure(a, "mean_accept_length_se") for a in served.values()) / len(served)
-
-
-def _figure(acceptance, name: str) -> float:
-    return acceptance[name] if isinstance(acceptance, dict) else getattr(acceptance, name)
+    return sum(a["mean_accept_length_se"] for a in served.values()) / len(served)
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_steps: int, min_ratio: float) -> float:
@@ -509,8 +506,8 @@ def _selection_summary(config: RunConfig, state: TrainState, validation_windows:
 
 
 def _selection_noise(state: TrainState) -> dict:
-    """Whether the chosen step beats the donor (step 0's score) by more than noise: by more than
-    NOISE_STANDARD_ERRORS standard errors of the difference, paired context by context (`vs_donor_se`;
+    """Whether the chosen step beats the donor (step 0's score) by more than noise (`metrics.within_noise`),
+    the difference's standard error paired context by context (`vs_donor_se`;
     for runs from before it, sqrt(se_best^2 + se_donor^2), which over-states it)."""
     if not state.selection or state.best_step is None:
         return {}
@@ -520,7 +517,7 @@ def _selection_noise(state: TrainState) -> dict:
         return {"best_minus_donor": 0.0, "difference_se": 0.0, "within_noise": True}
     se = best.get("vs_donor_se", math.hypot(donor.get("score_se", 0.0), best.get("score_se", 0.0)))
     return {"best_minus_donor": best["score"] - donor["score"], "difference_se": se,
-            "within_noise": abs(best["score"] - donor["score"]) < NOISE_STANDARD_ERRORS * se}
+            "within_noise": within_noise(best["score"] - donor["score"], se)}
 
 
 def _log_line(accelerator, state: TrainState, lr: float, loss, stats, grad_norm) -> dict:
