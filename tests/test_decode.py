@@ -168,12 +168,13 @@ def test_base_snapshot_restore_undoes_a_verify_pass(models):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("runner_class", [HeadRunner, StaticHeadRunner])
-def test_head_chain_matches_the_offline_chain_hidden_states(models, runner_class):
+@pytest.mark.parametrize("runner_class", [HeadRunner, StaticHeadRunner, "static, the prompt in passes"])
+def test_head_chain_matches_the_offline_chain_hidden_states(models, runner_class, monkeypatch):
     """The decoder's head cache (step-1 entries of the accepted text + its own chain) gives
     the same g1..g3 as MTPHead.forward's masked all-anchor chain, at every anchor: the
     growing cache and the static one (its keys and values in fixed buffers, the chain's
-    entries written past the committed ones)."""
+    entries written past the committed ones), whose extends longer than its span (a prompt)
+    run in passes of PREFILL_CHUNK anchors."""
     base, head = models
     text = greedy_decode(base, random_prompt(6, 6), 14).text_ids
     ids = torch.tensor([text])
@@ -186,8 +187,16 @@ def test_head_chain_matches_the_offline_chain_hidden_states(models, runner_class
         step_tokens[k, 0, : length - k] = greedy[k:]
     offline = head(step_tokens, hidden)  # (K, 1, L, D)
 
-    runner = HeadRunner(head) if runner_class is HeadRunner else StaticHeadRunner(head, length, span=4)
-    runner.extend(list(text[1:4]), hidden[0, :3])  # anchors 0..2 in one piece
+    if runner_class == "static, the prompt in passes":
+        from occamy_mtp.base import fastdecode
+
+        monkeypatch.setattr(fastdecode, "PREFILL_CHUNK", 2)
+        runner = StaticHeadRunner(head, length, span=2)  # the first extend, of 3 anchors, in passes of 2 and 1
+    else:
+        runner = HeadRunner(head) if runner_class is HeadRunner else StaticHeadRunner(head, length, span=4)
+    prompt_outputs = runner.extend(list(text[1:4]), hidden[0, :3])  # anchors 0..2 in one piece
+    bound = rounding_bound(offline[0, 0, :3], torch.float32, reductions=HEAD_REDUCTIONS, width=WIDTH)
+    assert_close(prompt_outputs, offline[0, 0, :3], bound, "step 1 at anchors 0..2")
     for anchor in range(3, length - steps - 1):
         first = runner.extend([text[anchor + 1]], hidden[0, anchor : anchor + 1])[-1]
         # Feed the chain the offline chain's tokens (greedy), whatever the head drafts.

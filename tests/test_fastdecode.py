@@ -88,16 +88,18 @@ def test_it_stops_at_the_stop_tokens_as_greedy_generate_does(base):
 
 
 def test_every_step_s_logits_are_the_full_forward_s(base):
-    """Position by position, the step's argmax over the logits is that of one full forward over the
-    text, and its final hidden state equals the forward's to float32 rounding."""
-    prompts = prompts_of((6, 2), seed=2)
+    """Position by position after the prefill (which ends where the shortest prompt does), the step's
+    argmax over the logits is that of one full forward over the text, and its final hidden state
+    equals the forward's to float32 rounding."""
+    prompts = prompts_of((6, 3), seed=2)
     decoder = BatchDecoder(base, batch=2, positions=20, cuda_graph=False)
     texts = [p + c for p, c in zip(prompts, decoder.generate(prompts, max_new_tokens=10, eos_token_ids=set()))]
+    stepped = min(len(p) for p in prompts) - 1  # the first position a step fed
     for row, text in enumerate(texts):
         with torch.no_grad():
             full = base(input_ids=torch.tensor([text])).logits[0]  # (T, V)
         steps = len(text) - 1
-        assert decoder.chosen[row, :steps].tolist() == full[:steps].argmax(-1).tolist()
+        assert decoder.chosen[row, stepped:steps].tolist() == full[stepped:steps].argmax(-1).tolist()
 
     # the hidden state itself, at the last step of a single row
     hidden = {}
@@ -113,6 +115,83 @@ def test_every_step_s_logits_are_the_full_forward_s(base):
         handle.remove()
     bound = rounding_bound(full_hidden, torch.float32, reductions=REDUCTIONS, width=2 * base.config.hidden_size)
     assert_close(step_hidden, full_hidden, bound, "hidden state of the last position")
+
+
+@pytest.mark.parametrize("chunk, rows_a_pass", [(256, 5), (4, 2), (1, 1)])
+def test_a_prefill_leaves_the_state_one_step_a_token_leaves(base, monkeypatch, chunk, rows_a_pass):
+    """`prefill` (a few rows and up to PREFILL_CHUNK tokens a pass, each pass's attention over the
+    keys written so far, the Gated DeltaNet's chunked rule from the last pass's state) against the
+    step fed the same tokens one position at a time: the same keys and values, conv windows and
+    recurrent states to float32 rounding; and the decoder that prefills writes greedy_generate's tokens."""
+    prefill_against_steps(base, monkeypatch, chunk, rows_a_pass)
+
+
+@pytest.mark.gpu
+def test_a_prefill_on_gpu_leaves_the_state_one_step_a_token_leaves(monkeypatch):
+    """The same on CUDA, float32: the prefill's chunked rule is fla's kernel there, the step's `decode_kernels`'."""
+    model, _ = random_models(tiny_text_config(), seed=3)
+    prefill_against_steps(model.to("cuda").float().eval().requires_grad_(False), monkeypatch, 4, 2)
+
+
+def prefill_against_steps(base, monkeypatch, chunk: int, rows_a_pass: int) -> None:
+    from occamy_mtp.base import fastdecode
+
+    prompts = prompts_of((23, 19, 30, 21, 26), seed=4)
+    length = min(len(p) for p in prompts) - 1
+    stepped = BatchDecoder(base, batch=5, positions=40, cuda_graph=False)
+    stepped._reset(prompts)
+    for _ in range(length):
+        stepped.step()
+    monkeypatch.setattr(fastdecode, "PREFILL_CHUNK", chunk)
+    prefilled = BatchDecoder(base, batch=5, positions=40, cuda_graph=False)
+    per_row = chunk * BatchDecoder.prefill_token_bytes(base.config, 40, torch.float32)
+    monkeypatch.setattr(fastdecode, "PREFILL_PASS_BYTES", rows_a_pass * per_row)
+    passes = []
+    original = prefilled.prefill_pass
+    monkeypatch.setattr(prefilled, "prefill_pass", lambda ids, rows: (
+        passes.append((rows.stop - rows.start, int(prefilled.kv.position), ids.shape[1])), original(ids, rows))[1])
+    prefilled._reset(prompts)
+    prefilled.prefill(len(prompts), length)
+    for rows, start, tokens in passes:  # each pass within its bytes, one row of one token at least
+        assert rows == 1 or rows * tokens * BatchDecoder.prefill_token_bytes(base.config, start + tokens, torch.float32) <= fastdecode.PREFILL_PASS_BYTES
+    for start in {start for _, start, _ in passes}:  # every row fed once from each start
+        assert sum(rows for rows, at, _ in passes if at == start) == len(prompts)
+    assert max(rows for rows, _, _ in passes) >= rows_a_pass and max(t for _, _, t in passes) == min(chunk, length)
+    assert int(prefilled.kv.position) == int(stepped.kv.position) == length
+    assert prefilled.tokens.tolist() == stepped.tokens.tolist() == [p[length] for p in prompts]
+    width = 2 * base.config.hidden_size
+    states = [("keys", prefilled.kv.keys, stepped.kv.keys), ("values", prefilled.kv.values, stepped.kv.values),
+              ("conv windows", {0: prefilled.conv_states}, {0: stepped.conv_states}),
+              ("recurrent states", {0: prefilled.recurrent_states}, {0: stepped.recurrent_states})]
+    for what, got, want in states:
+        for layer in want:
+            bound = rounding_bound(want[layer], torch.float32, reductions=REDUCTIONS, width=width)
+            assert_close(got[layer], want[layer], bound, f"{what} of layer {layer} after a prefill of {length} positions")
+    expected = greedy_generate(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=5)
+    assert prefilled.generate(prompts, max_new_tokens=8, eos_token_ids=set()) == expected
+
+
+def test_a_runner_s_prefill_is_its_forward_with_the_last_logits(base, monkeypatch):
+    """`StaticRunner.prefill` (passes of PREFILL_CHUNK tokens) gives `forward`'s hidden states and the
+    last position's logits, and leaves the runner where `forward` does (the next pass agrees); the
+    transformers runner's `prefill` likewise."""
+    from occamy_mtp.base import fastdecode
+    from occamy_mtp.base.fastdecode import StaticRunner
+    from occamy_mtp.evaluation.decode import BaseRunner
+
+    monkeypatch.setattr(fastdecode, "PREFILL_CHUNK", 5)
+    prompt, following = prompts_of((17, 3), seed=6)
+    width = 2 * base.config.hidden_size
+    for make in (lambda: StaticRunner(base, positions=24, span=4), lambda: BaseRunner(base)):
+        prefilled, forwarded = make(), make()
+        hidden, last = prefilled.prefill(prompt)
+        want_hidden, want_logits = forwarded.forward(prompt)
+        assert last.shape == want_logits[-1].shape and last.dtype == torch.float32 and prefilled.seen == forwarded.seen
+        assert_close(hidden, want_hidden, rounding_bound(want_hidden, torch.float32, reductions=REDUCTIONS, width=width), "hidden")
+        assert_close(last, want_logits[-1], rounding_bound(want_logits[-1], torch.float32, reductions=REDUCTIONS + 1, width=width),
+                     "the last logits")
+        got, want = prefilled.forward(following)[1], forwarded.forward(following)[1]
+        assert_close(got, want, rounding_bound(want, torch.float32, reductions=REDUCTIONS + 1, width=width), "the next pass's logits")
 
 
 def decode_through_the_kernels() -> None:

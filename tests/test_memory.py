@@ -10,7 +10,7 @@ import torch
 
 from occamy_mtp import memory
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
-from occamy_mtp.base.fastdecode import BatchDecoder
+from occamy_mtp.base.fastdecode import PREFILL_PASS_BYTES, BatchDecoder
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -133,7 +133,8 @@ def test_the_writer_sizes_its_batch_to_the_memory_unless_told(monkeypatch):
     writer.base, writer.sampling, writer.static = base, GREEDY_TEXT, True
     contexts = [(1, 2, 3)] * 300
     row = BatchDecoder.row_bytes(base.config, 3 + 10 - 1, torch.bfloat16, GREEDY_TEXT)
-    fake_cuda(monkeypatch, free=2 * GIB + 7 * row, total=80 * GIB, allocated=0, reserved=0)
+    # kept free: the margin and one prefill pass
+    fake_cuda(monkeypatch, free=memory.MARGIN_BYTES + PREFILL_PASS_BYTES + 7 * row, total=80 * GIB, allocated=0, reserved=0)
     logged = []
     writer.batch_size = 0
     assert writer.batch_for(contexts, 10, logged.append) == 7 and "batch 7, sized to the GPU" in logged[0]

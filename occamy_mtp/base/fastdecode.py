@@ -1,25 +1,28 @@
-"""Greedy decoding with the frozen base, one static step for the whole batch: what self-generation runs on a GPU.
+"""Decoding with the frozen base, one static step for the whole batch: what self-generation runs on a GPU.
 
-Every row of the batch starts at position 0 and advances one position a step: while a
-row is still reading its prompt the step feeds it the prompt's next token, afterwards the
-token it chose, so the prompt needs no padding and no separate prefill, and every
-row's attention sees the same positions (0..t). The state is allocated once for the
-batch: the full-attention layers' keys and values (`StaticKV`, handed to transformers'
-own attention module as its cache, with `gqa_decode_attention` as its attention), the Gated
-DeltaNet layers' conv windows and recurrent states (one buffer each, so that a snapshot is
-one copy). The step reads and writes only those buffers, so on CUDA it is captured in one
-CUDA graph and replayed: no Python and no kernel launches per step beyond the replay.
+A batch first reads its prompts in a prefill (`BatchDecoder.prefill`): the positions every
+prompt holds, a few rows and up to PREFILL_CHUNK tokens a pass, each pass's attention only
+over the keys written so far and the Gated DeltaNet's chunked rule carried from the state the
+last pass left. Then every row advances one position a step, all rows at the same position
+(the prefill ends where the shortest prompt does): while a row is still reading its prompt
+the step feeds it the prompt's next token, afterwards the token it chose, so no prompt needs
+padding. The state is allocated once for the batch: the full-attention layers' keys and
+values (`StaticKV`, handed to transformers' own attention module as its cache, with
+`gqa_decode_attention` as its attention), the Gated DeltaNet layers' conv windows and
+recurrent states (one buffer each, so that a snapshot is one copy). The step reads and writes
+only those buffers, so on CUDA it is captured in one CUDA graph and replayed: no Python and
+no kernel launches per step beyond the replay.
 The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
 `fastbase.packed_hidden`. On CUDA the kernels are the fast pass's: the residual adds and
 RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
 `fastbase.fused_moe_block` (its experts' GEMMs `moe_kernels.expert_mlp` up to 256 tokens),
-and the Gated DeltaNet's conv and rule `decode_kernels`' (two kernels a layer); elsewhere
-the modules' own and the kernels' PyTorch references.
+the Gated DeltaNet's conv and rule `decode_kernels`' in a step (two kernels a layer) and fla's
+chunked rule in a prefill; elsewhere the modules' own and the kernels' PyTorch references.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
 after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a
-copy. `tests/test_fastdecode.py` holds both against `generate.greedy_generate`, one step a
-token and the full forward.
+copy. `tests/test_fastdecode.py` holds the step, the prefill and the span against
+`generate.greedy_generate`, against one step a token and against the full forward.
 `StaticHeadRunner` runs the MTP head's one layer the same way for the reference decoder's
 drafts (its keys and values in a static buffer, its extends and greedy chains captured),
 held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdecode.py.
@@ -33,12 +36,12 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.base.decode_kernels import conv_steps_, gated_delta_steps_
+from occamy_mtp.compat import cache_kwarg, torch_function
+from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
 from occamy_mtp.base.fastbase import (Kernels, decoder_layer, fla_kernels, fused_moe_block, module_moe, residual_norm,
-                                      torch_kernels)
+                                      token_bytes, torch_kernels)
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 # Bytes a step's transient tensors take per logit of a row, beside the row's state: the
@@ -52,6 +55,14 @@ SAMPLED_STEP_BYTES_PER_LOGIT = 36
 # padded copy, the answer's counts (fp32) and the mask of tokens seen (`sampling.penalized`).
 PENALTY_STEP_BYTES_PER_LOGIT = 24
 DEFAULT_MAX_BATCH = 160  # the largest batch a self-generation sizes itself to: the one measured fastest a window
+# A prefill pass reads up to PREFILL_CHUNK tokens of as many rows as keep its transient tensors
+# (`BatchDecoder.prefill_token_bytes`) within PREFILL_PASS_BYTES, which the sizing keeps free beside
+# the rows' state (`selfgen.store.EmbeddedWriter.batch_for`).
+PREFILL_CHUNK = 256
+PREFILL_PASS_BYTES = 2**30
+# The attention's transient bytes per query and key of a head: its fp32 scores, their fp32 softmax
+# and the probabilities in bf16 (`gqa_decode_attention`).
+ATTENTION_BYTES_PER_SCORE = 10
 DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
 
 
@@ -70,9 +81,10 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
     scale = dim**-0.5 if scaling is None else scaling
     grouped = query.reshape(batch, kv_heads, groups * length, dim)  # query head i reads key/value head i // groups
     scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (B, KVH, G * T, L)
-    if attention_mask is not None:
-        mask = attention_mask.float().expand(batch, heads, length, -1).reshape(batch, kv_heads, groups * length, -1)
-        scores = scores + mask
+    if attention_mask is not None:  # added where it broadcasts, never expanded to the scores' size
+        mask = attention_mask.float()  # (1 or B, 1 or H, T, L)
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(mask.shape[0], kv_heads, groups, length, -1)
+        scores = scores.view(batch, kv_heads, groups, length, -1).add_(mask).view(batch, kv_heads, groups * length, -1)
     out = torch.matmul(scores.softmax(dim=-1).to(value.dtype), value)  # (B, KVH, G * T, D)
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
 
@@ -117,7 +129,9 @@ class StaticKV:
     """Keys and values of the full-attention layers for `positions` positions, allocated once.
 
     transformers' attention module calls `update` with the new keys and values; they are
-    written at the step's position and the whole buffer comes back (masked by the step).
+    written at the step's position and the whole buffer comes back (masked by the step). A
+    prefill pass narrows both: `rows`, the rows it feeds, and `visible`, the keys it can see
+    (the positions written so far), so that its attention reads no more than those.
     """
 
     def __init__(self, layers: Sequence[int], batch: int, positions: int, kv_heads: int, head_dim: int, dtype, device):
@@ -127,14 +141,45 @@ class StaticKV:
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the first position this step writes
         self.writes = self.position
         """Every position this step writes: `position`, or a span's positions (`BatchDecoder.span_step`)."""
+        self.rows: slice = slice(None)
+        self.visible: int | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.keys[layer_idx].index_copy_(2, self.writes, key_states)
-        self.values[layer_idx].index_copy_(2, self.writes, value_states)
-        return self.keys[layer_idx], self.values[layer_idx]
+        keys, values = self.keys[layer_idx][self.rows], self.values[layer_idx][self.rows]
+        keys.index_copy_(2, self.writes, key_states)
+        values.index_copy_(2, self.writes, value_states)
+        if self.visible is not None:
+            return keys[:, :, : self.visible], values[:, :, : self.visible]
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.position)
+
+
+def chunked_gated_delta_(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over T tokens of each row in chunks (a prefill), from `state` (B, HV, dk, dv),
+    fp32, which becomes the state after the last token. q, k (B, T, H, dk); v (B, T, HV, dv); g, beta
+    (B, T, HV). Returns (B, T, HV, dv). fla's chunked kernel on CUDA where it imports; elsewhere
+    transformers' PyTorch rule (q and k repeated up to the value heads, as older versions want)."""
+    if q.is_cuda:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError:
+            pass
+        else:
+            out, final = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+            state.copy_(final)
+            return out
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    out, final = torch_function(qwen.torch_chunk_gated_delta_rule)(q, k, v, g=g, beta=beta, initial_state=state,
+                                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state.copy_(final)
+    return out
 
 
 def _kernels(device: torch.device) -> Kernels:
@@ -153,7 +198,7 @@ def _moe(device: torch.device):
 
 
 class BatchDecoder:
-    """The base's greedy continuation of a batch of prompts, one static step at a time (module docstring).
+    """The base's continuation of a batch of prompts: a prefill, then one static step at a time (module docstring).
 
     decoder = BatchDecoder(base, batch=64, positions=128 + 382)
     continuations = decoder.generate(prompts, max_new_tokens=382, eos_token_ids={...})
@@ -201,6 +246,7 @@ class BatchDecoder:
         # rejected needs no second pass (the reference decoder's runner only: one row).
         self.span_states = self.span_inputs = None
         self._recording = False
+        self._prefilling = False  # a prefill pass: the Gated DeltaNet runs its chunked rule on `kv.rows`
         if linear and span > 1:
             self.span_states = torch.zeros(len(linear), span, *self.recurrent_states.shape[1:], dtype=torch.float32,
                                            device=self.device)
@@ -254,6 +300,13 @@ class BatchDecoder:
         per_logit += PENALTY_STEP_BYTES_PER_LOGIT if sampling.penalized else 0
         return cls.row_state_bytes(config, positions, dtype, not sampling.greedy) + config.vocab_size * per_logit
 
+    @staticmethod
+    def prefill_token_bytes(config, visible: int, dtype: torch.dtype) -> int:
+        """Transient bytes a prefill pass takes per token of a row whose keys reach `visible`
+        positions: the layer's activations (`fastbase.token_bytes`) and one attention layer's
+        scores over those keys (ATTENTION_BYTES_PER_SCORE)."""
+        return token_bytes(config, dtype) + config.num_attention_heads * visible * ATTENTION_BYTES_PER_SCORE
+
     # -- the step ---------------------------------------------------------------------
 
     @torch.no_grad()
@@ -305,6 +358,8 @@ class BatchDecoder:
         """`Qwen3_5MoeGatedDeltaNet.forward` for T tokens in a row with this decoder's conv and
         recurrent state: one causal-conv window over the last K - 1 inputs and the T new ones,
         then T recurrent steps (both states in place). x: (B, T, D)."""
+        if self._prefilling:
+            return self._gated_deltanet_chunked(mixer, x, layer)
         batch, tokens = x.shape[:2]
         projected = mixer.in_proj_qkv(x)
         states = None
@@ -325,6 +380,75 @@ class BatchDecoder:
         else:
             core = mixer.norm(core, z)
         return mixer.out_proj(core.reshape(batch, tokens, -1))
+
+    def _gated_deltanet_chunked(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """`_gated_deltanet` for a prefill pass over the rows `kv.rows`: the conv over their window
+        and the T new inputs, the delta rule in chunks (`chunked_gated_delta_`) from their state."""
+        batch, tokens = x.shape[:2]
+        rows = self.kv.rows
+        mixed_qkv = conv_steps_reference(mixer.in_proj_qkv(x), self.conv_state[layer][rows], mixer.conv1d.weight[:, 0],
+                                         mixer.conv1d.bias)
+        z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
+        query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        query = query.reshape(batch, tokens, -1, mixer.head_k_dim)
+        key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
+        value = value.reshape(batch, tokens, -1, mixer.head_v_dim)
+        g = log_decay(mixer.in_proj_a(x), mixer.A_log, mixer.dt_bias)
+        core = chunked_gated_delta_(query, key, value, g, mixer.in_proj_b(x).sigmoid(),
+                                    self.recurrent_state[layer][rows]).reshape(-1, mixer.head_v_dim)
+        if self.kernels.rms_norm_gated is not None:
+            core = self.kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
+        else:
+            core = mixer.norm(core, z)
+        return mixer.out_proj(core.reshape(batch, tokens, -1))
+
+    # -- the prefill ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill_pass(self, ids: torch.Tensor, rows: slice) -> torch.Tensor:
+        """Feed `ids` (R, T) to the rows `rows` at positions `kv.position` .. + T - 1, as T steps
+        would (their keys and values, conv windows and recurrent states), in one pass whose
+        attention sees only the keys written so far: their post-norm hidden states (R, T, D).
+        The position is left where it was (`prefill` moves it once every row is fed)."""
+        base, start = self.base, int(self.kv.position)
+        tokens = ids.shape[1]
+        if start + tokens > self.positions:
+            raise ValueError(f"a prefill to position {start + tokens} of a decoder that holds {self.positions}")
+        model = base.model
+        hidden = model.embed_tokens(ids)  # (R, T, D)
+        positions = start + self._arange[:tokens]
+        position_embeddings = model.rotary_emb(hidden, positions[None, None].expand(3, ids.shape[0], -1))
+        mask = _buffer_mask(positions, self._arange[: start + tokens], hidden.dtype)  # (1, 1, T, start + T)
+        self.kv.writes, self.kv.rows, self.kv.visible = positions, rows, start + tokens
+        self._prefilling = True
+        try:
+            return self._layers(hidden, position_embeddings, mask)
+        finally:
+            self.kv.writes, self.kv.rows, self.kv.visible = self.kv.position, slice(None), None
+            self._prefilling = False
+
+    def prefill_tokens(self, start: int, remaining: int) -> int:
+        """Tokens of a row the next prefill pass from `start` reads: up to PREFILL_CHUNK, halved
+        while one row's pass would take more than PREFILL_PASS_BYTES."""
+        tokens = min(PREFILL_CHUNK, remaining)
+        while tokens > 1 and tokens * self.prefill_token_bytes(self.base.config, start + tokens, self.hidden.dtype) > PREFILL_PASS_BYTES:
+            tokens //= 2
+        return tokens
+
+    def prefill(self, rows: int, length: int) -> None:
+        """Read positions 0 .. `length` - 1 of the first `rows` rows' prompts (which each holds):
+        passes of up to PREFILL_CHUNK tokens and as many rows as fit PREFILL_PASS_BYTES; then the
+        step goes on from `length`, feeding each row its prompt's token there."""
+        start = int(self.kv.position)
+        while start < length:
+            tokens = self.prefill_tokens(start, length - start)
+            group = max(1, PREFILL_PASS_BYTES // (tokens * self.prefill_token_bytes(self.base.config, start + tokens, self.hidden.dtype)))
+            for first in range(0, rows, group):
+                chosen = slice(first, min(rows, first + group))
+                self.prefill_pass(self.prompts[chosen, start : start + tokens], chosen)
+            start += tokens
+            self.kv.position.fill_(start)
+        self.tokens.copy_(self.prompts[:, length])
 
     @torch.no_grad()
     def span_step(self, tokens: int) -> None:
@@ -406,7 +530,9 @@ class BatchDecoder:
         self._reset(prompts, uniforms)
         stops = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
         first = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # position of the first new token
-        for done in range(1, steps + 1):
+        shared = min(len(p) for p in prompts) - 1  # positions every prompt holds: no choice there is kept
+        self.prefill(len(prompts), shared)
+        for done in range(shared + 1, steps + 1):
             self._run_step()
             if done % CHECK_EVERY_STEPS == 0 and done < steps and self._all_finished(first, stops, done, max_new_tokens):
                 break
@@ -466,6 +592,25 @@ class StaticRunner:
             logits.append(decoder.span_logits[0, : len(chunk)].to(torch.float32, copy=True))
         self.seen += len(tokens)
         return torch.cat(hidden), torch.cat(logits)  # (m, D), (m, V)
+
+    def prefill(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a prompt: the tokens in prefill passes (`BatchDecoder.prefill_pass`), and the
+        logits of the last one only (V,), fp32 (what decoding reads of a prompt; a long prompt's
+        whole logits would not fit)."""
+        decoder = self.decoder
+        if self.seen + len(tokens) > decoder.positions:
+            raise ValueError(f"{self.seen + len(tokens)} positions asked of a runner that holds {decoder.positions}")
+        self._last_forward = (self.seen, list(tokens))
+        ids = torch.as_tensor(list(tokens), dtype=torch.long, device=decoder.device)[None]
+        hidden, start = [], 0
+        while start < len(tokens):
+            count = decoder.prefill_tokens(int(decoder.kv.position), len(tokens) - start)
+            hidden.append(decoder.prefill_pass(ids[:, start : start + count], slice(0, 1))[0])
+            decoder.kv.position.add_(count)
+            start += count
+        self.seen += len(tokens)
+        hidden = torch.cat(hidden)  # (m, D)
+        return hidden, decoder.base.lm_head(hidden[-1]).float()
 
     def _run_span(self, tokens: int) -> None:
         decoder = self.decoder
@@ -574,11 +719,12 @@ class StaticHeadRunner:
         tokens = ids.shape[0]
         projected = head.project(ids[None], hidden[None])  # (1, m, D)
         positions = start + self._arange[:tokens]  # (m,)
+        keys = self._arange if self.kv.visible is None else self._arange[: self.kv.visible]
         rotary = positions[None]  # (1, m); text M-RoPE takes three equal rows, as `MTPHead.backbone` gives it
         if head.config.model_type == "qwen3_5_moe_text":
             rotary = rotary[None].expand(3, 1, -1)
         position_embeddings = head.rotary_emb(projected, rotary)
-        mask = _buffer_mask(positions, self._arange, projected.dtype)  # (1, 1, m, L)
+        mask = _buffer_mask(positions, keys, projected.dtype)  # (1, 1, m, L)
         layer = head.layers[0]
         self.kv.writes = positions
         try:
@@ -635,8 +781,14 @@ class StaticHeadRunner:
         self.hidden[:m].copy_(hidden)
         if m <= self.span:
             self._run("extend", m, lambda: self._extend_pass(m))
-        else:
-            self._extend_pass(m)
+        else:  # a prompt: passes of PREFILL_CHUNK anchors, each seeing the entries written so far
+            for start in range(0, m, PREFILL_CHUNK):
+                end = min(m, start + PREFILL_CHUNK)
+                self.kv.visible = self.anchors + end
+                try:
+                    self.out[start:end].copy_(self._pass(self.ids[start:end], self.hidden[start:end], self.kv.position + start))
+                finally:
+                    self.kv.visible = None
         self.kv.position.add_(m)
         self.anchors += m
         return self.out[:m].clone()

@@ -118,13 +118,21 @@ class BaseRunner:
         self._last_forward: tuple[int, list[int]] = (0, [])  # where the last forward started, and its tokens
 
     def forward(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self._hidden(tokens)
+        return hidden, self.base.lm_head(hidden).float()  # (m, D), (m, V)
+
+    def prefill(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a prompt: the hidden states (m, D) and the last token's logits only (V,)."""
+        hidden = self._hidden(tokens)
+        return hidden, self.base.lm_head(hidden[-1]).float()
+
+    def _hidden(self, tokens: Sequence[int]) -> torch.Tensor:
         self._last_forward = (self.seen, list(tokens))
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)  # (1, m)
         positions = torch.arange(self.seen, self.seen + len(tokens), device=self.device)[None]
         out = self.base.model(input_ids=ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: self.cache})
         self.seen += len(tokens)
-        hidden = out.last_hidden_state[0]  # (m, D)
-        return hidden, self.base.lm_head(hidden).float()  # (m, D), (m, V)
+        return out.last_hidden_state[0]  # (m, D)
 
     def keep(self, snapshot: dict, tokens: int) -> None:
         """Of the last forward, which started at `snapshot`, keep the first `tokens`: the snapshot
@@ -325,17 +333,16 @@ def greedy_decode(base, prompt_ids: Sequence[int], max_new_tokens: int, stop_tok
     check_prompts([prompt_ids], max_new_tokens)
     draws = None if serving is None or serving.greedy else _Draws(serving, seed)
     runner = base_runner_for(base, len(prompt_ids) + max_new_tokens)
-    _, logits = runner.forward(prompt_ids)
+    _, scores = runner.prefill(prompt_ids)
     output, logprobs = [], []
     while True:
-        scores = logits[-1]
         token = int(scores.argmax()) if draws is None else draws.base_token(scores)
         output.append(token)
         logprobs.append(float(F.log_softmax(scores, dim=-1)[token]))
         if token in stop_token_ids or len(output) == max_new_tokens:
             reason = "stop" if token in stop_token_ids else "length"
             return DecodeResult(tuple(prompt_ids), tuple(output), tuple(logprobs), reason, base_passes=len(output) - 1)
-        _, logits = runner.forward([token])
+        scores = runner.forward([token])[1][-1]
 
 
 @dataclass
@@ -392,10 +399,10 @@ def speculative_decode(
     base_runner, head_runner = runners.base, runners.head
 
     # Prefill: the base over the prompt gives x_P; the head's step 1 over anchors 0..P-1.
-    hidden, logits = base_runner.forward(prompt)
-    first_token = int(logits[-1].argmax()) if draws is None else draws.base_token(logits[-1])
+    hidden, last = base_runner.prefill(prompt)
+    first_token = int(last.argmax()) if draws is None else draws.base_token(last)
     output = [first_token]
-    logprobs = [float(F.log_softmax(logits[-1], dim=-1)[first_token])]
+    logprobs = [float(F.log_softmax(last, dim=-1)[first_token])]
     rounds: list[_Round] = []
     plain_steps = 0
     finish = "stop" if first_token in stop_token_ids else None

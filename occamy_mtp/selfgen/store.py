@@ -19,8 +19,8 @@ from typing import Protocol
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
-from occamy_mtp.memory import fitting
-from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, BatchDecoder, fast_greedy_generate, static_decoding
+from occamy_mtp.memory import MARGIN_BYTES, fitting
+from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
@@ -154,7 +154,8 @@ class EmbeddedWriter:
 
     def batch_for(self, contexts, max_new_tokens: int, log) -> int:
         """The batch: `batch_size` when set; else, on the GPU, as many rows of the static decoder as
-        fit beside what is resident (`memory.fitting`), at most DEFAULT_MAX_BATCH; on a CPU,
+        fit beside what is resident and a prefill pass (`memory.fitting`, PREFILL_PASS_BYTES kept
+        free beside its margin), at most DEFAULT_MAX_BATCH; on a CPU,
         DEFAULT_MAX_BATCH. The choice and its reason are logged."""
         if self.batch_size:
             return self.batch_size
@@ -164,7 +165,7 @@ class EmbeddedWriter:
             return upper
         positions = max(len(c) for c in contexts) + max_new_tokens - 1
         row = BatchDecoder.row_bytes(self.base.config, positions, self.base.lm_head.weight.dtype, self.sampling)
-        sizing = fitting("row", row, upper, self.base.lm_head.weight.device, self.base)
+        sizing = fitting("row", row, upper, self.base.lm_head.weight.device, self.base, margin=MARGIN_BYTES + PREFILL_PASS_BYTES)
         log(f"self-generated windows: batch {sizing.count}, sized to the GPU: {sizing.reason} "
             "(data.self_generate_batch_size sets it)")
         return sizing.count
