@@ -37,14 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import ConfigError, Serving, load_config, serving_preset, window_settings  # noqa: E402
-from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids  # noqa: E402
-from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check  # noqa: E402
+from occamy_mtp.data.windows import load_tokenizer, stop_token_ids  # noqa: E402
+from occamy_mtp.evaluation.evaluate import sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
 from occamy_mtp.model.head import SharedWeights  # noqa: E402
-from occamy_mtp import sampling  # noqa: E402
 from occamy_mtp.sampling import TextSampling  # noqa: E402
-from occamy_mtp.selfgen.engine_client import post_json, server_identity, speculative_counts  # noqa: E402
-from occamy_mtp.selfgen.engines import Request, read_answer, request_body  # noqa: E402
+from occamy_mtp.selfgen.engine_client import server_identity  # noqa: E402
+from occamy_mtp.selfgen.engines import Request  # noqa: E402
+from occamy_mtp.serve.sampled import ask, fidelity, measured_texts, text_statistics  # noqa: E402
 from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
 
 TIMEOUT_SECONDS = 1800.0
@@ -68,64 +68,6 @@ def write_section(path: Path, text: str, append_to_results: bool) -> None:
         results = ROOT / "bench" / "RESULTS.md"
         results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
         print(f"appended to {results}", file=sys.stderr)
-
-
-def per_step(histogram: list[int], steps: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(accepted, proposed) per step from a histogram of verify passes by accepted drafts: step k is
-    proposed in passes that accepted k - 1 or more, accepted in those that accepted k or more."""
-    accepted = tuple(sum(histogram[k:]) for k in range(1, steps + 1))
-    proposed = tuple(sum(histogram[k - 1 :]) for k in range(1, steps + 1))
-    return accepted, proposed
-
-
-def ask(url: str, model: str, contexts, request: Request, tokenizer, steps: int) -> tuple[list[MeasuredText], list[dict]]:
-    """Every context to the engine, one request at a time: the engine's texts and counts (steps 0:
-    a server without speculation, whose texts alone are checked)."""
-    measured, raw = [], []
-    for prompt in contexts:
-        body = request_body(model, prompt.prompt_ids, request)
-        body["return_spec_tokens_details"] = True  # SGLang's per-request counts (vLLM ignores it), as validate asks
-        response = post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds)
-        answer = read_answer(response, tokenizer, request)
-        window = Window("engine", 0, tuple(prompt.prompt_ids) + answer.tokens, len(prompt.prompt_ids))
-        counts = speculative_counts(response)
-        if steps:
-            if counts is None or not counts.get("histogram_consistent"):
-                raise SystemExit(f"error: {url}: the answer to {prompt.name} carries no consistent per-request acceptance "
-                                 "histogram (serve vLLM with --per-request-spec-decode-metrics summary)")
-            accepted, proposed = per_step(counts["histogram"], steps)
-            measured.append(MeasuredText(window, accepted, proposed, counts["draft_tokens"], counts["verify_passes"]))
-        else:
-            measured.append(MeasuredText(window, (), (), 0, 0))
-        raw.append({"prompt": prompt.name, "tokens": len(answer.tokens), "finished": answer.finished, "counts": counts,
-                    "prompt_ids": list(prompt.prompt_ids), "output_ids": list(answer.tokens)})
-    return measured, raw
-
-
-@torch.no_grad()
-def sampling_fidelity(base, measured: list[MeasuredText], serving: Serving) -> dict:
-    """Whether the engine's text is a sample of what was asked: of its generated tokens, how many the
-    processed distribution p excludes (penalties included: a sampler that honours them writes none,
-    up to bf16 rounding at the nucleus' edge), and their mean log-probability under p and under
-    the unprocessed softmax."""
-    excluded = total = 0
-    log_p = log_raw = 0.0
-    for text in measured:
-        ids = text.window.input_ids
-        start = text.window.answer_start
-        logits = base(torch.tensor([ids])).logits[0, start - 1 : len(ids) - 1].float()  # each predicts the next token
-        tokens = torch.tensor(ids[start:])
-        history = None
-        if serving.penalized:  # each token's penalties over the answer before it, as the engine applied them
-            positions = torch.arange(start, len(ids))
-            history = sampling.answer_histories(torch.tensor([ids]), torch.tensor([start]), torch.zeros_like(positions), positions)
-        p = sampling.base_probs(logits, serving, history).gather(-1, tokens[:, None])[:, 0]
-        excluded += int((p <= 0).sum())
-        total += len(tokens)
-        log_p += float(p[p > 0].log().sum())
-        log_raw += float(logits.log_softmax(-1).gather(-1, tokens[:, None]).sum())
-    return {"tokens": total, "outside_the_processed_support": excluded,
-            "mean_log_p_processed_where_inside": log_p / max(1, total - excluded), "mean_log_p_unprocessed": log_raw / max(1, total)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,13 +111,22 @@ def main(argv: list[str] | None = None) -> int:
                                    serving.frequency_penalty, serving.repetition_penalty))
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
-    measured, raw = ask(args.url, model, contexts, request, tokenizer, args.draft_steps)
+    raw = ask(args.url, model, contexts, request, tokenizer)
     asked_seconds = time.perf_counter() - started
+    failed = [answer for answer in raw if "error" in answer]
+    if failed:
+        print(f"error: {args.url}: {failed[0]['prompt']}: {failed[0]['error']['message']} ({len(failed)} requests failed)", file=sys.stderr)
+        return 1
+    try:
+        measured = measured_texts(raw, args.draft_steps, args.url) if args.draft_steps else []
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
     dtype = ckpt_io.DTYPES[args.dtype]
     base = ckpt_io.load_base(config.model.base, dtype=dtype, device=torch.device("cpu")).eval()
     shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    fidelity = sampling_fidelity(base, measured, serving)
+    text_fidelity = fidelity(text_statistics(base, raw, serving))
     check, head_path = None, None
     if args.draft_steps:
         head_path = config.model.donor_head if args.head == "donor" else args.head
@@ -183,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         head = head.to(dtype).eval()
         check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
     report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args), **dataclasses.asdict(serving),
-              "out": str(args.out), "config": str(args.config)}, "requests": len(measured), "max_tokens": max_tokens,
-              "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "fidelity": fidelity,
+              "out": str(args.out), "config": str(args.config)}, "requests": len(raw), "max_tokens": max_tokens,
+              "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "fidelity": text_fidelity,
               "check": check, "answers": raw}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    line = (f"{args.head} K={args.draft_steps} {serving.label()}: {fidelity['outside_the_processed_support']} of "
-            f"{fidelity['tokens']} tokens outside the processed support")
+    line = (f"{args.head} K={args.draft_steps} {serving.label()}: {text_fidelity['outside_the_processed_support']} of "
+            f"{text_fidelity['tokens']} tokens outside the processed support")
     if check is not None:
         engine, expected = check["measured"], check["expected"]
         line += (f"; engine accept length {1 + sum(engine['accepted']) / engine['verify_passes']:.3f} (per step "
@@ -197,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{1 + sum(expected['accepted']) / expected['verify_passes']:.3f} (per step "
                  f"{', '.join(f'{a:.1%}' for a in expected['acceptance'])}); z accepted {check['z']['accepted']:+.2f}, "
                  f"z verify passes {check['z']['verify_passes']:+.2f}")
-    print(line + f"; {len(measured)} requests")
+    print(line + f"; {len(raw)} requests")
     return 0
 
 

@@ -105,3 +105,56 @@ def test_a_preset_by_name_brings_its_thinking_mode(world, capsys):
     assert engine_sampled.main(["--url", url, "--config", str(world["config"]), "--head", "donor", "--draft-steps", "1",
                                 "--serving", "no-such-preset", "--out", str(out)]) == 2
     assert "expected one of thinking-general, thinking-coding" in capsys.readouterr().err
+
+
+def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_text_not_sampled(world, tmp_path, capsys):
+    """`validate --serving thinking-coding` against the reference server with MTP off and on (K = 2): both
+    texts are samples of what was asked, MTP on leaves the text's distribution where it was, and the
+    candidate's acceptance is the library's expectation on its own text, so it passes. The same run with
+    the candidate's answers replaced by a token the base all but never writes there fails, naming the
+    support and the shift; a preset refuses the chat endpoint."""
+    from occamy_mtp.serve import validate as V
+
+    off, off_url = start_server(world, "--tokenizer", str(world["tokenizer"]), "--mode", "greedy")
+    on, on_url = start_server(world, "--head", str(world["head"]), "--tokenizer", str(world["tokenizer"]), "--mode", "speculative",
+                              "--draft-steps", str(DRAFT_STEPS))
+    flags = ["--config", str(world["config"]), "--serving", "thinking-coding", "--prompt-source", "windows", "--prompts", "6",
+             "--samples", "2", "--max-tokens", "24", "--head", "donor", "--draft-steps", str(DRAFT_STEPS), "--quiet"]
+    try:
+        code = V.main(["--reference", off_url, "--candidate", on_url, "--out", str(tmp_path / "live"), *flags])
+    finally:
+        stop(off)
+        stop(on)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    report = json.loads((tmp_path / "live" / V.REPORT_FILE).read_text())
+    assert report["passed"] and report["serving"] == "thinking-coding" and report["thinking"] is True
+    assert all(f["tokens"] > 0 and f["outside_the_processed_support"] == 0 for f in report["fidelity"].values())
+    assert report["distribution_shift"]["prompts"] == 6 and abs(report["distribution_shift"]["z"]) < 4.5
+    check = report["acceptance_check"]
+    assert check["decodes"] == 12 and sum(check["measured"]["accepted"]) > 0 and abs(check["z"]["accepted"]) < 4.5
+    assert "PASSED" in printed.out and "expected on its text" in printed.out
+
+    candidate = json.loads((tmp_path / "live" / "responses-candidate.json").read_text())
+    rare = world_rare_token(world)
+    for answer in candidate["answers"]:
+        answer["output_ids"] = [rare] * len(answer["output_ids"])
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(candidate))
+    code = V.main(["--reference", str(tmp_path / "live" / "responses-reference.json"), "--candidate", str(tampered),
+                   "--out", str(tmp_path / "tampered"), *flags])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "candidate: " in err and "outside the processed distribution's support" in err
+    assert "MTP on changes the text's distribution" in err
+
+    assert V.main(["--reference", off_url, "--endpoint", "chat", "--out", str(tmp_path / "chat"), *flags]) == 2
+    assert "drop --endpoint chat" in capsys.readouterr().err
+
+
+def world_rare_token(world) -> int:
+    """A token id the demo base gives almost no probability after any context: the last of its vocabulary
+    (an id the tokenizer never produces), well outside a top-k of 20."""
+    from occamy_mtp.model import checkpoint as ckpt_io
+
+    return ckpt_io.read_config(world["base"]).text_config.vocab_size - 1

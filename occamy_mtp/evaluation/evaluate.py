@@ -5,7 +5,6 @@ docs/EVALUATION.md sets out the details.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from occamy_mtp.evaluation.metrics import (
     replayed_acceptance,
     replayed_counts,
     summed_acceptance,
+    z_score,
 )
 from occamy_mtp.base.logits import chunked_greedy
 from occamy_mtp.targets.base import base_outputs
@@ -676,18 +676,10 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
         "max_new_tokens": max_new_tokens,
         "measured": totals.to_dict(),
         "expected": summed_acceptance(counts, draft_steps, totals_generated(measured)).to_dict(),
-        "z": {name: _z_score(values) for name, values in differences.items()},
+        "z": {name: z_score(values) for name, values in differences.items()},
         "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),
         "seconds": time.perf_counter() - started,
     }
-
-
-def _z_score(differences: list[float]) -> float:
-    """The mean of independent mean-0 differences over its standard error (0 when they are all 0)."""
-    count = len(differences)
-    mean = sum(differences) / count
-    variance = sum((d - mean) ** 2 for d in differences) / max(1, count - 1)
-    return 0.0 if variance == 0 else mean / math.sqrt(variance / count)
 
 
 # ----------------------------------------------------------------------------------

@@ -279,6 +279,14 @@ def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, genera
     return replace(figures, contexts=len(set(keys)), mean_accept_length_se=jackknife_se(counts, keys, draft_steps))
 
 
+def z_score(differences: Sequence[float]) -> float:
+    """The mean of independent mean-0 differences over its standard error (0 when they are all 0)."""
+    count = len(differences)
+    mean = sum(differences) / count
+    variance = sum((d - mean) ** 2 for d in differences) / max(1, count - 1)
+    return 0.0 if variance == 0 else mean / math.sqrt(variance / count)
+
+
 def jackknife_se(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_steps: int) -> float:
     """The delete-one-cluster jackknife standard error of the mean accept length of summed counts.
 

@@ -154,7 +154,7 @@ def _max_tokens(body: dict) -> int:
 
 def _sampling(body: dict) -> dict:
     """The request's sampling ({} for temperature 0): temperature (1 when absent, as OpenAI's), top_p,
-    top_k (0 or -1: every token) and seed (0 when absent), each checked."""
+    top_k (0 or -1: every token) and seed (0 when absent), each checked; a penalty is refused."""
     if body.get("n", 1) != 1 or body.get("stream", False):
         raise RequestError("n > 1 and stream are not supported")
     temperature = body.get("temperature", 1.0)
@@ -162,6 +162,9 @@ def _sampling(body: dict) -> dict:
         raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
     if temperature == 0:
         return {}
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if body.get(name, default) != default:  # refused, not ignored: the text would not be what was asked
+            raise RequestError(f"{name} is not supported by the reference server's sampled decoder (got {body[name]!r})")
     top_p, top_k, seed = body.get("top_p", 1.0), body.get("top_k", 0), body.get("seed", 0)
     if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
         raise RequestError(f"top_p must be in (0, 1], got {top_p!r}")

@@ -37,12 +37,14 @@ from occamy_mtp.selfgen.engine_client import (
 from occamy_mtp.errors import OccamyError
 
 DEFAULT_PROMPTS = 20
+DEFAULT_SAMPLES = 4  # draws a prompt under a sampled --serving
 DEFAULT_COLD_WARM = 4
 DEFAULT_MAX_CONSECUTIVE_ERRORS = 3
 ACCEPTANCE_PASS_MODES = ("auto", "always", "never")
 REPORT_FILE = "validation.json"
 RESPONSES_FILE = "responses-{role}.json"
 RESPONSES_FORMAT = 2
+SAMPLED_FORMAT = 1  # a sampled run's responses file (`validate_sampled`)
 
 # Authored prompts: short, varied, answerable without context (thinking disabled).
 AUTHORED_PROMPTS = (
@@ -646,6 +648,104 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
     return report
 
 
+def load_sampled_run(path: Path) -> dict:
+    """A sampled run recorded earlier (`validate_sampled` writes it); ValidationError naming the file otherwise."""
+    try:
+        run = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValidationError(f"{path}: cannot read recorded responses ({err})") from None
+    if not isinstance(run, dict) or run.get("sampled") is not True or not isinstance(run.get("answers"), list):
+        raise ValidationError(f"{path}: not a sampled run's responses file written by occamy_mtp.serve.validate --serving")
+    if run.get("format") != SAMPLED_FORMAT:
+        raise ValidationError(f"{path}: sampled responses format {run.get('format')!r}, this version reads {SAMPLED_FORMAT}")
+    return run
+
+
+def collect_sampled(base_url: str, prompts: list[ValidationPrompt], samples: int, request, tokenizer, serving, log=None) -> dict:
+    """Every prompt `samples` times to one server under `request`'s sampling (`sampled.ask`), with the server's identity."""
+    from occamy_mtp.serve.sampled import ask
+
+    run = {"format": SAMPLED_FORMAT, "sampled": True, "server": base_url, "serving": serving.label(), "samples": samples,
+           "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "engine": None, "engine_version": None,
+           "prompts": [{"name": p.name, "source": p.source} for p in prompts]}
+    try:
+        identity = server_identity(base_url, request.timeout_seconds)
+    except RequestFailed as err:
+        raise ValidationError(f"{base_url}: GET /v1/models failed ({err}): a sampled run needs the served model's name") from None
+    run.update(model=identity["model"], engine=identity["engine"], engine_version=identity["version"])
+    run["answers"] = ask(base_url, identity["model"], prompts, request, tokenizer, samples, log)
+    return run
+
+
+def validate_sampled(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, config, serving,
+                     samples: int, max_tokens: int, timeout: float, seed: int, head: str | None, draft_steps: int, tokenizer,
+                     log=None) -> dict | None:
+    """The sampled protocol (`occamy_mtp.serve.sampled`): each server's answers (or a recorded run),
+    then fidelity, the MTP-on/off shift and the candidate's acceptance against the library's
+    expectation at `draft_steps`, with the base of `config` (and `head`: a file, or "donor");
+    None when only recording the reference."""
+    import torch
+
+    from occamy_mtp.data.windows import stop_token_ids
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.model.head import SharedWeights
+    from occamy_mtp.sampling import TextSampling
+    from occamy_mtp.selfgen.engines import Request
+    from occamy_mtp.serve.sampled import compare_sampled
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text_config = ckpt_io.read_config(config.model.base).text_config
+    request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, timeout, 0,
+                      TextSampling(serving.temperature, serving.top_p, serving.top_k, seed, serving.presence_penalty,
+                                   serving.frequency_penalty, serving.repetition_penalty))
+    runs = {}
+    for role, source in (("reference", reference), ("candidate", candidate)):
+        if source is None:
+            continue
+        if _is_url(source):
+            runs[role] = collect_sampled(source, prompts, samples, request, tokenizer, serving, log)
+            files.write_json(out_dir / RESPONSES_FILE.format(role=role), runs[role])
+        else:
+            runs[role] = load_sampled_run(Path(source))
+            if runs[role]["serving"] != serving.label():
+                raise ValidationError(f"{source}: recorded under {runs[role]['serving']}, not {serving.label()}")
+    if candidate is None:
+        return None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = ckpt_io.DTYPES[config.model.dtype]
+    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device).eval().requires_grad_(False)
+    drafter = None
+    if head is not None:
+        path = config.model.donor_head if head == "donor" else head
+        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+        drafter = ckpt_io.load_head(path, text_config, shared, dtype=dtype, device=device,
+                                    attn_implementation=config.model.attn_implementation)[0].to(dtype).eval()
+    report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
+                             max_tokens, candidate, config.eval.windows_per_batch)
+    report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,
+              "serving": serving.label(), "thinking": serving.thinking, "samples": samples, "max_tokens": max_tokens,
+              "head": head, "draft_steps": draft_steps,
+              "engines": {role: {"engine": run["engine"], "engine_version": run["engine_version"], "model": run["model"]}
+                          for role, run in runs.items()},
+              "prompt_set": runs["reference"]["prompts"], **report}
+    files.write_json(out_dir / REPORT_FILE, report)
+    return report
+
+
+def rendered_prompts(prompts: list[ValidationPrompt], tokenizer, thinking: bool) -> list[ValidationPrompt]:
+    """The prompts as token ids: a chat prompt rendered by the tokenizer's template in the thinking mode
+    asked (what a server renders), a window's context as it is."""
+    out = []
+    for prompt in prompts:
+        if prompt.prompt_ids is None:
+            text = tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True, tokenize=False,
+                                                 enable_thinking=thinking)
+            prompt = replace(prompt, prompt_ids=tuple(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        out.append(prompt)
+    return out
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     cli = command_line("python -m occamy_mtp validate",
@@ -660,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help="size of the fixed prompt set")
     cli.add_argument("--cold-warm", type=int, default=DEFAULT_COLD_WARM, help="prompts sent twice (cold, then warm)")
     cli.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    cli.add_argument("--endpoint", choices=(CHAT, COMPLETIONS), default=CHAT)
+    cli.add_argument("--endpoint", choices=(CHAT, COMPLETIONS), default=None,
+                     help=f"default {CHAT}; a sampled --serving asks {COMPLETIONS} with token ids")
     cli.add_argument("--model", help="the request's model field (default: the server's first /v1/models id)")
     cli.add_argument("--no-token-ids", action="store_true", help="do not ask for token ids (compare token strings)")
     cli.add_argument("--top-logprobs", type=int, default=DEFAULT_TOP_LOGPROBS, help="alternatives per token, to diagnose a divergence")
@@ -674,6 +775,16 @@ def main(argv: list[str] | None = None) -> int:
                      help="send the prompts once more without logprobs: auto (when the logprob run drafted nothing), always, never")
     cli.add_argument("--thinking", action="store_true",
                      help="render the prompts with thinking on (the card's thinking presets; chat: chat_template_kwargs)")
+    cli.add_argument("--serving", help="a serving preset by name (thinking-general, thinking-coding, instruct-general, "
+                     "instruct-reasoning): sample as it does, with its penalties and thinking mode, and validate the "
+                     "distributions and the acceptance in place of token identity (docs/VALIDATE.md, 'Sampled serving')")
+    cli.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="sampled: draws a prompt")
+    cli.add_argument("--seed", type=int, default=0, help="sampled: the requests' seeds derive from it, each prompt and draw")
+    cli.add_argument("--head", help="sampled: the candidate's head (a file, or 'donor' for model.donor_head): its acceptance "
+                                    "is checked against the library's expectation on the candidate's own text")
+    cli.add_argument("--draft-steps", type=int, default=0, help="sampled: the candidate server's K (with --head)")
+    cli.add_argument("--draft", choices=("greedy", "sampled"), default="greedy",
+                     help="sampled: how the candidate drafts (vLLM's draft_sample_method; SGLang drafts greedy)")
     cli.add_argument("--out", required=True, type=Path, help="directory for validation.json and the responses files")
     cli.add_argument("--quiet", action="store_true")
     args, config = parse(cli, argv)
@@ -690,6 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--reference", args.reference), ("--candidate", args.candidate)):
         if value is not None and not _is_url(value) and not Path(value).is_file():
             raise ValidationError(f"{flag} {value}: neither an http(s) URL nor a responses file")
+    if args.serving:
+        return _main_sampled(args, config)
+    if args.endpoint is None:
+        args.endpoint = CHAT
     files = list(config.data.files)
     if args.prompt_source == "windows" and (not files or args.endpoint != COMPLETIONS):
         raise ValidationError("--prompt-source windows needs data.files (or --config) and --endpoint completions")
@@ -723,6 +838,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
         return 0
     print(format_summary(report))
+    if not report["passed"]:
+        print(f"validation failed: {'; '.join(report['failures'])}", file=sys.stderr)
+    return 0 if report["passed"] else 1
+
+
+def _main_sampled(args, config) -> int:
+    """`main` under a sampled --serving preset (`validate_sampled`)."""
+    import dataclasses
+
+    from occamy_mtp.config import ConfigError, serving_preset
+    from occamy_mtp.data.windows import load_tokenizer, require_thinking_switch
+    from occamy_mtp.serve.sampled import format_sampled_summary
+
+    try:
+        serving = dataclasses.replace(serving_preset(args.serving, "--serving"), draft=args.draft)
+    except ConfigError as err:
+        raise ValidationError(str(err)) from None
+    if serving.greedy:
+        raise ValidationError(f"--serving {args.serving} is greedy: validate it without --serving (token for token)")
+    if args.endpoint == CHAT:
+        raise ValidationError("--serving asks /v1/completions with token ids (the library's expectation needs the prompt's "
+                              "tokens as the server saw them): drop --endpoint chat")
+    if args.thinking and not serving.thinking:
+        raise ValidationError(f"--thinking and --serving {args.serving}, whose thinking is off: the preset sets the mode")
+    if args.candidate is not None and args.head is not None and args.draft_steps < 1:
+        raise ValidationError("--head needs --draft-steps, the candidate server's K (1 or more)")
+    if min(args.prompts, args.max_tokens, args.samples) < 1 or not args.timeout > 0 or not math.isfinite(args.timeout):
+        raise ValidationError("--prompts, --max-tokens and --samples must be >= 1, --timeout a finite number > 0")
+    for flag, value in (("--reference", args.reference), ("--candidate", args.candidate)):
+        if value is not None and not _is_url(value) and not Path(value).is_file():
+            raise ValidationError(f"{flag} {value}: neither an http(s) URL nor a responses file")
+    if not config.model.base:
+        raise ValidationError("--serving needs model.base (--config): the library's expectation is computed with the base")
+    tokenizer = load_tokenizer(config)
+    if serving.thinking:
+        require_thinking_switch(tokenizer, f"--serving {args.serving}")
+    files = list(config.data.files)
+    split = window_settings(config.data)
+    try:
+        if args.prompt_source == "windows":
+            if not files:
+                raise ValidationError("--prompt-source windows needs data.files (or --config)")
+            prompts = heldout_window_contexts(files, tokenizer, serving.thinking, **split)[: args.prompts]
+        else:
+            prompts = rendered_prompts(prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else []),
+                                       tokenizer, serving.thinking)
+    except ValueError as err:
+        if isinstance(err, OccamyError):
+            raise
+        raise ValidationError(str(err)) from None
+    log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = validate_sampled(args.reference, args.candidate, prompts, args.out, config, serving, args.samples, args.max_tokens,
+                              args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log)
+    if report is None:
+        print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} x {args.samples} from {args.reference} into "
+              f"{args.out / RESPONSES_FILE.format(role='reference')}")
+        return 0
+    print(format_sampled_summary(report))
     if not report["passed"]:
         print(f"validation failed: {'; '.join(report['failures'])}", file=sys.stderr)
     return 0 if report["passed"] else 1
