@@ -343,6 +343,18 @@ def _finite_or_null(obj):
     return obj
 
 
+def read_json_object(path: Path, error: type[Exception], what: str = "JSON") -> dict:
+    """The JSON object in `path`; `error` naming the file and what was expected (`what`) when it cannot
+    be read, is not JSON (a nesting too deep included) or is not an object."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise error(f"{path}: not readable {what} ({err})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: not {what}: a JSON object expected, got {type(obj).__name__}")
+    return obj
+
+
 def write_json(path: Path, obj) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(json_text(obj))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from occamy_mtp.files import hash_cache_key, sha256_file
+from occamy_mtp.files import hash_cache_key, read_json_object, sha256_file
 
 from occamy_mtp import __version__
 from occamy_mtp.cli import command
@@ -398,11 +398,8 @@ def compare_heads(record: dict, reference: dict) -> tuple[str, str]:
 
 def read_record(path: Path) -> dict:
     """A TRAINING.json that fits the schema; RecordError naming the file otherwise."""
-    try:
-        record = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise RecordError(f"{path}: not a readable TRAINING.json ({err})") from None
-    errors = validate_record(record) if isinstance(record, dict) else ["not a JSON object"]
+    record = read_json_object(path, RecordError, "TRAINING.json")
+    errors = validate_record(record)
     if errors:
         raise RecordError(f"{path}: not a TRAINING.json of this version ({errors[0]}"
                           + (f"; {len(errors) - 1} more" if len(errors) > 1 else "") + ")")

@@ -421,13 +421,7 @@ def quantization_configs(raw: dict) -> list[tuple[str, dict]]:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise AssemblyError(f"{path}: not readable JSON ({err})") from None
-    if not isinstance(obj, dict):
-        raise AssemblyError(f"{path}: expected a JSON object")
-    return obj
+    return files.read_json_object(path, AssemblyError)
 
 
 def exclude_head_from_quantization(raw: dict, hf_quant: dict | None, base: Path) -> dict | None:

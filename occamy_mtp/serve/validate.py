@@ -578,11 +578,8 @@ def _is_url(text: str) -> bool:
 
 
 def load_run(path: Path) -> dict:
-    try:
-        run = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValidationError(f"{path}: cannot read recorded responses ({err})") from None
-    if not isinstance(run, dict) or not {"requests", "prompts", "settings"} <= set(run):
+    run = files.read_json_object(path, ValidationError, "recorded responses")
+    if not {"requests", "prompts", "settings"} <= set(run):
         raise ValidationError(f"{path}: not a responses file written by occamy_mtp.serve.validate")
     if run.get("format") != RESPONSES_FORMAT:
         raise ValidationError(f"{path}: responses format {run.get('format')!r}, this version reads {RESPONSES_FORMAT}: record the reference again")
@@ -650,11 +647,8 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
 
 def load_sampled_run(path: Path) -> dict:
     """A sampled run recorded earlier (`validate_sampled` writes it); ValidationError naming the file otherwise."""
-    try:
-        run = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValidationError(f"{path}: cannot read recorded responses ({err})") from None
-    if not isinstance(run, dict) or run.get("sampled") is not True or not isinstance(run.get("answers"), list):
+    run = files.read_json_object(path, ValidationError, "recorded responses")
+    if run.get("sampled") is not True or not isinstance(run.get("answers"), list):
         raise ValidationError(f"{path}: not a sampled run's responses file written by occamy_mtp.serve.validate --serving")
     if run.get("format") != SAMPLED_FORMAT:
         raise ValidationError(f"{path}: sampled responses format {run.get('format')!r}, this version reads {SAMPLED_FORMAT}")
