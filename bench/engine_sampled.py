@@ -41,7 +41,7 @@ from occamy_mtp.data.windows import load_tokenizer, stop_token_ids  # noqa: E402
 from occamy_mtp.evaluation.evaluate import sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
 from occamy_mtp.model.head import SharedWeights  # noqa: E402
-from occamy_mtp.sampling import TextSampling  # noqa: E402
+from occamy_mtp.sampling import text_sampling  # noqa: E402
 from occamy_mtp.selfgen.engine_client import server_identity  # noqa: E402
 from occamy_mtp.selfgen.engines import Request  # noqa: E402
 from occamy_mtp.serve.sampled import ask, fidelity, measured_texts, text_statistics  # noqa: E402
@@ -107,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                        **window_settings(config.data))[: args.windows]
     text_config = ckpt_io.read_config(config.model.base).text_config
     request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
-                      TextSampling(serving.temperature, serving.top_p, serving.top_k, args.seed, serving.presence_penalty,
-                                   serving.frequency_penalty, serving.repetition_penalty))
+                      text_sampling(serving, args.seed))
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
     raw = ask(args.url, model, contexts, request, tokenizer)

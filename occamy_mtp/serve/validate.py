@@ -586,6 +586,20 @@ def load_run(path: Path) -> dict:
     return run
 
 
+def _gather(sources: dict[str, str | None], runs: dict, out_dir: Path, collect_one, load_one) -> dict:
+    """Each role's run, beside those in `runs`: collected from its server (`collect_one(url)`, then written
+    to its responses file) or read from one recorded earlier (`load_one(path)`)."""
+    for role, source in sources.items():
+        if source is None or role in runs:
+            continue
+        if _is_url(source):
+            runs[role] = collect_one(source)
+            files.write_json(out_dir / RESPONSES_FILE.format(role=role), runs[role])
+        else:
+            runs[role] = load_one(Path(source))
+    return runs
+
+
 def validate(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, settings: RequestSettings,
              cold_warm: int = DEFAULT_COLD_WARM, tolerance: float = 0.0, tokenizer=None,
              max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS, log=None,
@@ -609,14 +623,8 @@ def validate(reference: str, candidate: str | None, prompts: list[ValidationProm
                                     None if p.get("prompt_ids") is None else tuple(p["prompt_ids"])) for p in runs["reference"]["prompts"]]
         cold_warm = runs["reference"]["cold_warm"]
         settings = RequestSettings(**{**runs["reference"]["settings"], "timeout_seconds": settings.timeout_seconds})
-    for role, source in (("reference", reference), ("candidate", candidate)):
-        if source is None or role in runs:
-            continue
-        if _is_url(source):
-            runs[role] = collect(source, prompts, cold_warm, settings, tokenizer, max_consecutive_errors, log)
-            files.write_json(out_dir / RESPONSES_FILE.format(role=role), runs[role])
-        else:
-            runs[role] = load_run(Path(source))
+    _gather({"reference": reference, "candidate": candidate}, runs, out_dir,
+            lambda url: collect(url, prompts, cold_warm, settings, tokenizer, max_consecutive_errors, log), load_run)
     if candidate is None:
         return None
     acceptance_run = None
@@ -683,7 +691,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     from occamy_mtp.data.windows import stop_token_ids
     from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.model.head import SharedWeights
-    from occamy_mtp.sampling import TextSampling
+    from occamy_mtp.sampling import text_sampling
     from occamy_mtp.selfgen.engines import Request
     from occamy_mtp.serve.sampled import compare_sampled
 
@@ -691,19 +699,16 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     out_dir.mkdir(parents=True, exist_ok=True)
     text_config = ckpt_io.read_config(config.model.base).text_config
     request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, timeout, 0,
-                      TextSampling(serving.temperature, serving.top_p, serving.top_k, seed, serving.presence_penalty,
-                                   serving.frequency_penalty, serving.repetition_penalty))
-    runs = {}
-    for role, source in (("reference", reference), ("candidate", candidate)):
-        if source is None:
-            continue
-        if _is_url(source):
-            runs[role] = collect_sampled(source, prompts, samples, request, tokenizer, serving, log)
-            files.write_json(out_dir / RESPONSES_FILE.format(role=role), runs[role])
-        else:
-            runs[role] = load_sampled_run(Path(source))
-            if runs[role]["serving"] != serving.label():
-                raise ValidationError(f"{source}: recorded under {runs[role]['serving']}, not {serving.label()}")
+                      text_sampling(serving, seed))
+
+    def recorded(path: Path) -> dict:
+        run = load_sampled_run(path)
+        if run["serving"] != serving.label():
+            raise ValidationError(f"{path}: recorded under {run['serving']}, not {serving.label()}")
+        return run
+
+    runs = _gather({"reference": reference, "candidate": candidate}, {}, out_dir,
+                   lambda url: collect_sampled(url, prompts, samples, request, tokenizer, serving, log), recorded)
     if candidate is None:
         return None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
