@@ -42,8 +42,8 @@ from occamy_mtp.evaluation.evaluate import sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
 from occamy_mtp.model.head import SharedWeights  # noqa: E402
 from occamy_mtp.sampling import text_sampling  # noqa: E402
-from occamy_mtp.selfgen.engine_client import server_identity  # noqa: E402
-from occamy_mtp.selfgen.engines import Request  # noqa: E402
+from occamy_mtp.engines.http import server_identity  # noqa: E402
+from occamy_mtp.engines.completions import Request  # noqa: E402
 from occamy_mtp.serve.sampled import ask, fidelity, measured_texts, text_statistics  # noqa: E402
 from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
 

@@ -11,7 +11,6 @@ fast one (`fastbase.FastBasePass`); the manifest records which (docs/TARGET_CACH
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,23 +18,8 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.cli import command, parse
-from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig
-from occamy_mtp.run import (
-    BaseFacts,
-    check_inputs,
-    check_store_writable,
-    refuse_inside_models,
-    continuation_writer,
-    load_tokenizer,
-    log_stderr,
-    open_stores,
-    prepare_data,
-    quiet,
-    run_windows,
-    self_generated_needed,
-)
+from occamy_mtp.run import BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed
 from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (
@@ -174,37 +158,3 @@ def _load_base(config, facts: BaseFacts):
                              attn_implementation=config.model.attn_implementation, config=facts.config)
 
 
-def _tokens_or_auto(text: str) -> int | None:
-    if text == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected 0 or more tokens, got {value}")
-    return value
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    cli = command_line("python -m occamy_mtp cache",
-                       "Run the frozen base once over a run's windows (train and heldout) and store its targets.")
-    cli.add_argument("--dir", default="", help="cache directory (default: the config's data.target_cache)")
-    cli.add_argument("--windows-per-batch", type=int, default=1, help="windows per plain base forward (1: the canonical per-window targets)")
-    cli.add_argument(
-        "--fastbase-tokens", type=_tokens_or_auto, default=None, metavar="N|auto",
-        help="tokens per forward of the packed fast pass (occamy_mtp.base.fastbase); 0: the plain pass, one window a forward "
-        f"(the canonical targets); auto (default): as many as fit on the GPU, at most {DEFAULT_FASTBASE_TOKENS}, for a "
-        "Qwen3.5-MoE base on CUDA with fla, else 0",
-    )
-    cli.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
-    args, config = parse(cli, argv)
-    if args.max_shard_bytes < 1:
-        raise ConfigError(f"--max-shard-bytes: expected a size of 1 byte or more, got {args.max_shard_bytes}")
-    directory = args.dir or config.data.target_cache
-    if not directory:
-        raise ConfigError("data.target_cache: no cache directory configured; set it or pass --dir")
-    build_for_config(config, directory, windows_per_batch=args.windows_per_batch, fastbase_tokens=args.fastbase_tokens,
-                     max_shard_bytes=args.max_shard_bytes, log=log_stderr)
-    return 0

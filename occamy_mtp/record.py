@@ -20,7 +20,6 @@ import torch
 from occamy_mtp.files import hash_cache_key, read_json_object, sha256_file
 
 from occamy_mtp import __version__
-from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 
@@ -408,19 +407,3 @@ def read_record(path: Path) -> dict:
 
 class RecordError(OccamyError, ValueError):
     """A record that cannot be read or does not fit the schema."""
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    """`python -m occamy_mtp compare RUN/TRAINING.json REFERENCE/TRAINING.json`: exit 0 when the heads
-    are the same bytes or the difference is explained, 1 when nothing explains it."""
-    import argparse
-
-    cli = argparse.ArgumentParser(prog="python -m occamy_mtp compare",
-                                  description="Is a run's head the reference's, byte for byte? If not, say why.")
-    cli.add_argument("record", type=Path, help="the run's TRAINING.json")
-    cli.add_argument("reference", type=Path, help="the reference's TRAINING.json (e.g. the repository's own)")
-    args = cli.parse_args(argv)
-    status, report = compare_heads(read_record(args.record), read_record(args.reference))
-    print(report)
-    return 1 if status == UNEXPLAINED else 0

@@ -348,7 +348,8 @@ def continuation_writer(config: RunConfig, tokenizer, facts: BaseFacts, stop_ids
     """Who writes the continuations a store lacks: the servers of `data.self_generate_endpoints`
     (checked when first asked), else the base in this process when it is loaded, else nobody."""
     if config.data.self_generate_endpoints:
-        from occamy_mtp.selfgen.engines import EngineWriter, Request
+        from occamy_mtp.engines.completions import Request
+        from occamy_mtp.selfgen.engine_writer import EngineWriter
 
         request = Request(config.data.answer_tokens, frozenset(stop_ids), facts.text_config.vocab_size,
                           config.data.self_generate_timeout_seconds, config.data.self_generate_retries)

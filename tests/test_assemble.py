@@ -23,6 +23,7 @@ from occamy_mtp.export import assemble as asm
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config, write_checkpoint
+from occamy_mtp.commands import assemble as assemble_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -535,11 +536,11 @@ def test_cli_json_and_errors(base, tmp_path, capsys):
     write_head(base.path, head_file)
     argv = ["--base", str(base.path), "--head", str(head_file), "--out", str(tmp_path / "serve")]
 
-    assert asm.main(argv + ["--json"]) == 0
+    assert assemble_command.main(argv + ["--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["head_file"] == head_file.name and printed["rewritten_shards"]
 
-    assert asm.main(argv) == 2
+    assert assemble_command.main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("error: --out ") and "already exists" in captured.err
 

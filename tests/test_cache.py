@@ -34,6 +34,7 @@ from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.files import sha256_file
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
+from occamy_mtp.commands import cache as cache_command
 
 CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
 WINDOW_SETTINGS = dict(context_tokens=16, answer_tokens=48, train_conversations=6, heldout_conversations=2)
@@ -186,7 +187,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     online_config = load_config(run_config(world, world["root"] / "run-online"))
     cached_config = load_config(run_config(world, world["root"] / "run-cached"), [f"data.target_cache={directory}"])
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
-    assert CP.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
+    assert cache_command.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
     data = prepare_data(cached_config, world["tokenizer"])
     stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
                          self_generated_needed(cached_config, data))
@@ -276,10 +277,10 @@ def test_auto_pass_choice(world, monkeypatch):
 
 
 def test_fastbase_tokens_argument():
-    assert CP._tokens_or_auto("auto") is None and CP._tokens_or_auto("0") == 0 and CP._tokens_or_auto("4096") == 4096
+    assert cache_command.tokens_or_auto("auto") is None and cache_command.tokens_or_auto("0") == 0 and cache_command.tokens_or_auto("4096") == 4096
     for bad in ("-1", "many"):
         with pytest.raises(Exception, match="tokens"):
-            CP._tokens_or_auto(bad)
+            cache_command.tokens_or_auto(bad)
 
 
 def test_online_source_is_base_outputs(world):

@@ -15,6 +15,7 @@ from PIL import Image
 from occamy_mtp import record as rec
 from occamy_mtp.export.card import acceptance_table, hub_id, model_card
 from occamy_mtp.run import RunDir
+from occamy_mtp.commands import compare as compare_command
 from test_faults import exported, run_models  # noqa: F401 (fixtures)
 
 
@@ -92,10 +93,10 @@ def test_compare_tells_the_same_head_an_explained_and_an_unexplained_difference(
     mine, theirs = tmp_path / "mine.json", tmp_path / "theirs.json"
     mine.write_text(json.dumps(record))
     theirs.write_text(json.dumps(other))
-    assert rec.main([str(mine), str(theirs)]) == 1
-    assert rec.main([str(mine), str(mine)]) == 0
+    assert compare_command.main([str(mine), str(theirs)]) == 1
+    assert compare_command.main([str(mine), str(mine)]) == 0
     theirs.write_text("{}")
-    assert rec.main([str(mine), str(theirs)]) == 2
+    assert compare_command.main([str(mine), str(theirs)]) == 2
     assert f"error: {theirs}: not a TRAINING.json of this version" in capsys.readouterr().err
 
 

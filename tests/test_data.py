@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from occamy_mtp.data import prepare, reader, report, split, windows
+from occamy_mtp.data import prepare, reader, split, windows
 from occamy_mtp.data.reader import BEYOND_SPLIT_SIZE, DataError
 from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
+from occamy_mtp.commands import data as data_command
 
 CORPUS = (
     "Hello there. How are you today? I am fine, thank you.",
@@ -427,7 +428,7 @@ def test_provenance_is_json_and_complete(sample_data):
 
 
 def test_cli_json_report(sample_tokenizer_dir, capsys):
-    assert report.main([f"data.files=[{SAMPLE_DATA_PATH}]", f"model.tokenizer={sample_tokenizer_dir}", "--json"]) == 0
+    assert data_command.main([f"data.files=[{SAMPLE_DATA_PATH}]", f"model.tokenizer={sample_tokenizer_dir}", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     # the training defaults' split: 256 train, 32 validation, 32 heldout
     assert printed["conversations_read"] == 393 and printed["conversations_kept"] == 320
@@ -441,10 +442,10 @@ def test_cli_reads_the_files_tokenizer_and_split_of_a_run_config(tmp_path, sampl
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{base: {sample_tokenizer_dir}}}\ndata: {{files: [{SAMPLE_DATA_PATH}], train_conversations: 100, "
                       "validation_conversations: 0, heldout_conversations: 10}\ntrain: {select_every_steps: 0}\n")
-    assert report.main(["--config", str(config), "data.heldout_conversations=20", "--json"]) == 0
+    assert data_command.main(["--config", str(config), "data.heldout_conversations=20", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert (printed["train_conversations"], printed["validation_conversations"], printed["heldout_conversations"]) == (100, 0, 20)
-    assert report.main(["--json"]) == 2 and "--config" in capsys.readouterr().err  # no data.files, no config
+    assert data_command.main(["--json"]) == 2 and "--config" in capsys.readouterr().err  # no data.files, no config
 
 
 def test_cli_errors_are_one_line(tmp_path, sample_tokenizer_dir):

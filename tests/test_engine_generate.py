@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.selfgen import engines as G
+from occamy_mtp.selfgen import engine_writer as G
 from occamy_mtp.config import load_config
 from occamy_mtp.run import (BaseFacts, continuation_writer, load_tokenizer, open_stores, prepare_data, run_windows,
                             self_generated_needed)

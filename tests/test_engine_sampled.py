@@ -22,6 +22,7 @@ import pytest
 
 from occamy_mtp.testing.demo_models import SHIPPED_DIR
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.commands import validate as validate_command
 from test_engine_generate import start_server, stop
 
 REPO = Path(__file__).resolve().parent.parent
@@ -121,7 +122,7 @@ def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_te
     flags = ["--config", str(world["config"]), "--serving", "thinking-coding", "--prompt-source", "windows", "--prompts", "4",
              "--samples", "2", "--max-tokens", "16", "--head", "donor", "--draft-steps", str(DRAFT_STEPS), "--quiet"]
     try:
-        code = V.main(["--reference", off_url, "--candidate", on_url, "--out", str(tmp_path / "live"), *flags])
+        code = validate_command.main(["--reference", off_url, "--candidate", on_url, "--out", str(tmp_path / "live"), *flags])
     finally:
         stop(off)
         stop(on)
@@ -141,14 +142,14 @@ def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_te
         answer["output_ids"] = [rare] * len(answer["output_ids"])
     tampered = tmp_path / "tampered.json"
     tampered.write_text(json.dumps(candidate))
-    code = V.main(["--reference", str(tmp_path / "live" / "responses-reference.json"), "--candidate", str(tampered),
+    code = validate_command.main(["--reference", str(tmp_path / "live" / "responses-reference.json"), "--candidate", str(tampered),
                    "--out", str(tmp_path / "tampered"), *flags])
     err = capsys.readouterr().err
     assert code == 1
     assert "candidate: " in err and "outside the processed distribution's support" in err
     assert "MTP on changes the text's distribution" in err
 
-    assert V.main(["--reference", off_url, "--endpoint", "chat", "--out", str(tmp_path / "chat"), *flags]) == 2
+    assert validate_command.main(["--reference", off_url, "--endpoint", "chat", "--out", str(tmp_path / "chat"), *flags]) == 2
     assert "drop --endpoint chat" in capsys.readouterr().err
 
 

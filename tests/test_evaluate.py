@@ -20,8 +20,8 @@ from occamy_mtp.evaluation.evaluate import (
     chain_outcomes,
     evaluate_head,
     format_table,
-    main,
 )
+from occamy_mtp.commands.evaluate import main
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.evaluation.plot import plot_acceptance
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint, random_models, tiny_text_config

@@ -28,10 +28,12 @@ from safetensors.torch import load_file
 from occamy_mtp.export import assemble as asm
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import dump_yaml
-from occamy_mtp.data import prepare, reader, report, split, windows
+from occamy_mtp.data import prepare, reader, split, windows
 from occamy_mtp.selfgen import regenerate as G
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.commands import assemble as assemble_command
+from occamy_mtp.commands import data as data_command
 from test_assemble import assert_serves_head, base_tensors, head_variant, tree_state, write_head
 
 # ==================================================================================
@@ -101,7 +103,7 @@ def test_force_refuses_a_directory_assembly_did_not_write(base, head_file, tmp_p
     make(out)
     before = tree_state(out)
 
-    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    assert assemble_command.main(cli(base, head_file, out, "--force")) == 2
 
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {out} ") and why in err and "nothing was deleted" in err
@@ -116,7 +118,7 @@ def test_force_refuses_an_assembly_holding_what_it_did_not_write(base, head_file
     (out / "eval").mkdir()
     before = tree_state(out)
 
-    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    assert assemble_command.main(cli(base, head_file, out, "--force")) == 2
     err = capsys.readouterr().err
     assert f"--out {out} holds entries that assembly did not write (eval, notes.txt)" in err
     assert tree_state(out) == before
@@ -127,7 +129,7 @@ def test_force_refuses_an_assembly_holding_what_it_did_not_write(base, head_file
     (out / "generation_config.json").unlink()
     (out / "generation_config.json").mkdir()
     (out / "generation_config.json" / "x").write_text("mine")
-    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    assert assemble_command.main(cli(base, head_file, out, "--force")) == 2
     assert "generation_config.json is now a directory" in capsys.readouterr().err
     assert (out / "generation_config.json" / "x").read_text() == "mine"
 
@@ -171,7 +173,7 @@ def test_out_is_refused_in_or_around_the_base_and_the_head(base, head_file, tmp_
     watched = [base.path, head_file.parent]
     before = [tree_state(p) for p in watched]
 
-    assert asm.main(cli(base, head_file, out, "--force")) == 2
+    assert assemble_command.main(cli(base, head_file, out, "--force")) == 2
 
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {out} ") and why in err
@@ -188,7 +190,7 @@ def test_out_beside_the_head_in_its_run_directory_is_fine(base, head_file):
 def test_head_given_through_a_symlinked_directory_is_checked_where_it_lies(base, head_file, tmp_path, capsys):
     (tmp_path / "alias").symlink_to(head_file.parent)
     out = head_file.parent  # the real directory of a head named through the alias
-    assert asm.main(cli(base, tmp_path / "alias" / head_file.name, out, "--force")) == 2
+    assert assemble_command.main(cli(base, tmp_path / "alias" / head_file.name, out, "--force")) == 2
     assert "is the directory of --head" in capsys.readouterr().err
 
 
@@ -274,7 +276,7 @@ def test_clones_are_preferred_and_clone_mode_requires_them(base, head_file, tmp_
 
     monkeypatch.setattr(asm, "clone_file", lambda source, target: False)
     out = tmp_path / "clone-required"
-    assert asm.main(cli(base, head_file, out, "--weights", "clone")) == 2
+    assert assemble_command.main(cli(base, head_file, out, "--weights", "clone")) == 2
     err = capsys.readouterr().err
     assert "--weights clone:" in err and str(base.path / sorted(report.weight_files)[0]) in err
     assert not out.exists() and not temporaries_beside(out)
@@ -298,7 +300,7 @@ def test_copies_that_do_not_fit_are_refused_before_writing(base, head_file, tmp_
     monkeypatch.setattr(asm, "clone_file", lambda source, target: False)
     monkeypatch.setattr(asm.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1000})())
     out = tmp_path / "serve"
-    assert asm.main(cli(base, head_file, out)) == 2
+    assert assemble_command.main(cli(base, head_file, out)) == 2
     err = capsys.readouterr().err
     assert "GiB are free" in err and "--weights symlink" in err and "read-only" in err
     assert not out.exists() and not temporaries_beside(out)
@@ -320,7 +322,7 @@ def test_non_finite_head_is_refused_naming_the_tensor(base, tmp_path, capsys, va
     poisoned = head_variant(base.path, tmp_path / "mtp-trained.safetensors", poison)
     out = tmp_path / "serve"
 
-    assert asm.main(cli(base, poisoned, out)) == 2
+    assert assemble_command.main(cli(base, poisoned, out)) == 2
 
     err = capsys.readouterr().err
     nan, inf = (1, 0) if value != value else (0, 1)
@@ -464,7 +466,7 @@ def unwritable_directory(path: Path, how: str):
 @pytest.mark.parametrize("how", ["immutable", "permissions"])
 def test_an_unwritable_output_dir_is_one_error_line_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys, how):
     """Issue 22, item 5: an immutable parent of output.dir gave a PermissionError traceback, late."""
-    from occamy_mtp.train.loop import main
+    from occamy_mtp.commands.train import main
 
     config = tmp_path / "run.yaml"
     with unwritable_directory(tmp_path / "parent", how) as parent:
@@ -479,7 +481,7 @@ def test_an_unwritable_output_dir_is_one_error_line_before_any_model_loads(run_m
 def test_a_store_that_lacks_lines_and_cannot_take_them_is_refused_before_the_base_loads(run_models, tmp_path, monkeypatch,
                                                                                         capsys, how):
     from occamy_mtp.config import ConfigError
-    from occamy_mtp.cache import main as cache_main
+    from occamy_mtp.commands.cache import main as cache_main
     from occamy_mtp.train.loop import train
 
     for name in ("load_base", "load_head", "load_shared_weights"):
@@ -655,7 +657,7 @@ def exported(run_models, tmp_path_factory):
 
 def readers_refuse(config, message: str, capsys) -> None:
     """Every reader of an exported head refuses it: load_head (evaluate, the reference server), assemble, evaluate's CLI."""
-    from occamy_mtp.evaluation.evaluate import main as evaluate_main
+    from occamy_mtp.commands.evaluate import main as evaluate_main
     from occamy_mtp.run import RunDir
 
     head = RunDir.of(config).head
@@ -744,7 +746,7 @@ def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
 
 
 def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, capsys):
-    from occamy_mtp.train.loop import main
+    from occamy_mtp.commands.train import main
 
     output = tmp_path / "run"
     config = tmp_path / "run.yaml"
@@ -888,7 +890,7 @@ def test_records_over_the_byte_limit_are_excluded_and_counted(tmp_path, sample_t
     assert result.provenance()["max_record_bytes"] == limit
     assert reader.RECORD_TOO_LARGE in reader.EXCLUSION_REASONS
 
-    assert report.main([f"data.files=[{path}]", f"model.tokenizer={sample_tokenizer_dir}", f"data.max_record_bytes={limit}", "--json"]) == 0
+    assert data_command.main([f"data.files=[{path}]", f"model.tokenizer={sample_tokenizer_dir}", f"data.max_record_bytes={limit}", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["excluded"][reader.RECORD_TOO_LARGE] == 3
     with pytest.raises(ValueError, match="max_record_bytes must be >= 1, got 0"):
         prepare.prepare_windows([path], sample_tokenizer, max_record_bytes=0)

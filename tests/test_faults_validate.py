@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from occamy_mtp.testing.loopback import LoopbackServer
-from occamy_mtp.selfgen import engine_client as E
+from occamy_mtp.engines import http, openai, sglang
 from occamy_mtp.serve import validate as V
+from occamy_mtp.commands import validate as validate_command
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 GOOD = json.loads((FIXTURES / "sglang-0.5.23-chat-mtp3.json").read_text())
@@ -86,7 +87,7 @@ def _meta(response) -> dict:
 def _run(tmp_path, candidate: FaultServer, prompts: int = 1, **kwargs) -> dict:
     """Reference: the good replay; candidate: the fault. Returns the report (never raises)."""
     good = FaultServer(lambda handler: _raw(200, json.dumps(GOOD["responses"][0]).encode()))
-    settings = E.RequestSettings(max_tokens=16, timeout_seconds=TIMEOUT_SECONDS)
+    settings = openai.RequestSettings(max_tokens=16, timeout_seconds=TIMEOUT_SECONDS)
     with good:
         return V.validate(good.url, candidate.url, V.prompt_set(prompts, []), tmp_path, settings, cold_warm=0,
                           acceptance_pass="never", **kwargs)
@@ -177,7 +178,7 @@ def test_transport_faults_are_recorded(tmp_path):
 
 
 def test_a_body_over_the_limit_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(E, "MAX_RESPONSE_BYTES", 64_000)  # the good response is ~21 kB
+    monkeypatch.setattr(http, "MAX_RESPONSE_BYTES", 64_000)  # the good response is ~21 kB
     with FaultServer(lambda handler: _raw(200, b" " * 100_000)) as server:
         error = _only_error(_run(tmp_path, server))
     assert error["kind"] == "malformed" and "larger than 64000 bytes" in error["message"]
@@ -217,13 +218,13 @@ def test_a_trickling_server_is_cut_at_the_timeout(where, tmp_path):
 def test_the_command_line_timeout_bounds_a_request(tmp_path, capsys):
     with FaultServer(_trickle(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")) as slow:
         started = time.monotonic()
-        code = V.main(["--reference", slow.url, "--out", str(tmp_path), "--prompts", "1", "--cold-warm", "0",
+        code = validate_command.main(["--reference", slow.url, "--out", str(tmp_path), "--prompts", "1", "--cold-warm", "0",
                        "--timeout", "1.5", "--quiet"])
         elapsed = time.monotonic() - started
     assert code == 0 and elapsed < 1.5 + 3 * SLACK_SECONDS  # recording a reference exits 0; the error is in the file
     run = json.loads((tmp_path / "responses-reference.json").read_text())
     assert "1.5 s timeout" in run["requests"][0]["error"]["message"]
-    assert V.main(["--reference", slow.url, "--out", str(tmp_path), "--timeout", "inf"]) == 2
+    assert validate_command.main(["--reference", slow.url, "--out", str(tmp_path), "--timeout", "inf"]) == 2
     assert "--timeout" in capsys.readouterr().err
 
 
@@ -234,7 +235,7 @@ def test_malformed_metrics_do_not_fail_the_requests(tmp_path):
     with FaultServer(lambda handler: _raw(200, json.dumps(GOOD["responses"][0]).encode()), metrics) as server:
         report = _run(tmp_path, server)
     acceptance = report["acceptance"]["candidate"]
-    assert report["passed"] and acceptance["source"] == E.SGLANG_META
+    assert report["passed"] and acceptance["source"] == sglang.SGLANG_META
     assert "not a count" in acceptance["metrics"]["error"]
 
 
@@ -244,6 +245,6 @@ def test_a_dead_port_fails_fast(tmp_path):
     port = sock.getsockname()[1]
     sock.close()  # nobody listens there now
     started = time.monotonic()
-    run = V.collect(f"http://127.0.0.1:{port}", V.prompt_set(2, []), 0, E.RequestSettings(timeout_seconds=TIMEOUT_SECONDS))
+    run = V.collect(f"http://127.0.0.1:{port}", V.prompt_set(2, []), 0, openai.RequestSettings(timeout_seconds=TIMEOUT_SECONDS))
     assert time.monotonic() - started < TIMEOUT_SECONDS
     assert run["model_error"]["kind"] == "transport" and [r["error"]["kind"] for r in run["requests"]] == ["skipped", "skipped"]

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from occamy_mtp import files
 from occamy_mtp.config import ConfigError, dump_yaml, load_config
+from occamy_mtp.commands import train as train_command
 from test_faults import no_model_loading, run_config, run_models, sha256_tree, unwritable_directory  # noqa: F401 (fixtures)
 
 
@@ -72,8 +73,8 @@ def _base_file(models) -> Path:
 def test_a_lock_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys, no_model_loading,
                                                                            command):
     """The probe's repro: output.dir/.lock a link to a base shard; train.py or export.py truncated it to a pid."""
-    from occamy_mtp.export.exporter import main as export_main
-    from occamy_mtp.train.loop import main as train_main
+    from occamy_mtp.commands.export import main as export_main
+    from occamy_mtp.commands.train import main as train_main
 
     before = sha256_tree(run_models["base"])
     output = tmp_path / "run"
@@ -90,7 +91,7 @@ def test_a_lock_that_links_into_the_base_is_refused_and_the_base_unchanged(run_m
 @pytest.mark.parametrize("name", ["self-generated.lock", "self-generated.jsonl"])
 def test_a_store_file_that_links_into_the_base_is_refused_and_the_base_unchanged(run_models, tmp_path, capsys,
                                                                                  no_model_loading, name):
-    from occamy_mtp.train.loop import main as train_main
+    from occamy_mtp.commands.train import main as train_main
 
     before = sha256_tree(run_models["base"])
     store = tmp_path / "store"
@@ -134,7 +135,7 @@ def test_checkpoints_that_link_into_the_base_are_refused_before_any_model_loads(
 @pytest.mark.parametrize("how", ["immutable", "permissions"])
 def test_an_unwritable_checkpoints_dir_is_refused_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys, how):
     """The probe's repro: the whole run went by, then save_checkpoint's PermissionError traceback."""
-    from occamy_mtp.train.loop import main
+    from occamy_mtp.commands.train import main
 
     output = tmp_path / "run"
     config = write_config(run_config(run_models, output), tmp_path / "run.yaml")
@@ -216,7 +217,7 @@ def test_trained_tensors_on_a_full_disk_say_how_to_get_them_back_and_resume_does
     output = tmp_path / "run"
     config = write_config(run_config(run_models, output), tmp_path / "run.yaml")
     monkeypatch.setattr(files, "write_safetensors", _failing_safetensors(files.write_safetensors))
-    assert loop.main(["--config", str(config)]) == 2
+    assert train_command.main(["--config", str(config)]) == 2
     line = one_error_line(capsys)
     newest = sorted((output / "checkpoints").glob("step-*.pt"))[-1]
     assert f"{output / 'trained-tensors.safetensors'}: no space left" in line
@@ -224,7 +225,7 @@ def test_trained_tensors_on_a_full_disk_say_how_to_get_them_back_and_resume_does
     assert not (output / "trained-tensors.safetensors").exists()
 
     monkeypatch.undo()  # the space is freed; the command the line gave
-    assert loop.main(["--config", str(output / "config.resolved.yaml"), "--resume"]) == 0
+    assert train_command.main(["--config", str(output / "config.resolved.yaml"), "--resume"]) == 0
     kept = load_file(output / "trained-tensors.safetensors")
     assert all(torch.equal(kept[k], expected[k]) for k in expected)
 
@@ -238,7 +239,7 @@ def _failing_safetensors(real):
 
 
 def test_an_export_on_a_full_disk_is_one_line_and_replaces_nothing(run_models, tmp_path, monkeypatch, capsys):
-    from occamy_mtp.export.exporter import main as export_main
+    from occamy_mtp.commands.export import main as export_main
     from occamy_mtp.train.loop import train
 
     output = tmp_path / "run"
@@ -276,7 +277,7 @@ class _FillingStream:
 
 def test_self_generation_on_a_full_disk_is_one_line_and_keeps_the_lines_written(run_models, tmp_path, monkeypatch, capsys):
     from occamy_mtp.selfgen.store import STORE_FILE
-    from occamy_mtp.train.loop import main as train_main
+    from occamy_mtp.commands.train import main as train_main
 
     store = tmp_path / "store"
     config = write_config(run_config(run_models, tmp_path / "run", f"data.self_generated_dir={store}"), tmp_path / "run.yaml")
@@ -307,8 +308,8 @@ def test_self_generation_on_a_full_disk_is_one_line_and_keeps_the_lines_written(
 ])
 def test_a_base_config_of_wrong_types_is_one_line_naming_the_field(run_models, tmp_path, capsys, no_model_loading,
                                                                     change, message):
-    from occamy_mtp.export.checkpoint_report import main as inspect_main
-    from occamy_mtp.train.loop import main as train_main
+    from occamy_mtp.commands.inspect import main as inspect_main
+    from occamy_mtp.commands.train import main as train_main
 
     base = tmp_path / "base"
     shutil.copytree(run_models["base"], base)
@@ -354,7 +355,7 @@ def test_windows_beyond_the_base_s_positions_are_refused_before_any_model_loads(
 
 
 def test_evaluate_refuses_a_wrong_head_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys):
-    from occamy_mtp.evaluation.evaluate import main as evaluate_main
+    from occamy_mtp.commands.evaluate import main as evaluate_main
 
     head = tmp_path / "head.safetensors"
     torch.manual_seed(0)
@@ -368,7 +369,7 @@ def test_evaluate_refuses_a_wrong_head_before_any_model_loads(run_models, tmp_pa
 
 def test_endpoints_are_checked_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys):
     from occamy_mtp.testing.loopback import LoopbackServer
-    from occamy_mtp.train.loop import main as train_main
+    from occamy_mtp.commands.train import main as train_main
     from http.server import BaseHTTPRequestHandler
 
     with LoopbackServer(BaseHTTPRequestHandler) as server:
@@ -390,7 +391,7 @@ def test_resume_without_a_checkpoint_says_it_starts_from_step_0(run_models, tmp_
 
 
 def test_a_bad_max_shard_bytes_is_refused(run_models, tmp_path, capsys, no_model_loading):
-    from occamy_mtp.cache import main as cache_main
+    from occamy_mtp.commands.cache import main as cache_main
 
     config = write_config(run_config(run_models, tmp_path / "run"), tmp_path / "run.yaml")
     for value in ("0", "-5"):
@@ -443,7 +444,7 @@ def test_answers_received_behind_an_unanswered_context_are_kept_when_a_server_di
     """The probe's repro: 2 of 14 answers that came back out of order were thrown away with the failure."""
     import time as clock
 
-    from occamy_mtp.selfgen import engines as G
+    from occamy_mtp.selfgen import engine_writer as G
     from occamy_mtp.selfgen.store import SelfGeneratedStore, context_digest, context_of
     from test_engine_generate import FakeEngine, Tokenizer, request
 
@@ -466,7 +467,7 @@ def test_answers_received_behind_an_unanswered_context_are_kept_when_a_server_di
 
 
 def test_a_server_that_fails_before_its_first_answer_leaves_no_store_marked_as_its_own(tmp_path):
-    from occamy_mtp.selfgen import engines as G
+    from occamy_mtp.selfgen import engine_writer as G
     from occamy_mtp.selfgen.store import EMBEDDED, META_FILE, SelfGeneratedStore
     from test_engine_generate import FakeEngine, Tokenizer, request
 
@@ -490,9 +491,9 @@ def test_a_server_that_fails_before_its_first_answer_leaves_no_store_marked_as_i
 @pytest.mark.parametrize("command", ["cache", "generate", "evaluate"])
 def test_every_command_refuses_an_output_inside_the_base(run_models, tmp_path, no_model_loading, capsys, command):
     """An output in the base would put files there, and an atomic rename could replace one of its own."""
-    from occamy_mtp.cache import main as cache_main
-    from occamy_mtp.evaluation.evaluate import main as evaluate_main
-    from occamy_mtp.selfgen.regenerate import main as generate_main
+    from occamy_mtp.commands.cache import main as cache_main
+    from occamy_mtp.commands.evaluate import main as evaluate_main
+    from occamy_mtp.commands.generate import main as generate_main
 
     before = sha256_tree(run_models["base"])
     config = write_config(run_config(run_models, tmp_path / "run"), tmp_path / "run.yaml")

@@ -19,6 +19,7 @@ from occamy_mtp.data import prepare
 from occamy_mtp.record import checkpoint_identity
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.commands import generate as generate_command
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
@@ -95,7 +96,7 @@ def test_a_local_path_is_never_taken_for_a_hub_id(offline, tmp_path, monkeypatch
 def test_a_hub_id_that_cannot_be_resolved_is_one_error_line(offline, tmp_path, capsys, name, message):
     import re
 
-    from occamy_mtp.train.loop import main
+    from occamy_mtp.commands.train import main
 
     assert main(["--config", str(Path(__file__).parent.parent / "configs" / "demo.yaml"), f"model.base={name}",
                  f"output.dir={tmp_path / 'run'}"]) == 2
@@ -178,6 +179,6 @@ def test_generate_and_validate_read_a_hub_dataset_as_training_does(offline, samp
     argv = [f"model.base={offline['base']}", f'data.files=["{named}"]', "model.dtype=float32", "data.answer_tokens=2",
             "eval.draft_steps=2", "eval.served_steps=[1,2]",  # draft steps within the answer budget
             "--out", str(out), "--device", "cpu", "--limit", "2", "--no-progress"]
-    assert regenerate.main(argv) == 0, capsys.readouterr().err
+    assert generate_command.main(argv) == 0, capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 2
     assert json.loads(regenerate.sidecar_path(out).read_text())["data"]["files"][0]["path"] == named

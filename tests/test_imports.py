@@ -99,3 +99,27 @@ def test_the_readme_layout_lists_every_module_below_what_it_imports():
         for target in graph[module] if target not in package_level and row_of(target) > row_of(module)
     ]
     assert not wrong, "; ".join(wrong)
+
+
+def test_the_commands_live_in_one_wing_named_after_themselves():
+    """Every command is `occamy_mtp/commands/<name>.py` (a `-` spelled `_`) with a `main`, its
+    docstring opening with its launch line; the wing holds nothing else, and no module outside it
+    (the command-line entry `__main__` aside) imports the command-line convention or a command."""
+    import ast
+
+    from occamy_mtp.__main__ import COMMANDS
+
+    wing = PACKAGE / "commands"
+    modules = {p.stem for p in wing.glob("*.py") if p.stem != "__init__"}
+    assert modules == {name.replace("-", "_") for name in COMMANDS}
+    for name in COMMANDS:
+        tree = ast.parse((wing / f"{name.replace('-', '_')}.py").read_text())
+        assert any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body), name
+        launch = ast.get_docstring(tree).splitlines()[0]
+        script = {"train": "train.py", "export": "export.py", "assemble": "assemble_head.py"}.get(name)  # the design card's scripts
+        assert launch.startswith((f"python -m occamy_mtp {name} ", f"python {script} ", f"accelerate launch {script} ")), (name, launch)
+    graph = import_graph()
+    outside = {module: sorted(t for t in targets if t == "occamy_mtp.cli" or t.startswith("occamy_mtp.commands"))
+               for module, targets in graph.items()
+               if not module.startswith("occamy_mtp.commands") and module not in ("occamy_mtp.__main__", "occamy_mtp.cli")}
+    assert {module: targets for module, targets in outside.items() if targets} == {}

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
-from occamy_mtp.export.checkpoint_report import main
+from occamy_mtp.commands.inspect import main
 from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")

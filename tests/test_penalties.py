@@ -57,7 +57,7 @@ def test_a_store_s_identity_names_penalties_only_when_set():
 
 
 def test_servers_are_asked_with_the_penalties():
-    from occamy_mtp.selfgen.engines import Request, request_body
+    from occamy_mtp.engines.completions import Request, request_body
 
     request = Request(8, frozenset({2}), 100, 10.0, 1, sampling=sampling.text_sampling(INSTRUCT, seed=0))
     body = request_body("m", [5, 6], request)

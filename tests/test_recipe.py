@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from occamy_mtp.config import load_config
 from occamy_mtp.export.exporter import ExportError, export
-from occamy_mtp.export.exporter import main as export_main
+from occamy_mtp.commands.export import main as export_main
 from occamy_mtp.testing.demo_models import build_demo_models
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.run import RunDir

@@ -29,6 +29,7 @@ from occamy_mtp.testing.checkpoints import (
     tiny_text_config,
     write_checkpoint,
 )
+from occamy_mtp.commands import generate as generate_command
 
 SCRIPTED_ANSWER = "Yes: call open() with a path."  # its tokens are distinct: a successor map can spell it
 
@@ -360,18 +361,18 @@ def test_cli_writes_readable_output_and_reports_errors(chats, sample_tokenizer, 
     base_dir, _, answer = scripted_base
     out = tmp_path / "cli.jsonl"
     common = [f"model.base={base_dir}", "--out", str(out), "--device", "cpu", "model.dtype=float32", "--no-progress"]
-    assert G.main(common + [f"data.files=[{chats}]", f"data.answer_tokens={len(answer) + 1}", "data.self_generate_batch_size=4"]) == 0
+    assert generate_command.main(common + [f"data.files=[{chats}]", f"data.answer_tokens={len(answer) + 1}", "data.self_generate_batch_size=4"]) == 0
     printed = capsys.readouterr().out
     assert f"{KEPT} records ({KEPT} finished" in printed and "exact 6" in printed and "tool_call_roles 1" in printed
     assert len(out.read_text().splitlines()) == KEPT
 
-    assert G.main([f"model.base={tmp_path / 'nowhere'}", f"data.files=[{chats}]", "--out", str(out)]) == 2
+    assert generate_command.main([f"model.base={tmp_path / 'nowhere'}", f"data.files=[{chats}]", "--out", str(out)]) == 2
     assert "no config.json" in capsys.readouterr().err
-    assert G.main(common + [f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
+    assert generate_command.main(common + [f"data.files=[{tmp_path / 'missing.jsonl'}]"]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(CONVERSATIONS[0]) + "\n{broken\n")
-    assert G.main([common[0], "--out", str(tmp_path / "bad-out.jsonl"), f"data.files=[{bad}]", "model.dtype=float32", "--no-progress"]) == 2
+    assert generate_command.main([common[0], "--out", str(tmp_path / "bad-out.jsonl"), f"data.files=[{bad}]", "model.dtype=float32", "--no-progress"]) == 2
     assert f"{bad}:2: malformed JSON" in capsys.readouterr().err
     assert not (tmp_path / "bad-out.jsonl").exists()  # nothing written before the data is known to be good
     with pytest.raises(DataError):  # the API raises what the CLI prints

@@ -23,11 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from occamy_mtp.selfgen import engine_client as E
+from occamy_mtp.engines import http, openai, sglang, vllm
 from occamy_mtp.serve import validate as V
 from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.commands import validate as validate_command
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -107,8 +108,8 @@ def servers(tiny):
             process.stdout.close()
 
 
-def settings() -> E.RequestSettings:
-    return E.RequestSettings(endpoint=E.CHAT, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
+def settings() -> openai.RequestSettings:
+    return openai.RequestSettings(endpoint=openai.CHAT, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_mtp_on_server_passes_and_reports_acceptance(recorded, servers, tmp_path
     assert report["passed"], V.format_summary(report)
     assert not report["token_differences"] and report["max_logprob_diff"] <= SPEC_LOGPROB_TOLERANCE
     acceptance = report["acceptance"]["candidate"]
-    assert acceptance["engine"] == "occamy-mtp" and acceptance["source"] == E.SGLANG_META
+    assert acceptance["engine"] == "occamy-mtp" and acceptance["source"] == sglang.SGLANG_META
     assert acceptance["responses"] == PROMPTS + COLD_WARM and not acceptance["drafted_nothing"]
     assert acceptance["completion_tokens"] == (PROMPTS + COLD_WARM) * MAX_TOKENS  # nobody stops early at 6 tokens
     assert acceptance["tokens_per_verify_pass"] == pytest.approx(acceptance["completion_tokens"] / acceptance["verify_passes"])
@@ -171,7 +172,7 @@ def test_mtp_on_server_passes_and_reports_acceptance(recorded, servers, tmp_path
     assert per_position["proposed"][0] == acceptance["verify_passes"]  # every verify pass proposes step 1
     assert sum(per_position["accepted"]) == acceptance["accepted_tokens"]
     metrics = acceptance["metrics"]  # the same decoder's counts through vLLM-style /metrics counters
-    assert metrics["source"] == E.VLLM_METRICS
+    assert metrics["source"] == vllm.VLLM_METRICS
     assert (metrics["drafts"], metrics["accepted_tokens"], metrics["draft_tokens"]) == (
         acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"])
     assert metrics["per_position"] == per_position
@@ -189,7 +190,7 @@ def test_mtp_off_candidate_fails_for_drafting_nothing(recorded, servers, tmp_pat
     assert len(report["failures"]) == 1 and "reported no speculative counts" in report["failures"][0]
     assert report["acceptance_pass"] == {"of": PROMPTS, "compared_by": ["token_ids"], "differences": []}
     assert (tmp_path / "responses-candidate-acceptance.json").is_file()
-    body = V.request_body(recorded["prompts"][0], E.RequestSettings(logprobs=False), "m")
+    body = V.request_body(recorded["prompts"][0], openai.RequestSettings(logprobs=False), "m")
     assert "logprobs" not in body and "return_tokens_as_token_ids" not in body and body["return_token_ids"] is True
     assert "FAIL: the candidate reported no speculative counts" in V.format_summary(report)
 
@@ -203,18 +204,18 @@ def test_window_contexts_go_as_token_ids_to_completions(tiny, servers, tmp_path)
     prompts = V.heldout_window_contexts([tiny["data"]], tiny["tokenizer"], **split)
     windows = prepare.prepare_windows([tiny["data"]], tiny["tokenizer"], **split).heldout
     assert [p.prompt_ids for p in prompts] == [tuple(w.input_ids[: w.answer_start]) for w in windows]
-    completions = E.RequestSettings(endpoint=E.COMPLETIONS, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
+    completions = openai.RequestSettings(endpoint=openai.COMPLETIONS, max_tokens=MAX_TOKENS, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
     body = V.request_body(prompts[0], completions, "m")
-    assert body["prompt"] == list(prompts[0].prompt_ids) and body["logprobs"] == E.DEFAULT_TOP_LOGPROBS
+    assert body["prompt"] == list(prompts[0].prompt_ids) and body["logprobs"] == openai.DEFAULT_TOP_LOGPROBS
     with pytest.raises(V.ValidationError, match="completions"):
         V.request_body(prompts[0], settings(), "m")
     V.validate(servers["urls"]["greedy"], None, prompts, tmp_path / "off", completions, cold_warm=0)
     report = V.validate(str(tmp_path / "off" / "responses-reference.json"), servers["urls"]["speculative"], [], tmp_path / "on",
                         completions, tolerance=SPEC_LOGPROB_TOLERANCE)
     assert report["passed"], V.format_summary(report)
-    assert report["fixed"] == {"exact": len(prompts), "of": len(prompts)} and report["endpoint"] == E.COMPLETIONS
+    assert report["fixed"] == {"exact": len(prompts), "of": len(prompts)} and report["endpoint"] == openai.COMPLETIONS
     acceptance = report["acceptance"]["candidate"]
-    assert acceptance["source"] == E.SGLANG_SGLEXT  # no meta_info on completions (as in SGLang); sglext is there
+    assert acceptance["source"] == sglang.SGLANG_SGLEXT  # no meta_info on completions (as in SGLang); sglext is there
     assert acceptance["responses"] == len(prompts) and acceptance["verify_passes"] > 0
     assert acceptance["metrics"]["accepted_tokens"] == acceptance["accepted_tokens"]
 
@@ -248,43 +249,43 @@ def test_faulty_server_is_flagged_token_logprob_malformed_and_death(recorded, se
 
 
 def test_parse_response_refuses_malformed_shapes():
-    with pytest.raises(E.RequestFailed, match="logprobs"):
-        E.parse_response({"choices": [{"message": {"content": "hi"}}]}, E.CHAT)
-    with pytest.raises(E.RequestFailed, match="not a finite number"):
-        E.parse_response({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [None]}}]}, E.COMPLETIONS)
-    parsed = E.parse_response({"choices": [{"text": "ab", "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-1.0, -2.0]}}],
+    with pytest.raises(http.RequestFailed, match="logprobs"):
+        openai.parse_response({"choices": [{"message": {"content": "hi"}}]}, openai.CHAT)
+    with pytest.raises(http.RequestFailed, match="not a finite number"):
+        openai.parse_response({"choices": [{"text": "a", "logprobs": {"tokens": ["a"], "token_logprobs": [None]}}]}, openai.COMPLETIONS)
+    parsed = openai.parse_response({"choices": [{"text": "ab", "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-1.0, -2.0]}}],
                                "sglext": {"spec_tokens_details": {"spec_verify_ct": 1, "spec_num_correct_drafts": 0,
                                                                   "spec_num_proposed_drafts": 3, "spec_correct_drafts_histogram": [1, 0, 0, 0]}}},
-                              E.COMPLETIONS)
-    assert parsed["token_ids"] == [5, 7] and parsed["speculative"]["source"] == E.SGLANG_SGLEXT
+                              openai.COMPLETIONS)
+    assert parsed["token_ids"] == [5, 7] and parsed["speculative"]["source"] == sglang.SGLANG_SGLEXT
     assert parsed["speculative"]["draft_steps"] == 3 and parsed["speculative"]["histogram_consistent"]
-    without = E.parse_response({"choices": [{"text": "ab", "token_ids": [5, 7]}]}, E.COMPLETIONS, logprobs=False)
+    without = openai.parse_response({"choices": [{"text": "ab", "token_ids": [5, 7]}]}, openai.COMPLETIONS, logprobs=False)
     assert without["token_ids"] == [5, 7] and without["tokens"] is None and without["speculative"] is None
 
 
 def test_prometheus_counters_are_read_as_vllm_writes_them():
     """vLLM 0.32's /metrics around two requests: the counters' growth equals the sum of the two
     responses' own `metrics.speculative_decoding` (the engine's two reports of the same steps)."""
-    before, after = (E.parse_spec_counters((FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text()) for i in (0, 2))
-    delta = E.counter_delta({"counters": before}, {"counters": after})
+    before, after = (vllm.parse_spec_counters((FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text()) for i in (0, 2))
+    delta = vllm.counter_delta({"counters": before}, {"counters": after})
     spec = [r["metrics"]["speculative_decoding"] for r in _fixture("vllm-0.32.0-chat-mtp3.json")["responses"]]
     assert delta["drafts"] == sum(s["num_spec_steps"] for s in spec)
     assert delta["draft_tokens"] == sum(s["num_draft_tokens"] for s in spec)
     assert delta["accepted_tokens"] == sum(s["num_accepted_draft_tokens"] for s in spec)
     histogram = [sum(h) for h in zip(*(s["acceptance_histogram"] for s in spec))]
     assert delta["accepted_per_position"] == [sum(histogram[k + 1 :]) for k in range(3)]  # position k: >= k+1 accepted
-    assert E.parse_spec_counters((FIXTURES / "vllm-0.32.0-metrics-mtp-off-2.txt").read_text()) is None  # speculation off
-    with pytest.raises(E.RequestFailed, match="not a count"):
-        E.parse_spec_counters('vllm:spec_decode_num_drafts_total{engine="0"} -3.0\n')
+    assert vllm.parse_spec_counters((FIXTURES / "vllm-0.32.0-metrics-mtp-off-2.txt").read_text()) is None  # speculation off
+    with pytest.raises(http.RequestFailed, match="not a count"):
+        vllm.parse_spec_counters('vllm:spec_decode_num_drafts_total{engine="0"} -3.0\n')
 
 
 def test_unreachable_server_and_bad_arguments(tmp_path, capsys):
     prompts = V.prompt_set(2, [])
-    run = V.collect("http://127.0.0.1:9", prompts, 0, E.RequestSettings(timeout_seconds=5), max_consecutive_errors=1)
+    run = V.collect("http://127.0.0.1:9", prompts, 0, openai.RequestSettings(timeout_seconds=5), max_consecutive_errors=1)
     assert run["model_error"]["kind"] == "transport" and all(r["error"]["kind"] == "skipped" for r in run["requests"])
-    assert V.main(["--reference", "not-a-url-or-file", "--candidate", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
+    assert validate_command.main(["--reference", "not-a-url-or-file", "--candidate", "http://127.0.0.1:9", "--out", str(tmp_path)]) == 2
     assert "--reference" in capsys.readouterr().err
-    assert V.main(["--reference", "http://127.0.0.1:9", "--extra-body", "[1]", "--out", str(tmp_path)]) == 2
+    assert validate_command.main(["--reference", "http://127.0.0.1:9", "--extra-body", "[1]", "--out", str(tmp_path)]) == 2
 
 
 # ----------------------------------------------------------------------------------
@@ -338,8 +339,8 @@ def _sglang_server(name: str) -> ReplayServer:
     return ReplayServer(fixture["responses"], {"/v1/models": fixture["models"], "/server_info": fixture["server_info"]})
 
 
-def _replay_settings() -> E.RequestSettings:
-    return E.RequestSettings(endpoint=E.CHAT, max_tokens=16, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
+def _replay_settings() -> openai.RequestSettings:
+    return openai.RequestSettings(endpoint=openai.CHAT, max_tokens=16, timeout_seconds=REQUEST_TIMEOUT_SECONDS)
 
 
 @pytest.mark.parametrize("version", ["0.5.23", "0.5.13"])
@@ -354,7 +355,7 @@ def test_sglang_acceptance_is_read_from_meta_info(version, tmp_path):
     assert report["passed"], V.format_summary(report)
     assert report["prompts"][0]["comparisons"]["cold"]["compared_by"] == ("token_ids" if version == "0.5.23" else "token_strings")
     acceptance = report["acceptance"]["candidate"]
-    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("sglang", version, E.SGLANG_META)
+    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("sglang", version, sglang.SGLANG_META)
     # Responses: (12 tokens, 5 verify passes, 6 of 15 drafts, histogram [2, 1, 1, 1]) and (8, 4, 3 of 12, [2, 1, 1, 0]).
     assert (acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"]) == (9, 9, 27)
     assert acceptance["accept_rate"] == pytest.approx(9 / 27) and acceptance["accept_length"] == pytest.approx(2.0)
@@ -375,7 +376,7 @@ def test_sglang_sglext_alone_is_read(tmp_path):
             ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}) as on:
         report = V.validate(off.url, on.url, prompts, tmp_path, _replay_settings(), cold_warm=0)
     acceptance = report["acceptance"]["candidate"]
-    assert report["passed"] and acceptance["source"] == E.SGLANG_SGLEXT
+    assert report["passed"] and acceptance["source"] == sglang.SGLANG_SGLEXT
     assert (acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"]) == (9, 9, 27)
     assert "tokens_per_verify_pass" not in acceptance  # sglext has no completion_tokens
 
@@ -411,7 +412,7 @@ def test_vllm_acceptance_per_request_and_from_metrics(tmp_path):
     figures preferred, the /metrics counters read before and after agree with them."""
     prompts = V.prompt_set(2, [])
     with _vllm_server("mtp-off") as off, _vllm_server("mtp3") as on:
-        report = V.validate(off.url, on.url, prompts, tmp_path, E.RequestSettings(max_tokens=24, timeout_seconds=60),
+        report = V.validate(off.url, on.url, prompts, tmp_path, openai.RequestSettings(max_tokens=24, timeout_seconds=60),
                             cold_warm=0, tolerance=0.05)
         sent = on.posted[0]
     assert sent["return_tokens_as_token_ids"] is True and sent["return_token_ids"] is True and sent["logprobs"] is True
@@ -420,13 +421,13 @@ def test_vllm_acceptance_per_request_and_from_metrics(tmp_path):
     assert 0 < report["max_logprob_diff"] <= 0.05  # bf16: the verify pass and one-token decode round differently
     spec = [r["metrics"]["speculative_decoding"] for r in _fixture("vllm-0.32.0-chat-mtp3.json")["responses"]]
     acceptance = report["acceptance"]["candidate"]
-    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("vllm", "0.32.0", E.VLLM_PER_REQUEST)
+    assert (acceptance["engine"], acceptance["engine_version"], acceptance["source"]) == ("vllm", "0.32.0", vllm.VLLM_PER_REQUEST)
     assert acceptance["verify_passes"] == sum(s["num_spec_steps"] for s in spec)
     assert acceptance["accepted_tokens"] == sum(s["num_accepted_draft_tokens"] for s in spec)
     assert acceptance["accept_length"] == pytest.approx(
         1 + sum(s["num_accepted_draft_tokens"] for s in spec) / sum(s["num_spec_steps"] for s in spec))
     metrics = acceptance["metrics"]
-    assert metrics["source"] == E.VLLM_METRICS and metrics["per_position"] == acceptance["per_position"]
+    assert metrics["source"] == vllm.VLLM_METRICS and metrics["per_position"] == acceptance["per_position"]
     assert (metrics["drafts"], metrics["accepted_tokens"], metrics["draft_tokens"]) == (
         acceptance["verify_passes"], acceptance["accepted_tokens"], acceptance["draft_tokens"])
     assert report["acceptance"]["reference"] is None  # MTP off: no counters, no per-request figures
@@ -440,11 +441,11 @@ def test_vllm_metrics_alone(tmp_path):
     metrics = [(FIXTURES / f"vllm-0.32.0-metrics-mtp3-{i}.txt").read_text() for i in range(3)]
     prompts = V.prompt_set(2, [])
     with _vllm_server("mtp-off") as off, ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}, metrics) as on:
-        report = V.validate(off.url, on.url, prompts, tmp_path, E.RequestSettings(max_tokens=24, timeout_seconds=60),
+        report = V.validate(off.url, on.url, prompts, tmp_path, openai.RequestSettings(max_tokens=24, timeout_seconds=60),
                             cold_warm=0, tolerance=0.05)
     acceptance = report["acceptance"]["candidate"]
-    assert report["passed"] and acceptance["source"] == E.VLLM_METRICS and acceptance["engine_version"] is None
-    before, after = (E.parse_spec_counters(metrics[i]) for i in (0, 2))
+    assert report["passed"] and acceptance["source"] == vllm.VLLM_METRICS and acceptance["engine_version"] is None
+    before, after = (vllm.parse_spec_counters(metrics[i]) for i in (0, 2))
     assert acceptance["verify_passes"] == after["drafts"] - before["drafts"] > 0
     assert "from vllm: /metrics counters" in V.format_summary(report)
 
@@ -461,7 +462,7 @@ def test_vllm_that_does_not_speculate_with_logprobs_gets_an_acceptance_pass(tmp_
     metrics = [counters[0]] * 3 + [counters[1], counters[2]]
     prompts = V.prompt_set(2, [])
     with _vllm_server("mtp-off") as off, ReplayServer(fixture["responses"], {"/v1/models": fixture["models"]}, metrics) as on:
-        report = V.validate(off.url, on.url, prompts, tmp_path, E.RequestSettings(max_tokens=24, timeout_seconds=60),
+        report = V.validate(off.url, on.url, prompts, tmp_path, openai.RequestSettings(max_tokens=24, timeout_seconds=60),
                             cold_warm=0, tolerance=0.05)
         plain = on.posted[2:]
     assert len(plain) == 2 and all("logprobs" not in body for body in plain)
@@ -481,7 +482,7 @@ def test_thinking_prompts_open_the_think_block(tiny):
     assert all(tokenizer.decode(p.prompt_ids).endswith("assistant\n<think>\n") for p in on)
     assert all(tokenizer.decode(p.prompt_ids).endswith("<think>\n\n</think>\n\n") for p in off)
     prompt = V.prompt_set(1, [])[0]
-    assert V.request_body(prompt, E.RequestSettings(thinking=True), "m")["chat_template_kwargs"] == {"enable_thinking": True}
-    assert V.request_body(prompt, E.RequestSettings(), "m")["chat_template_kwargs"] == {"enable_thinking": False}
-    body = V.request_body(prompt, E.RequestSettings(endpoint=E.COMPLETIONS, thinking=True), "m", tokenizer)
+    assert V.request_body(prompt, openai.RequestSettings(thinking=True), "m")["chat_template_kwargs"] == {"enable_thinking": True}
+    assert V.request_body(prompt, openai.RequestSettings(), "m")["chat_template_kwargs"] == {"enable_thinking": False}
+    body = V.request_body(prompt, openai.RequestSettings(endpoint=openai.COMPLETIONS, thinking=True), "m", tokenizer)
     assert body["prompt"].endswith("<|im_start|>assistant\n<think>\n")

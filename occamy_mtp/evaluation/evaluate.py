@@ -14,13 +14,11 @@ import torch.nn.functional as F
 
 from occamy_mtp import memory, sampling
 from occamy_mtp.console import plural
-from occamy_mtp.cli import command, parse
-from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import ConfigError, RunConfig, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
-from occamy_mtp.run import HELDOUT, RunDir, check_inputs, log_stderr, open_run, refuse_inside_models
+from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
 from occamy_mtp.evaluation.metrics import (
     Acceptance,
     acceptance_from_counts,
@@ -795,43 +793,6 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     lines.append("secondary: the recorded answers, teacher forced (acceptance approximate), and every anchor of the self-generated text")
     lines += [f"  {label:<46}" + "".join(f"{cell(reports[name]):>{width}}" for name in names) for label, cell in rows]
     return "\n".join(lines)
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    cli = command_line("python -m occamy_mtp evaluate",
-                       "Served acceptance (exact, on the base's own text, per serving configuration), agreement and NLL of "
-                       "MTP heads, side by side.",
-                       config_required=False)
-    cli.add_argument("--head", type=Path, help="trained head: safetensors file or checkpoint directory "
-                                               "(default: the run's output.dir/mtp-trained.safetensors)")
-    cli.add_argument("--out", required=True, type=Path, help="directory for evaluation.json and acceptance.png")
-    cli.add_argument("--teacher-forced-only", action="store_true",
-                     help="skip the base's own continuations: only the approximate figures on the recorded answers")
-    cli.add_argument("--reference-decoder", action="store_true",
-                     help="also decode every heldout prompt with the reference speculative decoder (batch 1, slow) at "
-                          "each of eval.served_steps and check the served figures against it: equal counts under greedy "
-                          "serving, a z-score of the counts against their expectation under sampled serving")
-    cli.add_argument("--decoder-seeds", type=int, default=4,
-                     help="sampled serving: decodes of each prompt by --reference-decoder, seeds 0..N-1 (default 4)")
-    cli.add_argument("--max-windows", type=int,
-                     help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
-                          "`occamy_mtp.serve.validate --prompt-source windows --prompts N` sends to a server")
-    cli.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args, config = parse(cli, argv)
-    if args.max_windows is not None and args.max_windows < 1:
-        raise ConfigError(f"--max-windows: expected 1 or more windows, got {args.max_windows}")
-    if args.decoder_seeds < 2:
-        raise ConfigError(f"--decoder-seeds: expected 2 or more (a z-score needs a spread), got {args.decoder_seeds}")
-    head_path = args.head or RunDir.of(config).head
-    if not head_path.exists():
-        raise ConfigError(f"--head {head_path}: no such file or directory (export the run first, or name a head)")
-    report, printed = evaluate_run(config, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
-                                   reference_decoder=args.reference_decoder, max_windows=args.max_windows,
-                                   decoder_seeds=args.decoder_seeds)
-    print(printed)
-    print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
-    return 0
 
 
 def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,

@@ -5,7 +5,6 @@ docs/ASSEMBLY.md sets out the details.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hashlib
 import json
@@ -20,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from occamy_mtp.cli import command
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
@@ -727,30 +725,3 @@ def format_report(report: AssemblyReport) -> str:
         lines.append(f"  quantization: ModelOpt {report.quantization['quant_algo']}: {added}")
     lines += [f"  note: {n}" for n in report.notes]
     return "\n".join(lines)
-
-
-@command
-def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp assemble") -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="A servable directory: the base's weight shards (cloned, or linked where nothing can write "
-        "through the link, else copied), copies of its other files, the trained MTP head, a rewritten index and "
-        "config. The base directory is never modified.",
-    )
-    parser.add_argument("--base", required=True, type=Path, help="the base checkpoint directory")
-    parser.add_argument("--head", required=True, type=Path, help="the head file (mtp-trained.safetensors)")
-    parser.add_argument("--out", required=True, type=Path, help="the directory to create (outside --base)")
-    parser.add_argument("--force", action="store_true", help="replace --out if an earlier assembly wrote it (nothing else)")
-    parser.add_argument(
-        "--weights", choices=WEIGHT_MODES, default=AUTO,
-        help="how the base's unchanged weight shards are placed: auto (default) clones where the filesystem can, "
-        "symlinks into a read-only base, copies otherwise; symlink links even into a writable base",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
-    try:
-        report = assemble(args.base, args.head, args.out, force=args.force, weights=args.weights)
-    except OSError as err:
-        raise AssemblyError(str(err)) from None
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
-    return 0

@@ -15,14 +15,11 @@ Exit status: 0 when no problem was found, 1 otherwise (the report is printed eit
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from occamy_mtp.cli import command
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model.head import MTPHead, count_parameters, set_trainable
 
@@ -255,18 +252,3 @@ def format_report(report: dict) -> str:
     else:
         row("problems", "none")
     return "\n".join(lines)
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m occamy_mtp inspect",
-        description="Report what a Qwen3.5-MoE / Qwen3-Next checkpoint (or config.json) holds, before a long run.",
-    )
-    parser.add_argument("path", type=Path, help="checkpoint directory or config.json")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    args = parser.parse_args(argv)
-    report = inspect_path(args.path)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
-    return 1 if report["problems"] else 0
-

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,8 +29,6 @@ from safetensors import safe_open
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
-from occamy_mtp.cli import command, parse
-from occamy_mtp.cli import parser as command_line
 from occamy_mtp.config import RunConfig, Serving, differing_settings
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
@@ -330,17 +327,3 @@ def format_metrics(metrics: dict) -> str:
                          f"{'equal' if c['counts_equal'] else 'DIFFER'}, {c['decisions_equal']}/{c['decisions']} decisions equal, "
                          f"{c['texts_equal_to_store']}/{c['windows']} texts equal to the stored continuations")
     return "\n".join(lines)
-
-
-@command
-def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp export") -> int:
-    cli = command_line(prog, "Export the trained MTP head, its metrics and TRAINING.json.")
-    cli.add_argument("--allow-worse", action="store_true",
-                     help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
-    args, config = parse(cli, argv)
-    record = export(config, allow_worse=args.allow_worse)
-    print(format_metrics(record["metrics"]))
-    if not record["metrics"]["comparison"]["trained_not_worse"]:
-        print("warning: the trained head is worse than the donor; written because --allow-worse was given", file=sys.stderr)
-    print(f"wrote {RunDir.of(config).head} and {RunDir.of(config).record.name}")
-    return 0

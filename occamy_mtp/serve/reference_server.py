@@ -5,7 +5,6 @@ docs/REFERENCE_SERVER.md sets out the details.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -15,8 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-from occamy_mtp.cli import command
-from occamy_mtp.config import DRAFT_RULES, Serving
+from occamy_mtp.config import Serving
 
 GREEDY = "greedy"
 SPECULATIVE = "speculative"
@@ -325,24 +323,6 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
     return Handler
 
 
-def _parse_faults(args) -> Faults:
-    def ints(text: str, count: int, flag: str) -> list[str]:
-        parts = text.split(":")
-        if len(parts) != count:
-            raise SystemExit(f"error: {flag} {text!r}: expected {count} ':'-separated values")
-        return parts
-
-    flips = {}
-    for text in args.flip_token:
-        request, position = ints(text, 2, "--flip-token")
-        flips[int(request)] = int(position)
-    shifts = {}
-    for text in args.shift_logprob:
-        request, position, delta = ints(text, 3, "--shift-logprob")
-        shifts[int(request)] = (int(position), float(delta))
-    return Faults(flips, shifts, frozenset(args.malformed), args.crash_after)
-
-
 def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str,
                device: str, draft: str = "greedy"):
     import torch
@@ -370,49 +350,8 @@ def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | Non
     return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name, draft=draft)
 
 
-class _Server(HTTPServer):
+class ReferenceHTTPServer(HTTPServer):
     """One request at a time; up to this many clients wait in the listen queue (a run keeps
     `data.self_generate_concurrency` requests in flight, 64 by default)."""
 
     request_queue_size = 256
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occamy_mtp serve-reference", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, type=Path, help="base checkpoint directory")
-    parser.add_argument("--head", type=Path, help="MTP head (file or directory; default: the base's own mtp.* tensors)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: --base)")
-    parser.add_argument("--mode", choices=(GREEDY, SPECULATIVE), default=GREEDY, help="MTP off (greedy) or on (speculative)")
-    parser.add_argument("--draft-steps", type=int, default=1, help="head steps drafted per verify pass (speculative mode)")
-    parser.add_argument("--draft", choices=DRAFT_RULES, default="greedy",
-                        help="how a sampled request's drafts are drawn: the head's argmax, or from its softmax (speculative mode)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on startup)")
-    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
-    parser.add_argument("--flip-token", action="append", default=[], metavar="R:P")
-    parser.add_argument("--shift-logprob", action="append", default=[], metavar="R:P:D")
-    parser.add_argument("--malformed", action="append", type=int, default=[], metavar="R")
-    parser.add_argument("--crash-after", type=int, metavar="N")
-    args = parser.parse_args(argv)
-    faults = _parse_faults(args)
-    if args.draft_steps < 1:
-        parser.error("--draft-steps must be >= 1")
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device, args.draft)
-    server = _Server((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
-    host, port = server.server_address[:2]
-    print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0

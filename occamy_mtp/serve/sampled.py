@@ -33,8 +33,9 @@ from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check
 from occamy_mtp.evaluation.metrics import z_score
 from occamy_mtp.sampling import seed_of
-from occamy_mtp.selfgen.engine_client import RequestFailed, post_json, speculative_counts
-from occamy_mtp.selfgen.engines import Request, read_answer, request_body
+from occamy_mtp.engines.http import post_json, RequestFailed
+from occamy_mtp.engines.openai import speculative_counts
+from occamy_mtp.engines.completions import read_answer, Request, request_body
 
 Z_LIMIT = 4.5
 """|z| beyond which a difference of mean 0 is taken for a disagreement (a chance of 7e-6 when they agree)."""

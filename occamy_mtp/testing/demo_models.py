@@ -23,7 +23,6 @@ checked) instead of building anew, unless `--build` is given.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -40,7 +39,6 @@ import torch.nn.functional as F
 from occamy_mtp.console import plural
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
-from occamy_mtp.cli import command
 from occamy_mtp.model.head import MTPHead, SharedWeights
 from occamy_mtp.testing.checkpoints import tiny_text_config, write_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH, build_tokenizer
@@ -288,17 +286,3 @@ def build_demo_models(
     files.write_json(manifest_path, manifest)
     log(f"demo models: built in {manifest['build_seconds']:.0f} s under {out_dir}")
     return manifest
-
-
-@command
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m occamy_mtp demo-models", description="Build the demo's donor and fine-tuned base from the sample chats.")
-    parser.add_argument("--out", default="runs/demo/models", help="output directory (tokenizer/, donor/, base/)")
-    parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
-    parser.add_argument("--linear-head-dim", type=int, default=DemoSettings.linear_head_dim,
-                        help="Gated DeltaNet key/value head dim (64 or 128 can be served by vLLM's CPU build)")
-    parser.add_argument("--build", action="store_true", help=f"build here even when the shipped build ({SHIPPED_DIR}) fits")
-    args = parser.parse_args(argv)
-    build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data),
-                      use_shipped=not args.build)
-    return 0

@@ -29,8 +29,6 @@ from accelerate.utils import set_seed
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
-from occamy_mtp.cli import command, parse
-from occamy_mtp.cli import parser as command_line
 from occamy_mtp.console import Progress
 from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
 from occamy_mtp.data.prepare import PreparedData
@@ -559,12 +557,3 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = json.dumps(value) if isinstance(value, list) else value
     return out
-
-
-@command
-def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp train") -> int:
-    cli = command_line(prog, "Train the MTP head's fc and pre-fc norms against the frozen base (run with accelerate launch).")
-    cli.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
-    args, config = parse(cli, argv)
-    train(config, resume=args.resume)
-    return 0

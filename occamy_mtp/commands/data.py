@@ -1,16 +1,18 @@
-"""The `data` command: chat data as training would see it (conversations read, kept, excluded
-per reason, windows, split), before a long run."""
+"""python -m occamy_mtp data --config RUN.yaml [section.key=value ...]
+
+Chat data as training would see it, before a long run: conversations read, kept and excluded per
+reason, windows, the split (`occamy_mtp.data.prepare`).
+"""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from occamy_mtp.cli import command, parse
-from occamy_mtp.cli import parser as command_line
+from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError, window_settings
 from occamy_mtp.data.prepare import prepare_windows
-from occamy_mtp.data.reader import DEFAULT_EXCLUSIONS, EMPTY_ANSWER, NON_TEXT_CONTENT, DataError, missing_sources
+from occamy_mtp.data.reader import DataError, DEFAULT_EXCLUSIONS, EMPTY_ANSWER, missing_sources, NON_TEXT_CONTENT
 from occamy_mtp.data.split import HELDOUT, TRAIN, VALIDATION
 from occamy_mtp.data.windows import load_tokenizer
 

@@ -1,16 +1,12 @@
 """The base's continuations written by serving engines: OpenAI-compatible servers, many requests in flight.
 
-Each context goes to `/v1/completions` as token ids (no template is rendered again),
-greedy or sampled (temperature, top_p, top_k, and a seed per context derived from the
-run's seed and the context, `TextSampling.request_seed`; the engine's own generator then
-draws the tokens), at most the window's answer budget, stopping at the base's stop tokens, with
-`return_token_ids` (vLLM and SGLang return `choices[0].token_ids`, docs/ENGINES.md).
-Where a server returns only text, the text is tokenized and the continuations whose
-tokens do not decode back to it are counted. `connect` checks every server first (it
-answers, names a model, the model is `data.self_generate_model` when set, and a short
-greedy probe comes back); `write` keeps `concurrency` requests in flight per server and
-retries a failed request with backoff; a server that stays down stops the run, naming
-its URL and the last error.
+Each context is one completion of token ids (`engines.completions`: greedy or sampled with a
+seed per context, stopping at the base's stop tokens, token ids read back). `connect` checks
+every server first (it answers, names a model, the model is `data.self_generate_model` when
+set, and a short greedy probe comes back); `write` keeps `concurrency` requests in flight per
+server and retries a failed request with backoff; a server that stays down stops the run,
+naming its URL and the last error. Continuations whose text had to be tokenized and did not
+decode back to it are counted.
 """
 
 from __future__ import annotations
@@ -18,13 +14,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from occamy_mtp.selfgen.engine_client import COMPLETIONS, RequestFailed, parse_response, post_json, server_identity
+from occamy_mtp.engines.completions import Answer, Request, read_answer, request_body
+from occamy_mtp.engines.http import RequestFailed, post_json, server_identity
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
-from occamy_mtp.selfgen.store import ENGINE, Continuation, context_digest
+from occamy_mtp.sampling import TextSampling
+from occamy_mtp.selfgen.store import ENGINE, Continuation
 
 PROBE_TOKENS = 2  # new tokens of the probe request: enough to see token ids come back
 BACKOFF_SECONDS = 1.0  # the first retry's wait; each next one doubles, up to MAX_BACKOFF_SECONDS
@@ -49,93 +46,6 @@ class Server:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One continuation as a server gave it, and how its tokens were read."""
-
-    tokens: tuple[int, ...]
-    finished: bool
-    source: str
-    """"token_ids" (as returned), "text" (tokenized, decodes back to the text) or "text_lossy" (does not)."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """What every request asks: the budget, the stop tokens, how long to wait and how often to try."""
-
-    max_new_tokens: int
-    stop_token_ids: frozenset[int]
-    vocab_size: int
-    timeout_seconds: float
-    retries: int
-    sampling: TextSampling = GREEDY_TEXT
-
-
-def request_body(model: str, prompt_ids: Sequence[int], request: Request, max_tokens: int | None = None,
-                 greedy: bool = False) -> dict:
-    """The completions request of one context (`greedy` forces temperature 0: the probe)."""
-    sampling = GREEDY_TEXT if greedy else request.sampling
-    body = {
-        "model": model,
-        "prompt": list(prompt_ids),
-        "max_tokens": max_tokens or request.max_new_tokens,
-        "temperature": sampling.temperature,
-        "n": 1,
-        "stop_token_ids": sorted(request.stop_token_ids),
-        "skip_special_tokens": False,
-        "return_token_ids": True,
-    }
-    if not sampling.greedy:
-        body.update(top_p=sampling.top_p, top_k=sampling.top_k or -1, seed=sampling.request_seed(context_digest(prompt_ids)))
-        penalties = {"presence_penalty": sampling.presence_penalty, "frequency_penalty": sampling.frequency_penalty,
-                     "repetition_penalty": sampling.repetition_penalty}
-        body.update({k: v for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)})
-    return body
-
-
-def read_answer(response: dict, tokenizer, request: Request, max_tokens: int | None = None) -> Answer:
-    """The continuation in `response`; RequestFailed("malformed") when it cannot be one."""
-    parsed = parse_response(response, COMPLETIONS, logprobs=False)
-    budget = max_tokens or request.max_new_tokens
-    stop = request.stop_token_ids
-    ids, source = parsed["token_ids"], "token_ids"
-    if ids is None:
-        text = parsed["text"]
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        source = "text" if tokenizer.decode(ids) == text else "text_lossy"
-    ids = list(ids)
-    cut = next((i for i, t in enumerate(ids) if t in stop), None)
-    if cut is not None:
-        ids = ids[: cut + 1]  # the embedded generator stops at the first stop token, inclusive
-    elif parsed["finish_reason"] == "stop":
-        hidden = _stop_token(response["choices"][0], stop, tokenizer)
-        if hidden is None:
-            raise RequestFailed("malformed", "finish_reason is stop, but neither the token ids nor stop_reason / matched_stop "
-                                             "name a stop token of the base")
-        ids.append(hidden)
-    if len(ids) > budget:
-        raise RequestFailed("malformed", f"{len(ids)} new tokens, more than the {budget} asked for")
-    if any(t >= request.vocab_size for t in ids):
-        raise RequestFailed("malformed", f"token id {max(ids)} is outside the base's vocabulary ({request.vocab_size})")
-    finished = bool(ids) and ids[-1] in stop
-    if not finished and len(ids) < budget and parsed["finish_reason"] != "length":
-        raise RequestFailed("malformed", f"{len(ids)} of {budget} tokens, no stop token, and finish_reason "
-                                         f"{parsed['finish_reason']!r}: the continuation is cut short")
-    return Answer(tuple(ids), finished, source)
-
-
-def _stop_token(choice: dict, stop: Collection[int], tokenizer) -> int | None:
-    """The stop token a server left out of its answer: vLLM's `stop_reason` or SGLang's
-    `matched_stop` (a token id), or the eos when vLLM says None (it stopped at the eos)."""
-    for name in ("stop_reason", "matched_stop"):
-        value = choice.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value in stop:
-            return value
-    if "stop_reason" in choice and choice["stop_reason"] is None and tokenizer.eos_token_id in stop:
-        return int(tokenizer.eos_token_id)
-    return None
 
 
 def _completion(url: str, model: str, prompt_ids: Sequence[int], tokenizer, request: Request,
