@@ -151,6 +151,22 @@ def open_owned(path: Path, mode: str, encoding: str | None = None):
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def lock_with_pid(handle, busy: Callable[[str], None]) -> None:
+    """Take the exclusive lock of the open lock file `handle` and write this process's pid into it.
+    When another process holds it, `busy(its pid, or "unknown")` is called first: it raises to
+    refuse, or returns, and the lock is then waited for. Closing the file releases the lock."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        busy(handle.read().strip() or "unknown")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+
+
 def disk_full(path: Path, err: BaseException, needed_bytes: int | None = None) -> DiskFull | None:
     """The one-line `DiskFull` for `err`, raised while writing `path`, when it came from a lack of
     space; None for any other error (the caller re-raises it).

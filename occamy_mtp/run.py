@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import os
 import sys
@@ -243,19 +242,11 @@ def output_lock(config: RunConfig) -> Iterator[None]:
     made_lock = not os.path.lexists(run_dir.lock)
     handle = files.open_owned(run_dir.lock, "a+")  # never through a link: it could point into the base
     finished = False
+    def refuse(holder: str) -> None:
+        raise ConfigError(f"output.dir: {run_dir.root} is in use by another run (pid {holder}); wait for it, or use another output.dir")
+
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            raise ConfigError(
-                f"output.dir: {run_dir.root} is in use by another run (pid {holder}); wait for it, or use another output.dir"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
+        files.lock_with_pid(handle, refuse)
         yield
         finished = True
     finally:

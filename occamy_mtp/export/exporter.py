@@ -29,7 +29,7 @@ from safetensors import safe_open
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
-from occamy_mtp.config import RunConfig, Serving, differing_settings
+from occamy_mtp.config import RunConfig, Serving, other_settings
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
@@ -59,13 +59,11 @@ def read_trained_tensors(run_dir: RunDir, config: RunConfig, summary: dict) -> d
     if not path.is_file():
         raise ExportError(f"{path}: no trained tensors; run train.py with this config first")
     with safe_open(str(path), framework="pt") as handle:
-        found = (handle.metadata() or {}).get("config_fingerprint")
-        if found != config.fingerprint():
-            changed = differing_settings(summary.get("fingerprinted_settings", {}), config.fingerprinted())
-            raise ExportError(
-                f"{path}: was trained with different model/data/train settings ({'; '.join(changed) or 'unknown'}); "
-                "export with the config it was trained with"
-            )
+        changed = other_settings((handle.metadata() or {}).get("config_fingerprint"), summary.get("fingerprinted_settings", {}),
+                                 config)
+        if changed is not None:
+            raise ExportError(f"{path}: was trained with different model/data/train settings ({changed}); "
+                              "export with the config it was trained with")
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     for name, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):

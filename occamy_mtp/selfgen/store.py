@@ -6,7 +6,6 @@ docs/SELF_GENERATED.md sets out the details.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -283,17 +282,8 @@ class SelfGeneratedStore:
         meta file is still this store's: one run writes a directory at a time."""
         self.directory.mkdir(parents=True, exist_ok=True)
         with files.open_owned(self.directory / LOCK_FILE, "a+") as handle:  # never through a link
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                handle.seek(0)
-                log(f"self-generated windows: {self.directory} is being written by another run "
-                    f"(pid {handle.read().strip() or 'unknown'}); waiting for it, then using its lines")
-                fcntl.flock(handle, fcntl.LOCK_EX)
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{os.getpid()}\n")
-            handle.flush()
+            files.lock_with_pid(handle, lambda holder: log(f"self-generated windows: {self.directory} is being written by "
+                                                           f"another run (pid {holder}); waiting for it, then using its lines"))
             existing = _check_meta(self.directory, self.identity)
             if existing is not None and not self.writer_details:
                 self.writer_details = existing.get("writer_details", {})

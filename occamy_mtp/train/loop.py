@@ -30,7 +30,7 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
 from occamy_mtp.console import Progress
-from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, differing_settings, dump_yaml, step_loss_weights
+from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, dump_yaml, other_settings, step_loss_weights
 from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
@@ -412,12 +412,9 @@ def read_checkpoint(path: Path, config: RunConfig) -> dict:
     if payload.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; "
                           "use a new output.dir")
-    if payload.get("config_fingerprint") != config.fingerprint():
-        changed = differing_settings(payload.get("settings", {}), config.fingerprinted())
-        raise ConfigError(
-            f"{path}: written by a run with other settings ({'; '.join(changed) or 'unknown'}); "
-            "resume with the same config, or use a new output.dir"
-        )
+    changed = other_settings(payload.get("config_fingerprint"), payload.get("settings", {}), config)
+    if changed is not None:
+        raise ConfigError(f"{path}: written by a run with other settings ({changed}); resume with the same config, or use a new output.dir")
     return payload
 
 
