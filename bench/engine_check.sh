@@ -23,7 +23,7 @@
 # The CPU build serves Gated DeltaNet models in bfloat16 only ("CPU GDN attention requires
 # BF16" on the first request in float32), so MTP on vs off cannot be repeated in float32 here.
 #
-# What vLLM 0.32's CPU build needs here (found by trying, docs/ENGINES.md): Gated DeltaNet
+# What vLLM 0.32's CPU build needs here (found by trying, docs/reference/ENGINES.md): Gated DeltaNet
 # head dims 64 or 128 (the demo's default is 64), --no-enable-prefix-caching (its hybrid
 # prefix-caching path calls a Triton kernel), --enforce-eager --language-model-only --dtype
 # bfloat16, VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind, the server started as

@@ -3,7 +3,7 @@
 Subpackages in data-flow order (imports point downstream only): model (the head, checkpoint
 I/O, the loss) -> data (windows) -> targets (the frozen base) -> selfgen (the base's own
 text) -> run (one set-up path) -> evaluation -> train -> export -> serve, on the
-foundation of config, cli, files and errors. README.md's layout table has each module.
+foundation of config, cli, files and errors. docs/developer/LAYOUT.md has each module.
 """
 
 import os

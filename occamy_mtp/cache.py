@@ -6,7 +6,7 @@ The run's windows are those train and export read (`run.open_run`'s); the base f
 writes the continuations the run's store lacks, so that training and export from the
 cache never load the base. The pass is the plain one (`target.plain_compute`, one
 window a forward: the canonical targets) or, where it runs its kernels, the packed
-fast one (`fastbase.FastBasePass`); the manifest records which (docs/TARGET_CACHE.md).
+fast one (`fastbase.FastBasePass`); the manifest records which (docs/guide/TARGET_CACHE.md).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig
+from occamy_mtp.families import fast_paths
 from occamy_mtp.run import BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed
 from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
@@ -47,7 +48,7 @@ def auto_fastbase_tokens(base) -> int:
     """
     from occamy_mtp.base import fastbase
 
-    if base.lm_head.weight.device.type != "cuda" or base.config.model_type != "qwen3_5_moe_text":
+    if base.lm_head.weight.device.type != "cuda" or not fast_paths(base.config):
         return 0
     try:
         fastbase.fla_kernels()

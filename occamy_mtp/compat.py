@@ -71,13 +71,12 @@ def route_kernels_by_device(classes=None) -> None:
     fails inside fla's Triton kernels. After this, a call on CPU tensors runs the layer's
     own code with the plain PyTorch kernels (`plain_forward`), and a call on any other
     device runs the forward as transformers defines it (fla where it is installed).
-    `classes` defaults to the Qwen3.5-MoE and Qwen3-Next layers.
+    `classes` defaults to every family's Gated DeltaNet (`families`).
     """
     if classes is None:
-        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
-        from transformers.models.qwen3_next import modeling_qwen3_next
+        from occamy_mtp.families import FAMILIES
 
-        classes = (modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet, modeling_qwen3_next.Qwen3NextGatedDeltaNet)
+        classes = tuple(family.cls("gated_deltanet") for family in FAMILIES.values())
     for cls in classes:
         if getattr(cls.forward, _ROUTED, False):
             continue

@@ -167,14 +167,14 @@ class Serving:
     presence_penalty: float = 0.0
     """Subtracted from the logit of every token the answer already holds (OpenAI's and vLLM's
     definition), before the temperature; in verification over the answer so far and the drafts
-    before the verified position (docs/CONTRACT.md section 4c)."""
+    before the verified position (docs/reference/CONTRACT.md section 4c)."""
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once for every time the answer already holds it."""
     repetition_penalty: float = 1.0
     """Divides the positive logits (multiplies the negative ones) of every token of the prompt or
     the answer so far (1: none)."""
     min_p: float = 0.0
-    """Refused above 0: vLLM refuses min_p with speculative decoding (docs/CONTRACT.md section 4c)."""
+    """Refused above 0: vLLM refuses min_p with speculative decoding (docs/reference/CONTRACT.md section 4c)."""
     thinking: bool = False
     """Thinking mode: the heldout prompts are rendered with the chat template's enable_thinking, so
     that the base's continuations open with its reasoning (the model card's thinking presets)."""
@@ -200,7 +200,7 @@ class Serving:
                 + ("-thinking" if self.thinking else ""))
 
 
-# The Qwen3.5/3.6 model card's serving presets (docs/CONTRACT.md section 4c): `eval.serving` takes
+# The Qwen3.5/3.6 model card's serving presets (docs/reference/CONTRACT.md section 4c): `eval.serving` takes
 # their names beside explicit settings.
 PRESETS: dict[str, Serving] = {
     "thinking-general": Serving(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, thinking=True),
@@ -310,7 +310,7 @@ class EvalSettings:
     {temperature: 0.7, top_p: 0.8}]. By default greedy and the card's four presets. For each, the
     heldout prompts are rendered in its thinking mode and the base writes its own continuation of
     every heldout context under that sampling (seeded: `data.self_generate_seed`) and the decoder's
-    acceptance is the exact expectation over its draws given that text (docs/CONTRACT.md sections 4a-4c)."""
+    acceptance is the exact expectation over its draws given that text (docs/reference/CONTRACT.md sections 4a-4c)."""
     sampled_continuations: int = 4
     """Continuations the base writes of each heldout (and validation) context under a sampled serving
     configuration, each from its own seed (`data.self_generate_seed` + 0, 1, ...; a store each).
@@ -655,7 +655,7 @@ def check(config: RunConfig) -> None:
     for i, s in enumerate(config.eval.serving):
         if s.min_p > 0:
             raise ConfigError(f"eval.serving[{i}].min_p: {s.min_p!r} is refused: vLLM refuses min_p with speculative "
-                              "decoding (SamplingParams._validate_spec_decode, vLLM 0.32; docs/CONTRACT.md section 4c), "
+                              "decoding (SamplingParams._validate_spec_decode, vLLM 0.32; docs/reference/CONTRACT.md section 4c), "
                               "so no served figure exists for it; leave min_p at 0")
     selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
         config.eval.serving) else None

@@ -1,4 +1,4 @@
-"""TRAINING.json: the provenance and results record of a run (docs/CONTRACT.md section 5), and its schema.
+"""TRAINING.json: the provenance and results record of a run (docs/reference/CONTRACT.md section 5), and its schema.
 
 The schema is a plain nested description checked by `validate_record`; a test checks
 that every exported record passes it and that a broken one does not.

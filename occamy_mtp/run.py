@@ -56,7 +56,7 @@ def quiet(message: str) -> None:
 
 @dataclass(frozen=True)
 class RunDir:
-    """Every file a run keeps under `output.dir` (README: outputs)."""
+    """Every file a run keeps under `output.dir` (docs/reference/OUTPUTS.md)."""
 
     root: Path
 

@@ -20,7 +20,7 @@ and after K accepted drafts a bonus token from p. Two draft rules are served:
   of the draft) and the ratio test uses that q.
 
 Either way the emitted text is distributed as p, and the expected acceptance of one
-drafted position is sum_x min(p(x), q(x)) (`acceptance`); docs/CONTRACT.md section 4
+drafted position is sum_x min(p(x), q(x)) (`acceptance`); docs/reference/CONTRACT.md section 4
 sets out the chain's expectation. Random draws here are inverse-CDF draws from given
 uniforms (`draw`), so a seeded stream (`uniform_stream`) fixes every token.
 """
@@ -62,7 +62,7 @@ def processed_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0
 History = tuple[torch.Tensor, torch.Tensor]
 """What penalties read of a row: (answer ids (N, L), prompt ids (N, Lp)), long, padded with -1. The
 answer is what the request has generated before the position: the text's tokens, which are the
-accepted drafts in a verification (docs/CONTRACT.md section 4c)."""
+accepted drafts in a verification (docs/reference/CONTRACT.md section 4c)."""
 
 
 def penalized(logits: torch.Tensor, history: History | None, presence: float = 0.0, frequency: float = 0.0,

@@ -1,4 +1,4 @@
-"""Assembly (docs/CONTRACT.md section 5): base directory untouched, the assembled one serves exactly the new head.
+"""Assembly (docs/reference/CONTRACT.md section 5): base directory untouched, the assembled one serves exactly the new head.
 
 Every base is a tiny real-layout checkpoint written into the test's own tmp_path. "What
 an engine loads" is `assemble.engine_view`: vLLM and SGLang keep the safetensors files

@@ -1,5 +1,5 @@
 """Checkpoint reading: the base and the donor head come back exactly as written, in
-every layout docs/CONTRACT.md section 3 accepts, and every kind of bad checkpoint is a clear error
+every layout docs/reference/CONTRACT.md section 3 accepts, and every kind of bad checkpoint is a clear error
 that names the tensor or file and the shapes."""
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def test_both_expert_layouts_hold_the_same_head(tiny_checkpoint, family, multimo
         assert set(converted) == {k for k in on_disk.keys() if k.startswith("mtp.")}
         for key, tensor in converted.items():
             assert torch.equal(tensor, on_disk.get(key)), key
-    # The per-expert names are the ones docs/CONTRACT.md section 3 lists.
+    # The per-expert names are the ones docs/reference/CONTRACT.md section 3 lists.
     experts = per_expert.text_config.num_experts
     per_expert_keys = set(ckpt_io.head_checkpoint_tensors(head_p.state_dict(), PER_EXPERT))
     for e in (0, experts - 1):

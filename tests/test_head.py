@@ -1,4 +1,4 @@
-"""The MTP head against a plain reference of docs/CONTRACT.md section 2, its trainable selection,
+"""The MTP head against a plain reference of docs/reference/CONTRACT.md section 2, its trainable selection,
 its borrowed embedding/lm_head, its parameter names and its real-size accounting.
 
 The reference below uses torch ops only (no transformers module) and computes the
@@ -46,7 +46,7 @@ MAX_LENGTH = 8  # longest window a test asks for
 
 
 # ----------------------------------------------------------------------------------
-# The reference: docs/CONTRACT.md section 2 in plain torch ops
+# The reference: docs/reference/CONTRACT.md section 2 in plain torch ops
 # ----------------------------------------------------------------------------------
 
 
@@ -87,7 +87,7 @@ def ref_moe(x, p, cfg):
 
 
 def reference_chain(p, embed_weight, cfg, step_tokens, base_hidden, position_ids, segment_ids):
-    """docs/CONTRACT.md section 2 for every anchor: (K, B, T) tokens, (B, T, D) H -> (K, B, T, D).
+    """docs/reference/CONTRACT.md section 2 for every anchor: (K, B, T) tokens, (B, T, D) H -> (K, B, T, D).
 
     `p` maps the head's parameter names to tensors. Padding positions are scored like
     any other and compared too: they come after every real position of their row.
@@ -348,7 +348,7 @@ def test_head_borrows_embedding_and_lm_head(loaded):
 
 
 def test_parameter_names_are_the_checkpoint_names():
-    """One-to-one with docs/CONTRACT.md section 3's `mtp.*` names (fused expert layout), nothing else."""
+    """One-to-one with docs/reference/CONTRACT.md section 3's `mtp.*` names (fused expert layout), nothing else."""
     spec_names = {
         "fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight",
         "layers.0.input_layernorm.weight", "layers.0.post_attention_layernorm.weight",
@@ -401,7 +401,7 @@ def part_sizes(head: MTPHead) -> dict[str, int]:
 
 
 def test_real_size_accounting_qwen3_5():
-    """docs/CONTRACT.md section 1's table, part by part."""
+    """docs/reference/CONTRACT.md section 1's table, part by part."""
     head = real_size_head(QWEN3_5_35B_A3B)
     assert count_parameters(head) == (844_640_768, 8_392_704)
     assert part_sizes(head) == {

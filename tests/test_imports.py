@@ -74,11 +74,9 @@ def test_a_cycle_is_found(tmp_path):
     assert cycles(import_graph(package)) == [["occamy_mtp.a", "occamy_mtp.b", "occamy_mtp.c", "occamy_mtp.a"]]
 
 
-def test_the_readme_layout_lists_every_module_below_what_it_imports():
-    """README's layout table: every module appears, and imports only modules of earlier (or its own) rows."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    layout = readme[readme.index("## Layout of the code"):]
-    layout = layout[: layout.index("\n## ", 1)]
+def test_the_layout_page_lists_every_module_below_what_it_imports():
+    """docs/developer/LAYOUT.md's table: every module appears, and imports only modules of earlier (or its own) rows."""
+    layout = (PACKAGE.parent / "docs" / "developer" / "LAYOUT.md").read_text()
     rows = []
     for line in layout.splitlines():
         if line.startswith("| `occamy_mtp/"):
@@ -88,7 +86,7 @@ def test_the_readme_layout_lists_every_module_below_what_it_imports():
     package_level = {"occamy_mtp"}  # __init__: the version string, importable from anywhere
     listed = set().union(*rows)
     missing = {m for m in graph if m not in package_level and not any(m == r or m.startswith(r + ".") for r in listed)}
-    assert not missing, f"modules missing from the README layout table: {sorted(missing)}"
+    assert not missing, f"modules missing from the layout table of docs/developer/LAYOUT.md: {sorted(missing)}"
 
     def row_of(module: str) -> int:
         return next(i for i, row in enumerate(rows) if any(module == r or module.startswith(r + ".") for r in row))

@@ -87,7 +87,7 @@ def test_real_size_config_text_report(tmp_path, capsys):
     assert main([str(config)]) == 0
     text = capsys.readouterr().out
     assert "844,640,768" in text and "trainable 8,392,704" in text
-    assert "1,611" in text  # MiB of the head in bf16 (docs/CONTRACT.md section 1)
+    assert "1,611" in text  # MiB of the head in bf16 (docs/reference/CONTRACT.md section 1)
     assert "hidden 2,048, 40 layers (10 full attention, 30 linear)" in text
     assert "problems          none" in text
 

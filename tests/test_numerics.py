@@ -3,7 +3,7 @@ arithmetic and still fail a real error.
 
 The real errors here are small ones: one weight of fc off by 1% of fc's largest entry
 (a single mis-loaded element), and the chain's step-2 tokens fed one anchor late (an
-alignment slip, docs/CONTRACT.md section 2). Both move the outputs and gradients by
+alignment slip, docs/reference/CONTRACT.md section 2). Both move the outputs and gradients by
 far more than rounding does, and the bounds must say so.
 """
 

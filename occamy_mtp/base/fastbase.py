@@ -1,6 +1,6 @@
 """The fast frozen-base pass: packed windows, fla kernels, chunked greedy (issue 6).
 
-docs/FASTBASE.md sets out the details.
+docs/developer/FASTBASE.md sets out the details.
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
+from occamy_mtp.families import fast_paths
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
 
 # Attention implementations for which `attention_mask=None` means causal (transformers'
 # sdpa passes is_causal; flash kernels are causal by default). Under "eager" a None mask
-# is NOT causal (docs/CONTRACT.md section 2), so an explicit mask is built for every other one.
+# is NOT causal (docs/reference/CONTRACT.md section 2), so an explicit mask is built for every other one.
 _CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
@@ -503,11 +504,9 @@ class FastBasePass:
         cuda_graphs: bool = False,
         max_graphs: int = 2,
     ):
-        if base.config.model_type != "qwen3_5_moe_text":
-            raise ValueError(
-                f"FastBasePass supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}; "
-                "use occamy_mtp.targets.base.base_outputs for other bases"
-            )
+        if not fast_paths(base.config):
+            raise ValueError(f"FastBasePass runs the families whose fast_paths are on (`occamy_mtp.families`), not "
+                             f"model_type {base.config.model_type!r}; use occamy_mtp.targets.base.base_outputs for other bases")
         self.base = base
         self.max_tokens_per_batch = max_tokens_per_batch
         self.logits_chunk_tokens = logits_chunk_tokens

@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from occamy_mtp.compat import cache_kwarg, torch_function
+from occamy_mtp.families import fast_paths, family_of
 from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
@@ -211,8 +212,9 @@ class BatchDecoder:
 
     def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0,
                  sampling: TextSampling = GREEDY_TEXT):
-        if base.config.model_type != "qwen3_5_moe_text":
-            raise ValueError(f"BatchDecoder supports model_type 'qwen3_5_moe_text' (Qwen3.5-MoE), got {base.config.model_type!r}")
+        if not fast_paths(base.config):
+            raise ValueError(f"BatchDecoder runs the families whose fast_paths are on (`occamy_mtp.families`), not "
+                             f"model_type {base.config.model_type!r}")
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.device = base.lm_head.weight.device
@@ -721,7 +723,7 @@ class StaticHeadRunner:
         positions = start + self._arange[:tokens]  # (m,)
         keys = self._arange if self.kv.visible is None else self._arange[: self.kv.visible]
         rotary = positions[None]  # (1, m); text M-RoPE takes three equal rows, as `MTPHead.backbone` gives it
-        if head.config.model_type == "qwen3_5_moe_text":
+        if family_of(head.config.model_type).text_mrope:
             rotary = rotary[None].expand(3, 1, -1)
         position_embeddings = head.rotary_emb(projected, rotary)
         mask = _buffer_mask(positions, keys, projected.dtype)  # (1, 1, m, L)
@@ -846,18 +848,18 @@ def _graph_of(device: torch.device, run) -> torch.cuda.CUDAGraph:
 
 
 def static_head_decoding(head) -> bool:
-    """Whether the reference decoder runs `head` with `StaticHeadRunner`: a Qwen3.5-MoE head on CUDA
-    whose tensors are all in the base's dtype, as export and serving hold it (elsewhere
-    `decode.HeadRunner`, transformers' layer on a growing cache)."""
+    """Whether the reference decoder runs `head` with `StaticHeadRunner`: a head of a family with fast
+    paths, on CUDA, whose tensors are all in the base's dtype, as export and serving hold it
+    (elsewhere `decode.HeadRunner`, transformers' layer on a growing cache)."""
     lm_head = head.shared.lm_head.weight
-    return (lm_head.device.type == "cuda" and head.config.model_type == "qwen3_5_moe_text"
+    return (lm_head.device.type == "cuda" and fast_paths(head.config)
             and all(p.dtype == lm_head.dtype for p in head.parameters()))
 
 
 def static_decoding(base) -> bool:
-    """Whether self-generation decodes `base` with `BatchDecoder`: a Qwen3.5-MoE base on CUDA
-    (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
-    return base.lm_head.weight.device.type == "cuda" and base.config.model_type == "qwen3_5_moe_text"
+    """Whether self-generation decodes `base` with `BatchDecoder`: a base of a family with fast paths,
+    on CUDA (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
+    return base.lm_head.weight.device.type == "cuda" and fast_paths(base.config)
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],

@@ -1,7 +1,7 @@
 """python -m occamy_mtp validate --reference URL --candidate URL --config RUN.yaml --out DIR [--serving PRESET]
 
 MTP off against on at two endpoints, token for token, or under a sampled preset by distribution and
-acceptance (`occamy_mtp.serve.validate`, `occamy_mtp.serve.sampled`, docs/VALIDATE.md).
+acceptance (`occamy_mtp.serve.validate`, `occamy_mtp.serve.sampled`, docs/guide/VALIDATE.md).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="render the prompts with thinking on (the card's thinking presets; chat: chat_template_kwargs)")
     cli.add_argument("--serving", help="a serving preset by name (thinking-general, thinking-coding, instruct-general, "
                      "instruct-reasoning): sample as it does, with its penalties and thinking mode, and validate the "
-                     "distributions and the acceptance in place of token identity (docs/VALIDATE.md, 'Sampled serving')")
+                     "distributions and the acceptance in place of token identity (docs/guide/VALIDATE.md, 'Sampled serving')")
     cli.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="sampled: draws a prompt")
     cli.add_argument("--seed", type=int, default=0, help="sampled: the requests' seeds derive from it, each prompt and draw")
     cli.add_argument("--head", help="sampled: the candidate's head (a file, or 'donor' for model.donor_head): its acceptance "

@@ -1,4 +1,4 @@
-"""Chat files -> distinct, normalised conversations, with what was left out counted (docs/DATA.md).
+"""Chat files -> distinct, normalised conversations, with what was left out counted (docs/guide/DATA.md).
 
 `ChatReader` is the one reading loop of the library: training's windows
 (`data.prepare.prepare_windows`), `generate`'s prompts and validate's heldout prompts all

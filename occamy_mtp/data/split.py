@@ -1,5 +1,5 @@
 """The train / validation / heldout split: by each conversation's content and the seed alone,
-and windows kept apart across sides (docs/DATA.md).
+and windows kept apart across sides (docs/guide/DATA.md).
 """
 
 from __future__ import annotations

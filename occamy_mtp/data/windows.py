@@ -1,5 +1,5 @@
-"""Conversations -> assistant-only windows (docs/CONTRACT.md section 4): the turns chosen, the
-template's rendering, the bounded tokenization of context and answer (docs/DATA.md).
+"""Conversations -> assistant-only windows (docs/reference/CONTRACT.md section 4): the turns chosen, the
+template's rendering, the bounded tokenization of context and answer (docs/guide/DATA.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ sampled with the text's settings, a seed per context) and the continuation read 
 
 The prompt goes as token ids (no template is rendered again), at most the answer's budget,
 stopping at the base's stop tokens, with `return_token_ids` (vLLM and SGLang return
-`choices[0].token_ids`, docs/ENGINES.md). A sampled request's seed derives from the run's
+`choices[0].token_ids`, docs/reference/ENGINES.md). A sampled request's seed derives from the run's
 seed and the context's digest (`TextSampling.request_seed`, `files.token_ids_sha256`: the
 self-generated store's key), so that the engine's own generator draws the same text for
 the same context. Where a server returns only text, the text is tokenized and whether it

@@ -2,7 +2,7 @@
 
 The standard library's sockets, so that a stalled or trickling server is cut at the deadline,
 and a response that is not JSON, too large or cut short is a `RequestFailed` saying what was
-wrong. docs/ENGINES.md sets out what each engine answers.
+wrong. docs/reference/ENGINES.md sets out what each engine answers.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """SGLang's reader: its per-request speculative counts (`choices[0].meta_info`, or `sglext.spec_tokens_details`).
 
-The library's reference server writes the same fields. docs/ENGINES.md names the versions.
+The library's reference server writes the same fields. docs/reference/ENGINES.md names the versions.
 """
 
 from __future__ import annotations

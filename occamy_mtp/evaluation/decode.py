@@ -1,6 +1,6 @@
 """Reference decoding in plain PyTorch: greedy with the base alone, and speculative with the MTP head.
 
-docs/DECODER.md sets out the details.
+docs/reference/DECODER.md sets out the details.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Offline evaluation of a head against the frozen base (docs/CONTRACT.md section 4).
+"""Offline evaluation of a head against the frozen base (docs/reference/CONTRACT.md section 4).
 
-docs/EVALUATION.md sets out the details.
+docs/guide/EVALUATION.md sets out the details.
 """
 
 from __future__ import annotations

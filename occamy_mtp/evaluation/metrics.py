@@ -1,4 +1,4 @@
-"""Acceptance arithmetic (docs/CONTRACT.md section 4), shared by the offline evaluation and the decoder.
+"""Acceptance arithmetic (docs/reference/CONTRACT.md section 4), shared by the offline evaluation and the decoder.
 
 Counts -> figures: step k is proposed only where steps 1..k-1 were accepted, so
 acc_k = accepted_k / proposed_k; the mean accept length (bonus token included, as
@@ -26,7 +26,7 @@ An accepted draft is counted with alpha = sum_x min(p, q), its expectation given
 before the drafted position, rather than with beta: the same expectation, with the draw
 of that token averaged out. On a text the base wrote under the same sampling settings,
 the figures are the decoder's expected counts given the text, and their mean over texts
-is the served expectation (docs/CONTRACT.md section 4). With beta and alpha in {0, 1}
+is the served expectation (docs/reference/CONTRACT.md section 4). With beta and alpha in {0, 1}
 (greedy serving on the base's greedy text) the walk is `decoder_rounds`' and the counts
 are the same numbers.
 """

@@ -1,6 +1,6 @@
-"""Assembly: the frozen base plus the trained head, as one directory an engine serves (docs/CONTRACT.md section 5).
+"""Assembly: the frozen base plus the trained head, as one directory an engine serves (docs/reference/CONTRACT.md section 5).
 
-docs/ASSEMBLY.md sets out the details.
+docs/guide/ASSEMBLY.md sets out the details.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.families import draft_architectures, family_of
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp.model.head import MTPHead
@@ -37,11 +38,8 @@ HEAD_DTYPE = "BF16"  # safetensors' name for bfloat16
 # for which engine check each one satisfies).
 HEAD_EXCLUSIONS = ("mtp", "mtp*")
 
-# SGLang NEXTN turns only these architectures into its MTP draft class.
-SGLANG_DRAFT_ARCHITECTURES = {
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5ForCausalLMMTP",
-    "Qwen3NextForCausalLM": "Qwen3NextForCausalLMMTP",
-}
+# SGLang NEXTN turns only these architectures into its MTP draft class (each family's, `families`).
+SGLANG_DRAFT_ARCHITECTURES = draft_architectures()
 
 _HEADER_LENGTH_BYTES = 8  # safetensors files start with a little-endian u64 header length
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -358,11 +356,8 @@ def enable_mtp(raw: dict, text_config, num_layers: int) -> list[str]:
     multimodal = isinstance(raw.get("text_config"), dict)
     text = raw["text_config"] if multimodal else raw
     where = "text_config." if multimodal else ""
-    fields = ["mtp_num_hidden_layers"]  # vLLM n_predict for Qwen3.5; our own has_mtp
-    if text_config.model_type == "qwen3_next":
-        fields.append("num_nextn_predict_layers")  # vLLM n_predict for Qwen3-Next
     changes = []
-    for name in fields:
+    for name in family_of(text_config.model_type).n_predict_fields:
         old = text.get(name)
         if old != num_layers:
             text[name] = num_layers

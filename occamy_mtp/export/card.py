@@ -147,9 +147,9 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
         "",
         "- Sampled serving in a real engine: the sampled figures above are the reference decoder's expectation, "
         "not an engine's counts. Penalties are applied as vLLM applies them in verification; SGLang applies a "
-        "round's starting penalties to the whole round (occamy-mtp's docs/CONTRACT.md section 4c).",
+        "round's starting penalties to the whole round (occamy-mtp's docs/reference/CONTRACT.md section 4c).",
         "- Concurrency and batching in an engine, and engines or versions other than those in the library's docs "
-        "(docs/ENGINES.md).",
+        "(docs/reference/ENGINES.md).",
         f"- Contexts longer than {data['context_tokens']} tokens: every window keeps at most that many tokens "
         "of its conversation.",
         "- Quantized bases (FP8, NVFP4): the head was trained and measured on the unquantized base.",

@@ -217,7 +217,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
         raise ExportError(
             "the trained head is worse than the donor where serving runs it, so it was not written:\n"
             + format_metrics(metrics)
-            + "\nchange the recipe (see README: the recipe), or pass --allow-worse to write it anyway"
+            + "\nchange the recipe (docs/guide/RECIPE.md), or pass --allow-worse to write it anyway"
         )
 
     layout = run.models.donor_layout if config.output.expert_layout == "donor" else config.output.expert_layout

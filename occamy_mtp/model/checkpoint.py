@@ -1,6 +1,6 @@
 """Checkpoint I/O: configs, lazy safetensors reading, key renaming, expert layouts.
 
-The on-disk layouts this module accepts are those of docs/CONTRACT.md section 3:
+The on-disk layouts this module accepts are those of docs/reference/CONTRACT.md section 3:
 
 * base text weights under `model.language_model.*` (multimodal checkpoint) or
   `model.*` (text-only), plus `lm_head.weight`; `model.visual.*` is never loaded;
@@ -29,9 +29,9 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
 
-from transformers import Qwen3_5MoeTextConfig, Qwen3NextConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -53,12 +53,6 @@ FUSED = "fused"
 PER_EXPERT = "per_expert"
 EXPERT_LAYOUTS = (FUSED, PER_EXPERT)
 
-_TEXT_CONFIG_CLASSES = {
-    "qwen3_5_moe_text": Qwen3_5MoeTextConfig,
-    "qwen3_next": Qwen3NextConfig,
-}
-# Top-level model_type of a multimodal checkpoint -> model_type of its text_config.
-_MULTIMODAL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 _PER_EXPERT_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
@@ -202,7 +196,7 @@ class ModelConfig:
     """What config.json says, resolved to the text model's config."""
 
     path: Path
-    text_config: object  # Qwen3_5MoeTextConfig or Qwen3NextConfig
+    text_config: object  # the family's text config class (`families`)
     raw: dict
     multimodal: bool
     quantization_config: dict | None = None
@@ -265,12 +259,11 @@ def checkpoint_fingerprint(directory: str | Path) -> dict:
 def text_config_from_dict(text: dict, source: str = "config"):
     """Build the transformers text config class named by `text['model_type']`."""
     model_type = text.get("model_type")
-    if model_type not in _TEXT_CONFIG_CLASSES:
-        raise CheckpointError(
-            f"{source}: text model_type {model_type!r} is not supported; expected one of {sorted(_TEXT_CONFIG_CLASSES)}"
-        )
+    family = family_of(model_type)
+    if family is None:
+        raise CheckpointError(f"{source}: text model_type {model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
     fields = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "transformers_version")}
-    config_class = _TEXT_CONFIG_CLASSES[model_type]
+    config_class = family.cls("config_class")
     _check_field_types(config_class, fields, source)
     try:
         return config_class(**fields)
@@ -322,11 +315,10 @@ def read_config(path: Path) -> ModelConfig:
             raise CheckpointError(f"{config_path}: text_config is {type(raw['text_config']).__name__}; "
                                   "an object of the text model's fields is expected")
         text = dict(raw["text_config"])
-        text.setdefault("model_type", _MULTIMODAL_TYPES.get(raw.get("model_type"), raw.get("model_type")))
+        text.setdefault("model_type", MULTIMODAL_TYPES.get(raw.get("model_type"), raw.get("model_type")))
     else:
         text = dict(raw)
-        if text.get("model_type") == "qwen3_5_moe":
-            text["model_type"] = "qwen3_5_moe_text"
+        text["model_type"] = MULTIMODAL_TYPES.get(text.get("model_type"), text.get("model_type"))
     text_config = text_config_from_dict(text, source=str(config_path))
     quantization = raw.get("quantization_config") or text.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
@@ -574,12 +566,10 @@ def head_checkpoint_tensors(state: Mapping[str, torch.Tensor], layout: str) -> d
 def base_model_class(text_config):
     """transformers' causal-LM class of the base, its Gated DeltaNet run on the kernels of the
     device of its input (`compat.route_kernels_by_device`: a CPU model next to CUDA and fla)."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
-
     from occamy_mtp.compat import route_kernels_by_device
 
     route_kernels_by_device()
-    return {"qwen3_5_moe_text": Qwen3_5MoeForCausalLM, "qwen3_next": Qwen3NextForCausalLM}[text_config.model_type]
+    return family_of(text_config.model_type).cls("causal_lm")
 
 
 def base_text_prefix(ckpt: SafetensorsCheckpoint) -> str:

@@ -1,4 +1,4 @@
-"""The MTP draft head, computed exactly as the serving engine runs it (docs/CONTRACT.md section 2).
+"""The MTP draft head, computed exactly as the serving engine runs it (docs/reference/CONTRACT.md section 2).
 
 Step 1, anchored at position i (teacher forced)::
 
@@ -31,27 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
-from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
-
 from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.families import FAMILIES, family_of
 
-# The parameters that adapt the donor head to a new base (docs/CONTRACT.md section 1).
+# The parameters that adapt the donor head to a new base (docs/reference/CONTRACT.md section 1).
 TRAINABLE_DEFAULT = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
-
-# Model families: (decoder layer, RMSNorm, rotary embedding) of transformers' reference code.
-_FAMILIES = {
-    "qwen3_5_moe_text": (
-        qwen3_5_moe.Qwen3_5MoeDecoderLayer,
-        qwen3_5_moe.Qwen3_5MoeRMSNorm,
-        qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding,
-    ),
-    "qwen3_next": (
-        qwen3_next.Qwen3NextDecoderLayer,
-        qwen3_next.Qwen3NextRMSNorm,
-        qwen3_next.Qwen3NextRotaryEmbedding,
-    ),
-}
 
 
 # Positions per lm_head + argmax chunk wherever logits over the vocabulary are taken (the
@@ -99,10 +83,8 @@ def default_experts_implementation() -> str:
 
 def head_layer_config(text_config, attn_implementation: str = "sdpa", experts_implementation: str | None = None):
     """A copy of the base's text config for the head's single full-attention layer."""
-    if text_config.model_type not in _FAMILIES:
-        raise ValueError(
-            f"model_type {text_config.model_type!r} is not supported; expected one of {sorted(_FAMILIES)}"
-        )
+    if family_of(text_config.model_type) is None:
+        raise ValueError(f"model_type {text_config.model_type!r} is not supported; expected one of {sorted(FAMILIES)}")
     config = copy.deepcopy(text_config)
     config.layer_types = ["full_attention"]
     config.num_hidden_layers = 1
@@ -150,7 +132,8 @@ class MTPHead(nn.Module):
     ):
         super().__init__()
         config = head_layer_config(text_config, attn_implementation, experts_implementation)
-        layer_class, norm_class, rotary_class = _FAMILIES[config.model_type]
+        family = family_of(config.model_type)
+        layer_class, norm_class, rotary_class = (family.cls(name) for name in ("decoder_layer", "norm", "rotary"))
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)  # columns: [embedding | hidden]
@@ -192,7 +175,7 @@ class MTPHead(nn.Module):
     ) -> torch.Tensor:
         """The decoder layer and final norm: (B, T, D) -> post-norm (B, T, D)."""
         rotary_positions = position_ids
-        if self.config.model_type == "qwen3_5_moe_text":
+        if family_of(self.config.model_type).text_mrope:
             # M-RoPE takes (3, B, T) rows (temporal, height, width); for text all three are
             # the token position, which makes it 1-D RoPE. transformers 5.2x expands a
             # (B, T) input itself, 5.17 does not, so pass all three rows.

@@ -1,6 +1,6 @@
 """Chain inputs, labels and the distillation loss.
 
-Alignment (docs/CONTRACT.md sections 2 and 4), for a window x_0..x_{L-1} with the base's greedy
+Alignment (docs/reference/CONTRACT.md sections 2 and 4), for a window x_0..x_{L-1} with the base's greedy
 choices greedy_t = argmax(W @ H_t) (the base's prediction for position t+1):
 
 * step 1 at anchor i embeds x_{i+1} and is trained towards greedy_{i+1} (position i+2);

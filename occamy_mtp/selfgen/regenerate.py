@@ -3,7 +3,7 @@
 writer. A turn written in thinking mode keeps the base's reasoning in `reasoning_content` and its
 answer in `content`, as vLLM's and SGLang's reasoning parsers return them.
 
-docs/REGENERATE.md sets out the details.
+docs/guide/REGENERATE.md sets out the details.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Self-generated windows: each window's answer replaced by the frozen base's own continuation (greedy, or sampled).
 
-docs/SELF_GENERATED.md sets out the details.
+docs/guide/SELF_GENERATED.md sets out the details.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A tiny OpenAI-compatible HTTP server over the reference decoders (stdlib `http.server`).
 
-docs/REFERENCE_SERVER.md sets out the details.
+docs/reference/REFERENCE_SERVER.md sets out the details.
 """
 
 from __future__ import annotations

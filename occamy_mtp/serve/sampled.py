@@ -1,7 +1,7 @@
 """Validation under a sampled serving configuration (`validate --serving PRESET`).
 
 Under sampling two servers cannot be compared token for token, so three questions stand in
-for the greedy protocol's one (docs/VALIDATE.md, "Sampled serving"):
+for the greedy protocol's one (docs/guide/VALIDATE.md, "Sampled serving"):
 
 * Is each server's text a sample of what was asked? Of its tokens, the share that the
   processed distribution (the preset's temperature, top-k, top-p and penalties) excludes:

@@ -1,6 +1,6 @@
 """Endpoint validation: does turning MTP on change what the server says, and does it draft?
 
-docs/VALIDATE.md sets out the details.
+docs/guide/VALIDATE.md sets out the details.
 """
 
 from __future__ import annotations

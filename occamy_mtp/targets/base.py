@@ -1,4 +1,4 @@
-"""The frozen base as the teacher: post-norm hidden states and greedy targets (docs/CONTRACT.md section 4).
+"""The frozen base as the teacher: post-norm hidden states and greedy targets (docs/reference/CONTRACT.md section 4).
 
 For a window x_0..x_{T-1} the base yields H_t (after its final norm, transformers'
 `last_hidden_state`) and its greedy next-token choice greedy_t = argmax(W @ H_t), the

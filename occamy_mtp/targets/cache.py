@@ -4,7 +4,7 @@ Shards of packed windows (token ids, post-norm hidden states, greedy targets) an
 manifest holding the cache's identity (base fingerprint, the windows' token ids, the
 settings), written shard by shard so that an interrupted pass resumes, and refused when
 opened for another base, other windows or other settings. `cache.py` runs the pass;
-docs/TARGET_CACHE.md sets out the layout, the identity and which pass computes what.
+docs/guide/TARGET_CACHE.md sets out the layout, the identity and which pass computes what.
 """
 
 from __future__ import annotations

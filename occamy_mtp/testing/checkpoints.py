@@ -57,7 +57,7 @@ TINY_QWEN3_NEXT = {
     "rope_parameters": dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
 }
 
-# Real dimensions, for accounting on the meta device (docs/CONTRACT.md section 1; Qwen3-Next-80B-A3B's
+# Real dimensions, for accounting on the meta device (docs/reference/CONTRACT.md section 1; Qwen3-Next-80B-A3B's
 # config.json). Never instantiated with memory in tests.
 QWEN3_5_35B_A3B = dict(
     model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, vocab_size=248_320,
