@@ -211,12 +211,13 @@ class BatchDecoder:
     """
 
     def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0,
-                 sampling: TextSampling = GREEDY_TEXT):
+                 sampling: TextSampling = GREEDY_TEXT, prefill: bool = True):
         if not fast_paths(base.config):
             raise ValueError(f"BatchDecoder runs the families whose fast_paths are on (`occamy_mtp.families`), not "
                              f"model_type {base.config.model_type!r}")
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
+        self.prefills = prefill  # False: every prompt position is a step (the oracle and the benchmark's baseline)
         self.device = base.lm_head.weight.device
         if self.device.type == "cuda":
             # The allocator's cache handed back first. On fixed segments a decoder dropped just before
@@ -532,7 +533,7 @@ class BatchDecoder:
         self._reset(prompts, uniforms)
         stops = torch.tensor(sorted(eos), dtype=torch.long, device=self.device)
         first = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # position of the first new token
-        shared = min(len(p) for p in prompts) - 1  # positions every prompt holds: no choice there is kept
+        shared = min(len(p) for p in prompts) - 1 if self.prefills else 0  # positions every prompt holds
         self.prefill(len(prompts), shared)
         for done in range(shared + 1, steps + 1):
             self._run_step()
