@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.losses import LOSSES, fits_distribution
 
 
 class ConfigError(OccamyError, ValueError):
@@ -235,7 +236,6 @@ def sampling_label(temperature: float, top_p: float, top_k: int, presence_penalt
     return "-".join(parts)
 
 
-LOSSES = ("top1", "kl", "tv")
 
 
 @dataclass(frozen=True)
@@ -268,8 +268,8 @@ class TrainSettings:
     detach_chain: bool = False
     """Stop gradients between chained steps (cheaper; the default trains the full unroll)."""
     loss: str = "top1"
-    """What the head is fitted to at each scored position: top1 (cross-entropy towards the base's greedy
-    token), kl (KL(p || q)) or tv (the total variation 1 - sum_x min(p(x), q(x)), one minus the
+    """What the head is fitted to at each scored position, a name of `occamy_mtp.losses.LOSSES`: top1
+    (cross-entropy towards the base's greedy token), kl (KL(p || q)) or tv (the total variation 1 - sum_x min(p(x), q(x)), one minus the
     expected acceptance of a draft drawn from q). p is the base's distribution processed as the
     selected serving configuration serves it (`eval.serving[eval.select_serving]`: temperature,
     top_p, top_k), computed exactly from the base's hidden state; q is the head's softmax at that
@@ -365,7 +365,7 @@ class RunConfig:
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
-        if "train" in sections and (self.train.select_every_steps or self.train.loss != "top1"):
+        if "train" in sections and (self.train.select_every_steps or fits_distribution(self.train.loss)):
             selected = dict(d["eval"]["serving"][self.eval.select_serving])  # selection scores it, the loss fits it
             for name in _LATER_SERVING_SETTINGS:
                 if selected.get(name) == getattr(Serving(), name):
@@ -621,7 +621,7 @@ def check(config: RunConfig) -> None:
         ),
         (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
-        (config.train.loss in LOSSES, "train.loss", ", ".join(LOSSES[:-1]) + " or " + LOSSES[-1]),
+        (config.train.loss in LOSSES, "train.loss", ", ".join(list(LOSSES)[:-1]) + " or " + list(LOSSES)[-1]),
         (len(config.eval.serving) >= 1, "eval.serving", "one or more serving configurations"),
         (0 <= config.eval.select_serving < max(1, len(config.eval.serving)), "eval.select_serving",
          f"an index into eval.serving, 0 to {len(config.eval.serving) - 1}"),
@@ -659,7 +659,7 @@ def check(config: RunConfig) -> None:
                               "so no served figure exists for it; leave min_p at 0")
     selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
         config.eval.serving) else None
-    if selected is not None and selected.penalized and config.train.loss != "top1":
+    if selected is not None and selected.penalized and config.train.loss in LOSSES and fits_distribution(config.train.loss):
         raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
                           f"configuration ({selected.label()}), whose penalties depend on each answer's earlier tokens: "
                           "not modelled in the loss yet; use train.loss=top1, or select a configuration without penalties")

@@ -123,3 +123,29 @@ def test_a_distribution_loss_needs_the_base_hidden_states():
     with pytest.raises(ValueError, match="needs the base's hidden states"):
         chain_loss(head, torch.randn(1, 1, 4, 3), torch.zeros(1, 1, 4, dtype=torch.long), (1.0,),
                    objective=Objective("tv", Serving(temperature=0.7)))
+
+
+def test_a_loss_added_as_a_row_is_taken_by_the_config_and_the_chain(monkeypatch):
+    """`losses.LOSSES` is the one place a loss is named: a row added there is a valid `train.loss`, its
+    function scores the chain (with p where it fits the distribution), its bytes size the chunks."""
+    from occamy_mtp import losses
+    from occamy_mtp.config import ConfigError, Serving, check, load_config
+    from occamy_mtp.model.loss import Objective
+
+    seen = {}
+
+    def squared(logits, target, p, temperature):
+        seen.update(p=p, temperature=temperature)
+        return ((logits.softmax(-1) - p) ** 2).sum()
+
+    with pytest.raises(ConfigError, match="train.loss: expected top1, kl or tv"):
+        check(load_config(None, ["train.loss=squared"]))
+    monkeypatch.setitem(losses.LOSSES, "squared", losses.Loss("squared", losses.DISTRIBUTION, 64, squared, "sum of (q - p)^2"))
+    check(load_config(None, ["train.loss=squared"]))  # a name now
+    head = _Head(torch.randn(7, 3))
+    hidden, base_hidden = torch.randn(1, 1, 4, 3), torch.randn(1, 4, 3)
+    labels = torch.tensor([[[1, 2, IGNORE, IGNORE]]])
+    total, stats = chain_loss(head, hidden, labels, (1.0,), chunk_tokens=8, objective=Objective("squared", Serving(temperature=0.7)),
+                              base_hidden=base_hidden)
+    assert seen["p"].shape == (2, 7) and seen["temperature"] == 0.7 and torch.allclose(seen["p"].sum(-1), torch.ones(2))
+    assert stats[0].scored == 2 and float(total) == pytest.approx(stats[0].loss_sum / 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from occamy_mtp import memory
+from occamy_mtp.losses import LOSSES
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.base.fastdecode import PREFILL_PASS_BYTES, BatchDecoder
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
@@ -228,9 +229,9 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
         figure, run = evaluate.ODDS_BYTES_PER_LOGIT, lambda: evaluate.odds_of(head, other, hidden, tokens, serving)
     else:
         chain = hidden[None, None].detach().requires_grad_(True)  # (K=1, B=1, T, D), every pair scored
-        objective = loss.Objective(loss.TOP1 if what == "top1" else loss.KL, serving)
+        objective = loss.Objective("top1" if what == "top1" else "kl", serving)
         base_hidden = torch.cat([other, other[:1]])[None]  # (1, T + 1, D): step 1 at anchor i fits p from H_{i+1}
-        figure = loss.TOP1_BYTES_PER_LOGIT if what == "top1" else loss.DISTRIBUTION_BYTES_PER_LOGIT
+        figure = LOSSES[objective.loss].bytes_per_logit
 
         def run():
             total, _ = loss.chain_loss(head, chain, tokens[None, None], (1.0,), rows, objective, base_hidden)

@@ -23,12 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from occamy_mtp import sampling
 from occamy_mtp import memory
-from occamy_mtp.config import LOSSES, Serving
+from occamy_mtp.config import Serving
+from occamy_mtp.losses import LOSSES, fits_distribution
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 IGNORE = -100  # label of an unscored (step, anchor) pair
@@ -36,17 +36,9 @@ IGNORE = -100  # label of an unscored (step, anchor) pair
 # head's logits and q are each (pairs x V) of 4 to 12 bytes; 1024 pairs at V = 248,320 are
 # 1 to 3 GiB each.
 SOFT_CHUNK_TOKENS = 1024
-# Bytes a logit takes at the peak of a chunk's backward (the logits recomputed, so a chunk is
-# all that is ever held), which sizes the chunks to the GPU's free memory (`memory.logit_rows`;
-# each checked against a measured peak in tests/test_memory.py). top1: the bf16 logits, their
-# fp32 copy, cross-entropy's log-softmax and the gradients of all three. kl / tv: p's top-p
-# sort beside the head's fp32 logits, q and their gradients.
-TOP1_BYTES_PER_LOGIT = 24
-DISTRIBUTION_BYTES_PER_LOGIT = 64
 # The base's choice under penalties: its logits in fp32, penalized (a copy, the answer's counts, the
 # tokens seen), and the argmax.
 CHOICE_BYTES_PER_LOGIT = 16
-TOP1, KL, TV = LOSSES
 
 
 @dataclass(frozen=True)
@@ -164,27 +156,12 @@ class StepStats:
 class Objective:
     """What the head is fitted to (`train.loss`), and how its chain is fed."""
 
-    loss: str = TOP1
-    """top1: cross-entropy towards the base's greedy token; kl: KL(p || q); tv: 1 - sum_x min(p, q)."""
+    loss: str = "top1"
+    """A name of `losses.LOSSES`: top1 (cross-entropy towards the base's greedy token), kl, tv."""
     serving: Serving = Serving()
     """Whose processed distribution p a kl or tv loss fits, and at whose temperature q is taken."""
     embed_text: bool = False
     """Steps k >= 2 embed the text's tokens (the train text was sampled; `chain_batch`)."""
-
-
-def distribution_loss(kind: str, head_logits: torch.Tensor, p: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Summed kl or tv of (N, V) head logits against the base's processed (N, V) p (no gradient through p).
-
-    q = softmax(logits / T), T the serving temperature (1 when serving is greedy: p is then
-    one-hot and T only shapes how q approaches it). kl sums p (log p - log q) with 0 log 0 = 0;
-    tv sums 1 - sum_x min(p, q), one minus the expected acceptance of a draft drawn from q.
-    """
-    scaled = head_logits.float() / (temperature if temperature > 0 else 1.0)
-    if kind == KL:
-        return (torch.xlogy(p, p) - p * scaled.log_softmax(dim=-1)).sum()
-    if kind == TV:
-        return (1.0 - torch.minimum(p, scaled.softmax(dim=-1)).sum(dim=-1)).sum()
-    raise ValueError(f"loss must be {KL} or {TV} here, got {kind!r}")
 
 
 def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor, base_hidden: torch.Tensor | None = None,
@@ -195,11 +172,11 @@ def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor, base_hidde
     give p at the same pairs (the head's logits function is the base's lm_head)."""
     logits = head.logits(hidden).float()  # (N, V)
     hits = (logits.argmax(-1) == target).sum()
-    if objective.loss == TOP1:
-        return F.cross_entropy(logits, target, reduction="sum"), hits
-    with torch.no_grad():
-        p = sampling.base_probs(head.logits(base_hidden), objective.serving)
-    return distribution_loss(objective.loss, logits, p, objective.serving.temperature), hits
+    p = None
+    if fits_distribution(objective.loss):
+        with torch.no_grad():
+            p = sampling.base_probs(head.logits(base_hidden), objective.serving)
+    return LOSSES[objective.loss].summed(logits, target, p, objective.serving.temperature), hits
 
 
 def chain_loss(
@@ -223,11 +200,11 @@ def chain_loss(
     hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k},
     whose argmax is its greedy label.
     """
-    soft = objective.loss != TOP1
+    soft = fits_distribution(objective.loss)
     if soft and base_hidden is None:
         raise ValueError(f"a {objective.loss} loss needs the base's hidden states (base_hidden)")
     if chunk_tokens is None:
-        chunk_tokens = memory.logit_rows(head_hidden.device, head.vocab_size, DISTRIBUTION_BYTES_PER_LOGIT if soft else TOP1_BYTES_PER_LOGIT,
+        chunk_tokens = memory.logit_rows(head_hidden.device, head.vocab_size, LOSSES[objective.loss].bytes_per_logit,
                                          DEFAULT_LOGITS_CHUNK_TOKENS)
     if soft:
         chunk_tokens = min(chunk_tokens, SOFT_CHUNK_TOKENS)
@@ -243,7 +220,7 @@ def chain_loss(
             continue
         hidden, target = head_hidden[k][scored], labels[k][scored]
         parents = None
-        if objective.loss != TOP1:
+        if soft:
             rows, anchors = scored.nonzero(as_tuple=True)
             parents = base_hidden[rows, anchors + k + 1]  # (N, D): step k + 1 predicts x_{i+k+2}, from H_{i+k+1}
         loss_sum = head_hidden.new_zeros((), dtype=torch.float32)
