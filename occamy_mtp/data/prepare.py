@@ -78,25 +78,22 @@ class PreparedData:
         return len(self.train_hashes) + len(self.validation_hashes) + len(self.heldout_hashes)
 
     def summary(self) -> dict[str, Any]:
-        """The counts a user checks before training (what the CLI prints)."""
+        """The counts a user checks before training (what the `data` command prints): the record's
+        (`provenance`), flat."""
+        record = self.provenance()
+        windows = record["windows"]
         return {
-            "files": [f["path"] for f in self.files],
-            "conversations_read": self.conversations_read,
-            "conversations_kept": self.conversations_kept,
-            "excluded": dict(self.excluded),
-            "windows_built": len(self.train) + len(self.validation) + len(self.heldout),
-            "assistant_tokens_scored": _span_tokens(self.train) + _span_tokens(self.validation) + _span_tokens(self.heldout),
-            "train_conversations": len(self.train_hashes),
-            "validation_conversations": len(self.validation_hashes),
-            "heldout_conversations": len(self.heldout_hashes),
-            "train_windows": len(self.train),
-            "validation_windows": len(self.validation),
-            "heldout_windows": len(self.heldout),
-            "prompt_windows": self.prompt_windows(),
-            "settings_thinking": self.settings["thinking"],
-            "thinking_windows": self.thinking_windows(),
-            "reasoning_left_out": self.reasoning_left_out,
-            "kept_apart": dict(self.kept_apart),
+            "files": [f["path"] for f in record["files"]],
+            **{key: record[key] for key in ("conversations_read", "conversations_kept", "excluded")},
+            "windows_built": windows["built"],
+            "assistant_tokens_scored": windows["assistant_tokens_scored"],
+            **{f"{side}_conversations": record["split"][f"{side}_conversations"] for side in (TRAIN, VALIDATION, HELDOUT)},
+            **{f"{side}_windows": windows[side] for side in (TRAIN, VALIDATION, HELDOUT)},
+            "prompt_windows": windows["prompts"],
+            "settings_thinking": record["settings"]["thinking"],
+            "thinking_windows": windows["thinking"],
+            "reasoning_left_out": windows["reasoning_left_out"],
+            "kept_apart": windows["kept_apart"],
         }
 
     def prompt_windows(self) -> dict[str, int]:
