@@ -33,7 +33,7 @@ from occamy_mtp.targets.cache import (
     window_ids,
 )
 
-DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass: 73-75 GiB peak at real size (bench/RESULTS.md)
+DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass; its peak at real size: bench/RESULTS.md
 WINDOW_ALIGNMENT_TOKENS = 1024  # a token budget sized to the card is rounded down to a multiple of this
 
 

@@ -78,11 +78,10 @@ class DataSettings:
     output.dir/self-generated. Runs with the same base and window settings may share it."""
     self_generate_batch_size: int = 0
     """Contexts per batch when the base in this process writes the continuations; 0: as many as
-    fit on the GPU (`occamy_mtp.memory`: the free memory, less a 2 GiB margin, over the
-    decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`: 74 MiB greedy and 82 MiB
-    sampled at real size), at most 160, the batch measured fastest a window on one H200 (the
-    default recipe's 320 windows in 28 s, bench/RESULTS.md); 160 on a CPU. The console names
-    the batch chosen and why. A set value is used as it is."""
+    fit on the GPU (`occamy_mtp.memory`: the free memory, less its margin and one prefill pass,
+    over the decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`), at most 160, the batch
+    measured fastest a window (`fastdecode.DEFAULT_MAX_BATCH`, bench/RESULTS.md); 160 on a CPU.
+    The console names the batch chosen and why. A set value is used as it is."""
     self_generate_endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
     that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the
@@ -299,9 +298,8 @@ class EvalSettings:
     decoder_check_windows: int = 1
     """Heldout prompts decoded with the reference speculative decoder at export, for each head
     and served step count, to check the replayed figures against it; 0 skips the check. It
-    decodes at batch 1 (at real size on one H200, 6 to 16 s a prompt and step count when every
-    draft is rejected, the worst case, the first check of a process the slowest; bench/RESULTS.md),
-    so the default checks one prompt."""
+    decodes at batch 1, seconds a prompt at real size (bench/RESULTS.md, the reference decoder's
+    sections), so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
     serving: tuple[Serving, ...] = (Serving(), *PRESETS.values())

@@ -38,8 +38,8 @@ def available_bytes(device: torch.device, hand_back: bool = True) -> int:
     process's cap less what torch's allocator holds.
 
     With `hand_back`, the allocator's cached blocks are handed back to the card first: counted
-    as free while cached, they can be too fragmented for one large tensor (a decoder's 8 GiB
-    state found 8.2 GiB cached in pieces, and ran out). Without it they count as available, as
+    as free while cached, they can be too fragmented for one large tensor (a decoder's state has
+    run out that way, bench/RESULTS.md). Without it they count as available, as
     they are with expandable segments, where the allocator unmaps whatever cached pages an
     allocation needs (`expandable_segments`)."""
     if device.index is None:  # the cap's query needs the index: the current device's

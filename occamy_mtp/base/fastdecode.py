@@ -48,8 +48,8 @@ CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished 
 # Bytes a step's transient tensors take per logit of a row, beside the row's state: the
 # logits' argmax (greedy), or the processed distribution's float32 scaling and softmax, its
 # sort (values and int64 indices) for top-p, the masks and the float64 cumulative sum of the
-# draw (sampled). At real size (batch 160, vocabulary 248,320) the decoder's peak came to
-# 73.7 MiB a row greedy and 81.7 sampled, against `row_bytes`' 72.8 and 80.4 (bench/RESULTS.md).
+# draw (sampled). `row_bytes` is held against the decoder's measured peak at real size in
+# bench/RESULTS.md.
 GREEDY_STEP_BYTES_PER_LOGIT = 4
 SAMPLED_STEP_BYTES_PER_LOGIT = 36
 # Penalties add, over the vocabulary and beside the sampled step's: the penalized fp32 logits and their
@@ -71,7 +71,7 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
     """Attention of a few query positions over a static key buffer, the key/value heads shared in groups.
 
     transformers' sdpa path repeats the (B, KVH, L, D) keys and values up to the query heads
-    whenever a mask is given: at real size that copy was 5.5 ms of a 40 ms step at batch 64
+    whenever a mask is given: at real size that copy was a seventh of a decode step
     (bench/RESULTS.md). Here each query head group reads its key/value head as it is.
     query (B, H, T, D); key, value (B, KVH, L, D); attention_mask additive, broadcast to (B, H, T, L).
     Returns ((B, T, H, D), None), as transformers' attention functions do.

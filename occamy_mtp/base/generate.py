@@ -65,11 +65,9 @@ def greedy_generate(
     different lengths in one batch. "Equal" is up to floating point: the batched cached
     path sums in a different order (recurrent vs chunked delta rule, padded chunk
     alignment, batch-dependent matmul blocking), so a near-tie between the top two
-    logits can in principle resolve differently; in bf16 on a GPU such ties are real.
-    Seen on an H200 (torch 2.11, transformers 5.17), random tiny models, 8 prompts of 1
-    to 200 tokens, 16 new tokens: fp32 identical; bf16 one row of 8 parted from the
-    one-by-one reference (at its 2nd and its 14th token in two models), which is itself
-    just another summation order. The same prompts in the same batches on the same
+    logits can in principle resolve differently; in bf16 on a GPU such ties are real: on
+    random tiny models there, fp32 was identical and bf16 parted a row now and then from the
+    one-by-one reference, itself just another summation order. The same prompts in the same batches on the same
     machine give the same tokens.
 
     Why not `base.generate`: it would apply the checkpoint's generation_config

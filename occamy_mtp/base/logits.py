@@ -15,8 +15,7 @@ from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 
 
 # Beyond the logits in lm_head's dtype, a chunk holds argmax's output and its reduction's
-# staging: 0.0002 byte a logit at 512 positions of 248,320 on an H200 (`pytest -m gpu`,
-# test_memory.py), rounded up to an eighth.
+# staging: far below a byte a logit where measured (`pytest -m gpu`, test_memory.py), rounded up to an eighth.
 ARGMAX_BYTES_PER_LOGIT = 0.125
 
 

@@ -1,8 +1,8 @@
 """Fixed configs for fla's autotuned kernels, so that a fresh machine does not autotune them.
 
 fla's chunked Gated DeltaNet kernels (and its conv and l2norm) autotune on their first call
-in a process: at real size on an H200, ~80 s in the cache pass and ~60 s more for the
-shapes transformers' forward hands them (the decoder check's replay). Triton keeps the
+in a process: at real size over a minute in the cache pass and about as much again for the
+shapes transformers' forward hands them (the decoder check's replay; bench/RESULTS.md). Triton keeps the
 choice on disk, so a second process on the same machine skips it; a fresh machine pays it.
 fla reads fixed configs instead from a folder of `{kernel}.json` files when told to
 (`FLA_CACHE_MODE`, `FLA_CONFIG_DIR`). `tuned/sm90/` holds the configs Triton chose on an
