@@ -1,0 +1,68 @@
+"""How far the run's whole config reaches into the library, measured with `ast` (issue 45's measures).
+
+M1: functions outside config.py that take the RunConfig or read `config.<section>`; M2: those of
+them that read two or more sections; M3: reads of `run.config`; M4: call sites, outside config.py,
+of the helpers that derive a setting from the whole config. The goal is 0 for each outside the
+settings' edge (the commands and the one module that resolves a config into each stage's
+settings); until the stages take their own settings, each measure may only fall: the ceilings
+below are today's, lowered as the stages move to their own settings.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "occamy_mtp"
+SECTIONS = {"model", "data", "train", "eval", "output"}
+DERIVED = {"require_set", "window_settings", "selected_serving", "fingerprinted", "step_loss_weights", "train_text",
+           "serving_text", "self_generated_dir"}
+CEILINGS = {"M1": 47, "M2": 24, "M3": 8, "M4": 15}
+
+
+def measures(package: Path = PACKAGE) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {name: [] for name in CEILINGS}
+    for path in sorted(package.rglob("*.py")):
+        where = str(path.relative_to(package.parent))
+        if where == "occamy_mtp/config.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.args + node.args.kwonlyargs
+                takes = any(a.annotation is not None and "RunConfig" in ast.unparse(a.annotation) for a in arguments)
+                sections = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr in SECTIONS
+                            and ast.unparse(n.value).endswith("config")}
+                if takes or sections:
+                    found["M1"].append(f"{where}:{node.name}")
+                if len(sections) >= 2:
+                    found["M2"].append(f"{where}:{node.name}")
+            elif isinstance(node, ast.Attribute) and node.attr == "config" and ast.unparse(node.value).endswith("run"):
+                found["M3"].append(f"{where}:{node.lineno}")
+            elif isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in DERIVED:
+                    found["M4"].append(f"{where}:{node.lineno}:{name}")
+    return found
+
+
+def test_the_whole_config_reaches_no_further_than_it_did():
+    found = measures()
+    over = {name: len(found[name]) for name in CEILINGS if len(found[name]) > CEILINGS[name]}
+    assert not over, f"the run's config reaches further than the ceilings {CEILINGS}: {over}; " \
+                     "hand the stage its own settings instead"
+
+
+def test_the_measures_count_what_they_say(tmp_path):
+    package = tmp_path / "occamy_mtp"
+    package.mkdir()
+    (package / "config.py").write_text("def window_settings(data):\n    return data.context_tokens\n")
+    (package / "stage.py").write_text(
+        "from occamy_mtp.config import RunConfig, window_settings\n"
+        "def plain(tokens: int):\n    return tokens\n"
+        "def whole(config: RunConfig):\n    return config.data.files, config.train.lr\n"
+        "def one(run):\n    return run.config.data, window_settings(run.config.data)\n")
+    found = measures(package)
+    assert found["M1"] == ["occamy_mtp/stage.py:whole", "occamy_mtp/stage.py:one"]
+    assert found["M2"] == ["occamy_mtp/stage.py:whole"]
+    assert len(found["M3"]) == 2 and found["M4"] == ["occamy_mtp/stage.py:7:window_settings"]
