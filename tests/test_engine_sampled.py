@@ -149,6 +149,16 @@ def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_te
     assert "candidate: " in err and "outside the processed distribution's support" in err
     assert "MTP on changes the text's distribution" in err
 
+    # MTP off as the candidate, without --head: it drafted nothing, which fails unless allowed
+    at = flags.index("--head")
+    unhead = flags[:at] + flags[at + 4 :]  # without --head donor --draft-steps K
+    recorded_off = str(tmp_path / "live" / "responses-reference.json")
+    assert validate_command.main(["--reference", recorded_off, "--candidate", recorded_off, "--out", str(tmp_path / "off"), *unhead]) == 1
+    assert "candidate: drafted nothing" in capsys.readouterr().err
+    assert validate_command.main(["--reference", recorded_off, "--candidate", recorded_off, "--out", str(tmp_path / "off"),
+                                  "--allow-no-drafts", *unhead]) == 0
+    assert "not set against the library's expectation" in capsys.readouterr().out
+
     assert validate_command.main(["--reference", off_url, "--endpoint", "chat", "--out", str(tmp_path / "chat"), *flags]) == 2
     assert "drop --endpoint chat" in capsys.readouterr().err
 

@@ -168,7 +168,8 @@ def _main_sampled(args, config) -> int:
         raise ValidationError(str(err)) from None
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     report = validate_sampled(args.reference, args.candidate, prompts, args.out, config, serving, args.samples, args.max_tokens,
-                              args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log)
+                              args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log,
+                              require_drafts=not args.allow_no_drafts)
     if report is None:
         print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} x {args.samples} from {args.reference} into "
               f"{args.out / RESPONSES_FILE.format(role='reference')}")

@@ -164,10 +164,11 @@ def distribution_shift(reference: dict[str, float], candidate: dict[str, float])
 
 
 def compare_sampled(reference: Sequence[dict] | None, candidate: Sequence[dict], base, head, serving: Serving,
-                    draft_steps: int, max_tokens: int, url: str, windows_per_batch: int = 4) -> dict:
+                    draft_steps: int, max_tokens: int, url: str, windows_per_batch: int = 4, require_drafts: bool = True) -> dict:
     """The report of a sampled validation: each server's fidelity, the MTP-on/off shift of the text's
     distribution (with a reference), the candidate's acceptance against the library's expectation
-    (with `head`), and the reasons the run fails (empty: it passes)."""
+    (with `head`; without it, only whether it drafted, unless `require_drafts` is off), and the
+    reasons the run fails (empty: it passes)."""
     failures = []
     runs = {"candidate": candidate, **({"reference": reference} if reference is not None else {})}
     errors = [{"server": role, "prompt": a["prompt"], "sample": a["sample"], **a["error"]}
@@ -189,6 +190,10 @@ def compare_sampled(reference: Sequence[dict] | None, candidate: Sequence[dict],
             failures.append(f"MTP on changes the text's distribution: a token's mean log-probability differs by {shift['mean_difference']:+.3f} "
                             f"(z {shift['z']:+.1f}, beyond {Z_LIMIT})")
     check = None
+    drafted = sum((a.get("counts") or {}).get("draft_tokens") or 0 for a in answered["candidate"])
+    if require_drafts and head is None and answered["candidate"] and not drafted:
+        failures.append("candidate: drafted nothing, or reports no speculative counts (--allow-no-drafts compares two "
+                        "servers without MTP)")
     if head is not None and answered["candidate"]:
         try:
             measured = measured_texts(answered["candidate"], draft_steps, url)
@@ -217,7 +222,9 @@ def format_sampled_summary(report: dict) -> str:
         lines.append(f"  MTP on vs off: a token's mean log-probability {shift['candidate_mean']:.3f} vs {shift['reference_mean']:.3f} over "
                      f"{shift['prompts']} prompts (z {shift['z']:+.2f})")
     check = report["acceptance_check"]
-    if check is not None:
+    if check is None:
+        lines.append("  candidate's acceptance: not set against the library's expectation (give --head and --draft-steps)")
+    else:
         served, expected = check["measured"], check["expected"]
         lines.append(f"  candidate K={check['draft_steps']}: accept length {1 + sum(served['accepted']) / served['verify_passes']:.3f} "
                      f"served, {1 + sum(expected['accepted']) / expected['verify_passes']:.3f} expected on its text "

@@ -661,7 +661,7 @@ def collect_sampled(base_url: str, prompts: list[ValidationPrompt], samples: int
 
 def validate_sampled(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, config, serving,
                      samples: int, max_tokens: int, timeout: float, seed: int, head: str | None, draft_steps: int, tokenizer,
-                     log=None) -> dict | None:
+                     log=None, require_drafts: bool = True) -> dict | None:
     """The sampled protocol (`occamy_mtp.serve.sampled`): each server's answers (or a recorded run),
     then fidelity, the MTP-on/off shift and the candidate's acceptance against the library's
     expectation at `draft_steps`, with the base of `config` (and `head`: a file, or "donor");
@@ -701,7 +701,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
         drafter = ckpt_io.load_head(path, text_config, shared, dtype=dtype, device=device,
                                     attn_implementation=config.model.attn_implementation)[0].to(dtype).eval()
     report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
-                             max_tokens, candidate, config.eval.windows_per_batch)
+                             max_tokens, candidate, config.eval.windows_per_batch, require_drafts)
     report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,
               "serving": serving.label(), "thinking": serving.thinking, "samples": samples, "max_tokens": max_tokens,
               "head": head, "draft_steps": draft_steps,
