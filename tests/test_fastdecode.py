@@ -128,12 +128,18 @@ def test_a_prefill_leaves_the_state_one_step_a_token_leaves(base, monkeypatch, c
 
 @pytest.mark.gpu
 def test_a_prefill_on_gpu_leaves_the_state_one_step_a_token_leaves(monkeypatch):
-    """The same on CUDA, float32: the prefill's chunked rule is fla's kernel there, the step's `decode_kernels`'."""
+    """The same on CUDA, float32: the prefill's chunked rule is fla's kernel there, the step's
+    `decode_kernels`'. fla's kernel multiplies float32 in TF32 (Triton's default for a float32 dot),
+    whose 10-bit mantissa is float16's: the recurrent states it leaves are held to that unit over the
+    rule's two chained products a chunk (its one run with a float32 bound missed it by 12x: 6.1e-6
+    against 5e-7, bench/RESULTS.md); the rest to float32."""
     model, _ = random_models(tiny_text_config(), seed=3)
-    prefill_against_steps(model.to("cuda").float().eval().requires_grad_(False), monkeypatch, 4, 2)
+    prefill_against_steps(model.to("cuda").float().eval().requires_grad_(False), monkeypatch, 4, 2,
+                          recurrent_unit=torch.float16, recurrent_reductions=2)
 
 
-def prefill_against_steps(base, monkeypatch, chunk: int, rows_a_pass: int) -> None:
+def prefill_against_steps(base, monkeypatch, chunk: int, rows_a_pass: int, recurrent_unit: torch.dtype = torch.float32,
+                          recurrent_reductions: int = REDUCTIONS) -> None:
     from occamy_mtp.base import fastdecode
 
     prompts = prompts_of((23, 19, 30, 21, 26), seed=4)
@@ -165,7 +171,8 @@ def prefill_against_steps(base, monkeypatch, chunk: int, rows_a_pass: int) -> No
               ("recurrent states", {0: prefilled.recurrent_states}, {0: stepped.recurrent_states})]
     for what, got, want in states:
         for layer in want:
-            bound = rounding_bound(want[layer], torch.float32, reductions=REDUCTIONS, width=width)
+            unit, reductions = (recurrent_unit, recurrent_reductions) if what == "recurrent states" else (torch.float32, REDUCTIONS)
+            bound = rounding_bound(want[layer], unit, reductions=reductions, width=width)
             assert_close(got[layer], want[layer], bound, f"{what} of layer {layer} after a prefill of {length} positions")
     expected = greedy_generate(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=5)
     assert prefilled.generate(prompts, max_new_tokens=8, eos_token_ids=set()) == expected
