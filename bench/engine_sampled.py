@@ -37,14 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import ConfigError, Serving, load_config, serving_preset, window_settings  # noqa: E402
-from occamy_mtp.data.windows import load_tokenizer, stop_token_ids  # noqa: E402
+from occamy_mtp.data.windows import load_tokenizer  # noqa: E402
 from occamy_mtp.evaluation.evaluate import sampled_decoder_check  # noqa: E402
 from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
-from occamy_mtp.model.head import SharedWeights  # noqa: E402
-from occamy_mtp.sampling import text_sampling  # noqa: E402
 from occamy_mtp.engines.http import server_identity  # noqa: E402
-from occamy_mtp.engines.completions import Request  # noqa: E402
-from occamy_mtp.serve.sampled import ask, fidelity, measured_texts, text_statistics  # noqa: E402
+from occamy_mtp.serve.sampled import (  # noqa: E402
+    ask, expectation_models, fidelity, measured_texts, sampled_request, text_statistics,
+)
 from occamy_mtp.serve.validate import heldout_window_contexts  # noqa: E402
 
 TIMEOUT_SECONDS = 1800.0
@@ -105,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.max_tokens or config.data.answer_tokens
     contexts = heldout_window_contexts(list(config.data.files), tokenizer, serving.thinking,
                                        **window_settings(config.data))[: args.windows]
-    text_config = ckpt_io.read_config(config.model.base).text_config
-    request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, TIMEOUT_SECONDS, 0,
-                      text_sampling(serving, args.seed))
+    request = sampled_request(config, tokenizer, serving, args.seed, max_tokens, TIMEOUT_SECONDS)
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
     raw = ask(args.url, model, contexts, request, tokenizer)
@@ -122,15 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
 
-    dtype = ckpt_io.DTYPES[args.dtype]
-    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=torch.device("cpu")).eval()
-    shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    head_path = (config.model.donor_head if args.head == "donor" else args.head) if args.draft_steps else None
+    base, head = expectation_models(config, args.head if args.draft_steps else None, ckpt_io.DTYPES[args.dtype], torch.device("cpu"))
     text_fidelity = fidelity(text_statistics(base, raw, serving))
-    check, head_path = None, None
-    if args.draft_steps:
-        head_path = config.model.donor_head if args.head == "donor" else args.head
-        head = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, attn_implementation=config.model.attn_implementation)[0]
-        head = head.to(dtype).eval()
+    check = None
+    if head is not None:
         check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch)
     report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args), **dataclasses.asdict(serving),
               "out": str(args.out), "config": str(args.config)}, "requests": len(raw), "max_tokens": max_tokens,

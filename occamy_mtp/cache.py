@@ -20,7 +20,10 @@ from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError, RunConfig
 from occamy_mtp.families import fast_paths
-from occamy_mtp.run import BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed
+from occamy_mtp.run import (
+    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer,
+    open_stores, prepare_data, quiet, run_windows, self_generated_needed,
+)
 from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (

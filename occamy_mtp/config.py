@@ -268,8 +268,8 @@ class TrainSettings:
     """Stop gradients between chained steps (cheaper; the default trains the full unroll)."""
     loss: str = "top1"
     """What the head is fitted to at each scored position, a name of `occamy_mtp.losses.LOSSES`: top1
-    (cross-entropy towards the base's greedy token), kl (KL(p || q)) or tv (the total variation 1 - sum_x min(p(x), q(x)), one minus the
-    expected acceptance of a draft drawn from q). p is the base's distribution processed as the
+    (cross-entropy towards the base's greedy token), kl (KL(p || q)) or tv (the total variation
+    1 - sum_x min(p(x), q(x)), one minus the expected acceptance of a draft drawn from q). p is the base's distribution processed as the
     selected serving configuration serves it (`eval.serving[eval.select_serving]`: temperature,
     top_p, top_k), computed exactly from the base's hidden state; q is the head's softmax at that
     temperature (1 for greedy serving)."""
@@ -657,7 +657,7 @@ def check(config: RunConfig) -> None:
                               "so no served figure exists for it; leave min_p at 0")
     selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
         config.eval.serving) else None
-    if selected is not None and selected.penalized and config.train.loss in LOSSES and fits_distribution(config.train.loss):
+    if selected is not None and selected.penalized and fits_distribution(config.train.loss):
         raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
                           f"configuration ({selected.label()}), whose penalties depend on each answer's earlier tokens: "
                           "not modelled in the loss yet; use train.loss=top1, or select a configuration without penalties")

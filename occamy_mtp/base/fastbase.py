@@ -146,17 +146,22 @@ def _torch_causal_conv1d(x, weight, bias, activation, layout: PackLayout):
     return layout.from_grid(out)
 
 
-def _torch_chunk_gated_delta_rule(q, k, v, g, beta, layout: PackLayout):
-    """transformers' PyTorch chunked gated delta rule over the padded grid of windows."""
+def torch_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state: bool = False):
+    """transformers' PyTorch chunked gated delta rule (q, k (B, T, H, dk); v (B, T, HV, dv); g, beta
+    (B, T, HV)), q and k L2-normalised inside: (out, final state or None)."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
 
-    rule = torch_function(qwen.torch_chunk_gated_delta_rule)
     groups = v.shape[2] // q.shape[2]
     if groups > 1:  # value heads share query/key heads; older transformers repeat them before the call
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    return torch_function(qwen.torch_chunk_gated_delta_rule)(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
+
+
+def _torch_chunk_gated_delta_rule(q, k, v, g, beta, layout: PackLayout):
+    """transformers' PyTorch chunked gated delta rule over the padded grid of windows."""
     grid = [layout.to_grid(t) for t in (q, k, v, g, beta)]
-    out, _ = rule(*grid[:3], g=grid[3], beta=grid[4], initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=True)
+    out, _ = torch_gated_delta_rule(*grid)
     return layout.from_grid(out)
 
 

@@ -36,13 +36,13 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from occamy_mtp.compat import cache_kwarg, torch_function
+from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.families import fast_paths, family_of
 from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
 from occamy_mtp.base.fastbase import (Kernels, decoder_layer, fla_kernels, fused_moe_block, module_moe, residual_norm,
-                                      token_bytes, torch_kernels)
+                                      token_bytes, torch_gated_delta_rule, torch_kernels)
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
 # Bytes a step's transient tensors take per logit of a row, beside the row's state: the
@@ -161,7 +161,7 @@ def chunked_gated_delta_(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """The gated delta rule over T tokens of each row in chunks (a prefill), from `state` (B, HV, dk, dv),
     fp32, which becomes the state after the last token. q, k (B, T, H, dk); v (B, T, HV, dv); g, beta
     (B, T, HV). Returns (B, T, HV, dv). fla's chunked kernel on CUDA where it imports; elsewhere
-    transformers' PyTorch rule (q and k repeated up to the value heads, as older versions want)."""
+    transformers' PyTorch rule (`fastbase.torch_gated_delta_rule`)."""
     if q.is_cuda:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -172,13 +172,7 @@ def chunked_gated_delta_(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
                                                 use_qk_l2norm_in_kernel=True)
             state.copy_(final)
             return out
-    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
-
-    groups = v.shape[2] // q.shape[2]
-    if groups > 1:
-        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    out, final = torch_function(qwen.torch_chunk_gated_delta_rule)(q, k, v, g=g, beta=beta, initial_state=state,
-                                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = torch_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True)
     state.copy_(final)
     return out
 

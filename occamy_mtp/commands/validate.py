@@ -16,7 +16,9 @@ from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import window_settings
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.engines.openai import CHAT, COMPLETIONS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT_SECONDS, DEFAULT_TOP_LOGPROBS, RequestSettings
+from occamy_mtp.engines.openai import (
+    CHAT, COMPLETIONS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT_SECONDS, DEFAULT_TOP_LOGPROBS, RequestSettings,
+)
 from occamy_mtp.serve.validate import (
     is_url, ACCEPTANCE_PASS_MODES, DEFAULT_COLD_WARM, DEFAULT_MAX_CONSECUTIVE_ERRORS, DEFAULT_PROMPTS,
     DEFAULT_SAMPLES, format_summary, heldout_prefixes, heldout_window_contexts, prompt_set, rendered_prompts,
@@ -93,14 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         from occamy_mtp.data.windows import require_thinking_switch
 
         require_thinking_switch(tokenizer, "--thinking")
-    split = window_settings(config.data)
-    try:
-        if args.prompt_source == "windows":
-            prompts = heldout_window_contexts(files, tokenizer, args.thinking, **split)[: args.prompts]
-        else:
-            prompts = prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else [])
-    except ValueError as err:
-        raise ValidationError(str(err)) from None
+    prompts = _prompts(args, config, tokenizer, args.thinking)
     settings = RequestSettings(args.endpoint, args.max_tokens, args.timeout, args.model, not args.no_token_ids,
                                True, args.top_logprobs, not args.no_engine_fields, extra, args.thinking)
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -112,10 +107,29 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, OccamyError):
             raise
         raise ValidationError(str(err)) from None
+    return _finished(report, format_summary, args, f"{len(prompts)} {plural(len(prompts), 'prompt')}")
+
+
+def _prompts(args, config, tokenizer, thinking: bool) -> list:
+    """--prompts of --prompt-source, from the run's data: the heldout windows' contexts (token ids,
+    rendered with `thinking`), or authored prompts and heldout prefixes (chat messages)."""
+    files, split = list(config.data.files), window_settings(config.data)
+    try:
+        if args.prompt_source == "windows":
+            return heldout_window_contexts(files, tokenizer, thinking, **split)[: args.prompts]
+        return prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else [])
+    except ValueError as err:
+        if isinstance(err, OccamyError):
+            raise
+        raise ValidationError(str(err)) from None
+
+
+def _finished(report: dict | None, summary, args, recorded: str) -> int:
+    """The exit status, having printed the report (`summary` of it) or what was recorded."""
     if report is None:
-        print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
+        print(f"recorded {recorded} from {args.reference} into {args.out / RESPONSES_FILE.format(role='reference')}")
         return 0
-    print(format_summary(report))
+    print(summary(report))
     if not report["passed"]:
         print(f"validation failed: {'; '.join(report['failures'])}", file=sys.stderr)
     return 0 if report["passed"] else 1
@@ -142,39 +156,18 @@ def _main_sampled(args, config) -> int:
         raise ValidationError(f"--thinking and --serving {args.serving}, whose thinking is off: the preset sets the mode")
     if args.candidate is not None and args.head is not None and args.draft_steps < 1:
         raise ValidationError("--head needs --draft-steps, the candidate server's K (1 or more)")
-    if min(args.prompts, args.max_tokens, args.samples) < 1 or not args.timeout > 0 or not math.isfinite(args.timeout):
-        raise ValidationError("--prompts, --max-tokens and --samples must be >= 1, --timeout a finite number > 0")
-    for flag, value in (("--reference", args.reference), ("--candidate", args.candidate)):
-        if value is not None and not is_url(value) and not Path(value).is_file():
-            raise ValidationError(f"{flag} {value}: neither an http(s) URL nor a responses file")
+    if args.samples < 1:  # the flags both protocols share were checked by `main`
+        raise ValidationError(f"--samples must be >= 1, got {args.samples}")
     if not config.model.base:
         raise ValidationError("--serving needs model.base (--config): the library's expectation is computed with the base")
     tokenizer = load_tokenizer(config)
     if serving.thinking:
         require_thinking_switch(tokenizer, f"--serving {args.serving}")
-    files = list(config.data.files)
-    split = window_settings(config.data)
-    try:
-        if args.prompt_source == "windows":
-            if not files:
-                raise ValidationError("--prompt-source windows needs data.files (or --config)")
-            prompts = heldout_window_contexts(files, tokenizer, serving.thinking, **split)[: args.prompts]
-        else:
-            prompts = rendered_prompts(prompt_set(args.prompts, heldout_prefixes(files, tokenizer, **split) if files else []),
-                                       tokenizer, serving.thinking)
-    except ValueError as err:
-        if isinstance(err, OccamyError):
-            raise
-        raise ValidationError(str(err)) from None
+    if args.prompt_source == "windows" and not config.data.files:
+        raise ValidationError("--prompt-source windows needs data.files (or --config)")
+    prompts = rendered_prompts(_prompts(args, config, tokenizer, serving.thinking), tokenizer, serving.thinking)
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     report = validate_sampled(args.reference, args.candidate, prompts, args.out, config, serving, args.samples, args.max_tokens,
                               args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log,
                               require_drafts=not args.allow_no_drafts)
-    if report is None:
-        print(f"recorded {len(prompts)} {plural(len(prompts), 'prompt')} x {args.samples} from {args.reference} into "
-              f"{args.out / RESPONSES_FILE.format(role='reference')}")
-        return 0
-    print(format_sampled_summary(report))
-    if not report["passed"]:
-        print(f"validation failed: {'; '.join(report['failures'])}", file=sys.stderr)
-    return 0 if report["passed"] else 1
+    return _finished(report, format_sampled_summary, args, f"{len(prompts)} {plural(len(prompts), 'prompt')} x {args.samples}")

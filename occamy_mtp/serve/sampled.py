@@ -43,6 +43,34 @@ OUTSIDE_SUPPORT_LIMIT = 0.01
 """The share of a server's tokens the processed distribution may exclude (bf16 rounding at the nucleus' edge)."""
 
 
+def sampled_request(config, tokenizer, serving: Serving, seed: int, max_tokens: int, timeout: float) -> Request:
+    """The completions request of a sampled check: `serving`'s text sampling seeded with `seed`, the
+    base's stop tokens and vocabulary (from `config`'s base), no retries (a failure is a finding)."""
+    from occamy_mtp.data.windows import stop_token_ids
+    from occamy_mtp.model import checkpoint as ckpt_io
+
+    vocab = ckpt_io.read_config(config.model.base).text_config.vocab_size
+    return Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), vocab, timeout, 0,
+                   sampling.text_sampling(serving, seed))
+
+
+def expectation_models(config, head: str | None, dtype: torch.dtype, device: torch.device):
+    """(base, head or None) the library's expectation is computed with: `config`'s base, and `head`
+    (a file, or "donor": `model.donor_head`) on the base's embedding and lm_head, both in `dtype`."""
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.model.head import SharedWeights
+
+    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device).eval().requires_grad_(False)
+    if head is None:
+        return base, None
+    path = config.model.donor_head if head == "donor" else head
+    shared = SharedWeights(base.model.embed_tokens, base.lm_head)
+    text_config = ckpt_io.read_config(config.model.base).text_config
+    drafter = ckpt_io.load_head(path, text_config, shared, dtype=dtype, device=device,
+                                attn_implementation=config.model.attn_implementation)[0]
+    return base, drafter.to(dtype).eval()
+
+
 def sample_request(request: Request, sample: int) -> Request:
     """The request of a prompt's `sample`-th draw: its own seed, derived from the run's and the draw's number
     (each prompt's seed derives from that and the prompt, `engines.request_body`)."""
@@ -111,13 +139,13 @@ def text_statistics(base, answers: Sequence[dict], serving: Serving) -> list[dic
     included, over the answer before each token, as the engine applies them), the summed log p of
     the others, and the summed log-probability of all under the unprocessed softmax."""
     out = []
+    device = base.lm_head.weight.device
     for answer in answers:
         window = answer_window(answer)
         ids, start = window.input_ids, window.answer_start
         if len(ids) == start:
             out.append({"tokens": 0, "outside": 0, "log_p": 0.0, "log_raw": 0.0})
             continue
-        device = base.lm_head.weight.device
         logits = base(torch.tensor([ids], device=device)).logits[0, start - 1 : len(ids) - 1].float()  # each predicts the next
         tokens = torch.tensor(ids[start:], device=device)
         history = None

@@ -668,18 +668,12 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     None when only recording the reference."""
     import torch
 
-    from occamy_mtp.data.windows import stop_token_ids
     from occamy_mtp.model import checkpoint as ckpt_io
-    from occamy_mtp.model.head import SharedWeights
-    from occamy_mtp.sampling import text_sampling
-    from occamy_mtp.engines.completions import Request
-    from occamy_mtp.serve.sampled import compare_sampled
+    from occamy_mtp.serve.sampled import compare_sampled, expectation_models, sampled_request
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text_config = ckpt_io.read_config(config.model.base).text_config
-    request = Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), text_config.vocab_size, timeout, 0,
-                      text_sampling(serving, seed))
+    request = sampled_request(config, tokenizer, serving, seed, max_tokens, timeout)
 
     def recorded(path: Path) -> dict:
         run = load_sampled_run(path)
@@ -692,14 +686,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     if candidate is None:
         return None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = ckpt_io.DTYPES[config.model.dtype]
-    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device).eval().requires_grad_(False)
-    drafter = None
-    if head is not None:
-        path = config.model.donor_head if head == "donor" else head
-        shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-        drafter = ckpt_io.load_head(path, text_config, shared, dtype=dtype, device=device,
-                                    attn_implementation=config.model.attn_implementation)[0].to(dtype).eval()
+    base, drafter = expectation_models(config, head, ckpt_io.DTYPES[config.model.dtype], device)
     report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
                              max_tokens, candidate, config.eval.windows_per_batch, require_drafts)
     report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,
