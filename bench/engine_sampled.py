@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = args.max_tokens or config.data.answer_tokens
     contexts = heldout_window_contexts(list(config.data.files), tokenizer, serving.thinking,
                                        **window_settings(config.data))[: args.windows]
-    request = sampled_request(config, tokenizer, serving, args.seed, max_tokens, TIMEOUT_SECONDS)
+    request = sampled_request(config.model.base, tokenizer, serving, args.seed, max_tokens, TIMEOUT_SECONDS)
     model = server_identity(args.url, 30.0)["model"]
     started = time.perf_counter()
     raw = ask(args.url, model, contexts, request, tokenizer)
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     head_path = (config.model.donor_head if args.head == "donor" else args.head) if args.draft_steps else None
-    base, head = expectation_models(config, args.head if args.draft_steps else None, ckpt_io.DTYPES[args.dtype], torch.device("cpu"))
+    base, head = expectation_models(config.model.base, head_path, ckpt_io.DTYPES[args.dtype], torch.device("cpu"),
+                                    config.model.attn_implementation)
     text_fidelity = fidelity(text_statistics(base, raw, serving))
     check = None
     if head is not None:

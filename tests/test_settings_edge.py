@@ -1,6 +1,6 @@
 """How far the run's whole config reaches into the library, measured with `ast` (issue 45's measures).
 
-M1: functions outside config.py that take the RunConfig or read `config.<section>`; M2: those of
+M1: functions outside config.py and the commands (the edge, which hold the config) that take the RunConfig or read `config.<section>`; M2: those of
 them that read two or more sections; M3: reads of `run.config`; M4: call sites, outside config.py,
 of the helpers that derive a setting from the whole config. The goal is 0 for each outside the
 settings' edge (the commands and the one module that resolves a config into each stage's
@@ -17,14 +17,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "occamy_mtp"
 SECTIONS = {"model", "data", "train", "eval", "output"}
 DERIVED = {"require_set", "window_settings", "selected_serving", "fingerprinted", "step_loss_weights", "train_text",
            "serving_text", "self_generated_dir"}
-CEILINGS = {"M1": 47, "M2": 24, "M3": 8, "M4": 15}
+CEILINGS = {"M1": 42, "M2": 22, "M3": 8, "M4": 12}
 
 
 def measures(package: Path = PACKAGE) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {name: [] for name in CEILINGS}
     for path in sorted(package.rglob("*.py")):
         where = str(path.relative_to(package.parent))
-        if where == "occamy_mtp/config.py":
+        if where == "occamy_mtp/config.py" or where.startswith("occamy_mtp/commands/"):  # the edge: the commands hold the config
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

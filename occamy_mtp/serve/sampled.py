@@ -43,31 +43,30 @@ OUTSIDE_SUPPORT_LIMIT = 0.01
 """The share of a server's tokens the processed distribution may exclude (bf16 rounding at the nucleus' edge)."""
 
 
-def sampled_request(config, tokenizer, serving: Serving, seed: int, max_tokens: int, timeout: float) -> Request:
+def sampled_request(base_dir, tokenizer, serving: Serving, seed: int, max_tokens: int, timeout: float) -> Request:
     """The completions request of a sampled check: `serving`'s text sampling seeded with `seed`, the
-    base's stop tokens and vocabulary (from `config`'s base), no retries (a failure is a finding)."""
+    stop tokens and vocabulary of the base at `base_dir`, no retries (a failure is a finding)."""
     from occamy_mtp.data.windows import stop_token_ids
     from occamy_mtp.model import checkpoint as ckpt_io
 
-    vocab = ckpt_io.read_config(config.model.base).text_config.vocab_size
-    return Request(max_tokens, frozenset(stop_token_ids(tokenizer, config.model.base)), vocab, timeout, 0,
+    vocab = ckpt_io.read_config(base_dir).text_config.vocab_size
+    return Request(max_tokens, frozenset(stop_token_ids(tokenizer, base_dir)), vocab, timeout, 0,
                    sampling.text_sampling(serving, seed))
 
 
-def expectation_models(config, head: str | None, dtype: torch.dtype, device: torch.device):
-    """(base, head or None) the library's expectation is computed with: `config`'s base, and `head`
-    (a file, or "donor": `model.donor_head`) on the base's embedding and lm_head, both in `dtype`."""
+def expectation_models(base_dir, head_path, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
+    """(base, head or None) the library's expectation is computed with: the base at `base_dir`, and
+    the head at `head_path` (None: none) on the base's embedding and lm_head, both in `dtype`."""
     from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.model.head import SharedWeights
 
-    base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device).eval().requires_grad_(False)
-    if head is None:
+    base = ckpt_io.load_base(base_dir, dtype=dtype, device=device).eval().requires_grad_(False)
+    if head_path is None:
         return base, None
-    path = config.model.donor_head if head == "donor" else head
     shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    text_config = ckpt_io.read_config(config.model.base).text_config
-    drafter = ckpt_io.load_head(path, text_config, shared, dtype=dtype, device=device,
-                                attn_implementation=config.model.attn_implementation)[0]
+    text_config = ckpt_io.read_config(base_dir).text_config
+    drafter = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, device=device,
+                                attn_implementation=attn_implementation)[0]
     return base, drafter.to(dtype).eval()
 
 

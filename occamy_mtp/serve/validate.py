@@ -673,7 +673,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    request = sampled_request(config, tokenizer, serving, seed, max_tokens, timeout)
+    request = sampled_request(config.model.base, tokenizer, serving, seed, max_tokens, timeout)
 
     def recorded(path: Path) -> dict:
         run = load_sampled_run(path)
@@ -686,7 +686,9 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     if candidate is None:
         return None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base, drafter = expectation_models(config, head, ckpt_io.DTYPES[config.model.dtype], device)
+    head_path = None if head is None else config.model.donor_head if head == "donor" else head
+    base, drafter = expectation_models(config.model.base, head_path, ckpt_io.DTYPES[config.model.dtype], device,
+                                       config.model.attn_implementation)
     report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
                              max_tokens, candidate, config.eval.windows_per_batch, require_drafts)
     report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,
