@@ -1,8 +1,8 @@
 """How far the run's whole config reaches into the library, measured with `ast` (issue 45's measures).
 
-M1: functions outside config.py and the commands (the edge, which hold the config) that take the RunConfig or read `config.<section>`; M2: those of
-them that read two or more sections; M3: reads of `run.config`; M4: call sites, outside config.py,
-of the helpers that derive a setting from the whole config. The goal is 0 for each outside the
+M1: functions outside config.py and the commands (the edge, which holds the config) that take the
+RunConfig or read `config.<section>`; M2: those of them that read two or more sections; M3: reads of
+`run.config`; M4: call sites, there, of the helpers that derive a setting from the whole config. The goal is 0 for each outside the
 settings' edge (the commands and the one module that resolves a config into each stage's
 settings); until the stages take their own settings, each measure may only fall: the ceilings
 below are today's, lowered as the stages move to their own settings.
