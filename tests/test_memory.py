@@ -240,6 +240,67 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     assert measured <= figure <= 2 * measured, (what, measured, figure)
 
 
+def test_evaluation_batches_keep_the_order_and_shrink_where_long_windows_would_not_fit(monkeypatch):
+    """Evaluation's batches (`window_batches`): on a GPU a batch grows only while its padded chain
+    fits beside what is allocated; off CUDA they are `eval.windows_per_batch` as before."""
+    from occamy_mtp.evaluation.evaluate import grouped, window_batches
+    from occamy_mtp.model.head import MASK_BYTES_PER_SCORE, MTPHead, SharedWeights
+
+    lengths = [3, 5, 9, 2, 2, 2, 2, 7]
+    runs = list(grouped(lengths, 3, lambda run: sum(run) <= 10))
+    assert runs == [[3, 5], [9], [2, 2, 2], [2, 7]] and sum(runs, []) == lengths
+    assert list(grouped([12, 1], 3, lambda run: False)) == [[12], [1]]  # too long alone still runs, alone
+
+    base, _ = random_models(tiny_text_config(), seed=0)
+    head = MTPHead(base.config, SharedWeights(base.model.embed_tokens, base.lm_head))
+    windows = [types.SimpleNamespace(input_ids=[0] * n) for n in (500, 500, 500, 4000, 500, 500)]
+    assert [len(b) for b in window_batches(base, head, windows, 3, 4)] == [4, 2]  # a CPU: nothing is sized
+    one_long = head.chain_bytes(1, 4000, 3) + 4000 * evaluate_token_bytes(base)
+    fake_cuda(monkeypatch, free=2 * GIB + one_long + 10, total=80 * GIB, allocated=0, reserved=0)
+    monkeypatch.setattr(type(head.fc.weight), "device", property(lambda self: torch.device("cuda")))
+    batches = list(window_batches(base, head, windows, 3, 4))
+    assert [len(b) for b in batches] == [3, 1, 2] and sum(batches, []) == windows  # the long window goes alone
+    mask = head.chain_bytes(1, 8000, 3) - 2 * head.chain_bytes(1, 4000, 3)  # linear terms cancel: the mask's growth
+    assert mask == (8000 * 3 * 8000 - 2 * 4000 * 3 * 4000) * MASK_BYTES_PER_SCORE
+
+
+def evaluate_token_bytes(base) -> int:
+    from occamy_mtp.evaluation.evaluate import _target_token_bytes
+
+    return _target_token_bytes(base)
+
+
+@pytest.mark.gpu
+def test_the_chain_s_bytes_cover_its_measured_peak_at_real_size():
+    """At real size the head's chain (3 steps, no gradients, as evaluation runs it) takes at its
+    peak no more than `MTPHead.chain_bytes` says, and at least half: the figure sizes evaluation's
+    batches of long windows."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    from occamy_mtp.model.head import MTPHead, SharedWeights
+
+    config = Qwen3_5MoeTextConfig()
+    device = torch.device("cuda")
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=torch.bfloat16)
+    lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=torch.bfloat16)
+    with torch.device(device):
+        head = MTPHead(config, SharedWeights(embed, lm_head)).to(torch.bfloat16).eval()
+    for rows, length in ((1, 4096), (2, 2048), (1, 8192)):
+        steps = 3
+        tokens = torch.randint(0, config.vocab_size, (steps, rows, length), device=device)
+        hidden = torch.randn(rows, length, config.hidden_size, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            head(tokens, hidden)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            head(tokens, hidden)
+            torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - before
+        figure = head.chain_bytes(rows, length, steps)
+        assert measured <= figure <= 2 * measured, (rows, length, measured / GIB, figure / GIB)
+
+
 def test_importing_the_library_asks_for_expandable_segments_unless_told_otherwise():
     import subprocess
     import sys

@@ -33,6 +33,7 @@ from occamy_mtp.evaluation.metrics import (
     summed_acceptance,
     z_score,
 )
+from occamy_mtp.base.fastbase import token_bytes
 from occamy_mtp.base.logits import chunked_greedy
 from occamy_mtp.targets.base import base_outputs
 
@@ -238,14 +239,53 @@ def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: 
             int(sampling.outside_support(p, tokens).sum()))
 
 
+def _target_token_bytes(targets) -> int:
+    """Bytes a token of a batch takes while its targets are made: the base's forward where the base
+    runs (a model, or the online source holding one; `fastbase.token_bytes`), else the hidden
+    state and greedy token a cache copies to the device."""
+    model = targets if isinstance(targets, torch.nn.Module) else getattr(targets, "base", None)
+    if isinstance(model, torch.nn.Module):
+        return token_bytes(getattr(model.config, "text_config", model.config), model.lm_head.weight.dtype)
+    return targets.hidden_size * torch.empty((), dtype=targets.dtype).element_size() + 8
+
+
+def window_batches(targets, head, windows, steps: int, windows_per_batch: int):
+    """`windows` in order, `windows_per_batch` at a time; on a GPU fewer where the batch's padded
+    pass would not fit beside what is allocated (`MTPHead.chain_bytes`, `_target_token_bytes`,
+    `memory.MARGIN_BYTES` kept free): long windows' chain masks grow with the square of their
+    length."""
+    device = head.fc.weight.device
+    if device.type != "cuda":  # nothing is sized off CUDA: results never depend on the free memory
+        return grouped(windows, windows_per_batch, lambda part: True)
+    budget = memory.available_bytes(device) - memory.MARGIN_BYTES
+    per_token = _target_token_bytes(targets)
+
+    def fits(part) -> bool:
+        length = max(len(w.input_ids) for w in part)
+        return head.chain_bytes(len(part), length, steps) + len(part) * length * per_token <= budget
+
+    return grouped(windows, windows_per_batch, fits)
+
+
+def grouped(windows, most: int, fits):
+    """Consecutive runs of `windows`, in order, each of at most `most` and grown only while `fits(run)`:
+    a window that does not fit even alone still runs alone."""
+    start = 0
+    while start < len(windows):
+        end = start + 1
+        while end < min(len(windows), start + most) and fits(windows[start : end + 1]):
+            end += 1
+        yield windows[start:end]
+        start = end
+
+
 def _batches(base, head, windows, draft_steps: int, windows_per_batch: int, serving: Serving | None = None):
     """The batches' chains: `_BatchChain`s for greedy serving (None too), `_BatchOdds` for sampled."""
     device = head.fc.weight.device
     was_training = head.training
     head.eval()
     try:
-        for start in range(0, len(windows), windows_per_batch):
-            part = windows[start : start + windows_per_batch]
+        for part in window_batches(base, head, windows, draft_steps, windows_per_batch):
             if serving is None or serving.greedy:
                 yield _run_batch(base, head, part, draft_steps, device)
             else:
@@ -472,8 +512,7 @@ def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int
     serving = serving or Serving()
     device = head.fc.weight.device
     texts = []
-    for start in range(0, len(windows), windows_per_batch):
-        part = windows[start : start + windows_per_batch]
+    for part in window_batches(targets, head, windows, 0, windows_per_batch):
         for window, (hit, best) in zip(part, _ceiling_batch(targets, head, part, device, serving)):
             texts.append((_by_anchor(hit, max(served_steps)), _by_anchor(best, max(served_steps)), window.answer_start))
     clusters = [context_key(w) for w in windows]

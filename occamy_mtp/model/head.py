@@ -42,6 +42,17 @@ TRAINABLE_DEFAULT = ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
 # loss, the base's greedy targets): (4096 x 248,320) bf16 logits are ~2 GiB.
 DEFAULT_LOGITS_CHUNK_TOKENS = 4096
 
+# Bytes a (query, key) pair of the chain's attention mask takes at its peak: the additive bf16
+# mask (2), the bool blocks it is built from and their concatenation (2), and one more for the
+# attention kernel's aligned copy (1). The mask is (rows, T, steps x T): at 16k tokens and 3
+# steps, 4.2 GB a window, more than everything else the chain holds.
+MASK_BYTES_PER_SCORE = 5
+# Hidden-sized activations a token of the chain keeps alive in its layer at once (residual,
+# norms, q/k/v and the attention's gated output, the shared expert), beside the routed
+# experts' gathered rows; the fast base pass's 13 (`fastbase.token_bytes`) plus the
+# attention's projections, which the Gated DeltaNet layers there do not have.
+CHAIN_HIDDEN_ACTIVATIONS = 20
+
 
 @dataclass(frozen=True)
 class SharedWeights:
@@ -189,6 +200,20 @@ class MTPHead(nn.Module):
             **{self._cache_kwarg: kv},
         )
         return self.norm(out)
+
+    def chain_bytes(self, rows: int, length: int, steps: int) -> int:
+        """Bytes the chain of `steps` steps over (`rows`, `length`) tokens takes at its peak beside
+        the weights, without gradients (evaluation): the attention mask, which grows with the
+        square of the length (`MASK_BYTES_PER_SCORE`), and per token the routed experts' rows
+        (top_k x (2 x hidden + 3 x moe_intermediate)), `CHAIN_HIDDEN_ACTIVATIONS` hidden-sized
+        activations, and each step's output and keys and values, which later steps keep."""
+        config = self.config
+        size = self._shared().lm_head.weight.element_size()  # the activations' dtype is the base's
+        hidden = config.hidden_size
+        experts = config.num_experts_per_tok * (2 * hidden + 3 * config.moe_intermediate_size)
+        kv = 2 * config.num_key_value_heads * config.head_dim
+        token = size * (experts + CHAIN_HIDDEN_ACTIVATIONS * hidden + steps * (hidden + kv))
+        return rows * length * token + rows * length * steps * length * MASK_BYTES_PER_SCORE
 
     @property
     def vocab_size(self) -> int:
