@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --temperature must be above 0, or --serving a preset (greedy serving is engine_check.sh's main stage)",
               file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.model)
     max_tokens = args.max_tokens or config.data.answer_tokens
     contexts = heldout_window_contexts(list(config.data.files), tokenizer, serving.thinking,
                                        **window_settings(config.data))[: args.windows]

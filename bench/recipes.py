@@ -31,6 +31,7 @@ from occamy_mtp.config import load_config  # noqa: E402
 from occamy_mtp.export.exporter import export  # noqa: E402
 from occamy_mtp.run import RunDir  # noqa: E402
 from occamy_mtp.train.loop import train  # noqa: E402
+from occamy_mtp.settings import plan_of  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
 # The serving configurations these recipes were compared under (bench/RESULTS.md, "Sampled serving"):
@@ -85,8 +86,8 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
         config = load_config(ROOT / "configs" / "demo-greedy.yaml", [*common, *overrides, f"output.dir={out / name}"])
         started = time.perf_counter()
         if not RunDir.of(config).train_summary.is_file():
-            train(config)
-        record = export(config, allow_worse=True, log=lambda message: None)
+            train(plan_of(config))
+        record = export(plan_of(config), allow_worse=True, log=lambda message: None)
         results[name] = {
             "what": what,
             "overrides": overrides,

@@ -18,13 +18,14 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.config import ConfigError, RunConfig
+from occamy_mtp.config import ConfigError
 from occamy_mtp.families import fast_paths
 from occamy_mtp.run import (
     BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer,
     open_stores, prepare_data, quiet, run_windows, self_generated_needed,
 )
 from occamy_mtp.data.windows import stop_token_ids
+from occamy_mtp.settings import CachePlan, Setup
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -97,16 +98,8 @@ def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None =
     return plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
 
 
-def build_for_config(
-    config: RunConfig,
-    directory: str | Path,
-    *,
-    windows_per_batch: int = 1,
-    fastbase_tokens: int | None = 0,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    log: Callable[[str], None] = quiet,
-) -> dict:
-    """Build (or resume, or confirm) the target cache of a run config; returns the manifest.
+def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = quiet) -> dict:
+    """Build (or resume, or confirm) the target cache of a run at `plan.directory`; returns the manifest.
 
     Loads only the base (not the donor head), on the GPU when there is one. The run's
     windows are those training and export read (`run.run_windows`); the base
@@ -115,34 +108,36 @@ def build_for_config(
     the pass. A complete cache of this identity that verifies is left as it is (the
     base is not loaded).
     """
-    facts = check_inputs(config)
-    tokenizer = load_tokenizer(config)
-    stop_ids = stop_token_ids(tokenizer, config.model.base)
-    data = prepare_data(config, tokenizer)
-    needed = self_generated_needed(config, data)
-    stores = open_stores(config, facts, stop_ids, needed)
-    directory = Path(directory)
-    refuse_inside_models(config, [("data.target_cache", directory)]
+    facts = check_inputs(setup)
+    model = setup.model
+    tokenizer = load_tokenizer(model)
+    stop_ids = stop_token_ids(tokenizer, model.base)
+    data = prepare_data(setup, tokenizer)
+    needed = self_generated_needed(setup, data)
+    stores = open_stores(setup, facts, stop_ids, needed)
+    directory = Path(plan.directory)
+    refuse_inside_models(model, [("data.target_cache", directory)]
                          + [("data.self_generated_dir", store.directory) for store in stores.values()])
-    check_store_writable(config, stores, needed)
+    check_store_writable(stores, needed)
     complete = (directory / MANIFEST_NAME).is_file() and read_manifest(directory).get("complete")
     problem = None if complete else files.unwritable(directory)
     if problem:  # before the base loads
         raise ConfigError(f"data.target_cache: {directory} cannot be written: {problem}")
     base = None
     lacking = any(stores[sampling].missing(windows) for sampling, windows in needed.items())
-    if lacking and not config.data.self_generate_endpoints:
-        base = _load_base(config, facts)  # it writes the continuations (servers write them when named)
-    windows = run_windows(config, data, stores, continuation_writer(config, tokenizer, facts, stop_ids, base), log).all()
-    identity = cache_identity(facts.fingerprint, windows, data.settings, config.model.dtype, config.model.attn_implementation)
+    if lacking and not setup.selfgen.endpoints:
+        base = _load_base(model, facts)  # it writes the continuations (servers write them when named)
+    windows = run_windows(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, base), log).all()
+    identity = cache_identity(facts.fingerprint, windows, data.settings, model.dtype, model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)
         if manifest.get("key") == identity.key and manifest.get("complete"):
             if all(shard_problem(directory, s, identity.key) is None for s in manifest["shards"]):
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
-    base = base or _load_base(config, facts)
-    compute, compute_name = make_compute(base, windows_per_batch, fastbase_tokens, max(len(w.input_ids) for w in windows), log)
+    base = base or _load_base(model, facts)
+    compute, compute_name = make_compute(base, plan.windows_per_batch, plan.fastbase_tokens,
+                                         max(len(w.input_ids) for w in windows), log)
     log(f"target cache: {len(windows)} windows -> {directory} ({compute_name})")
     return build_cache(
         directory,
@@ -151,14 +146,14 @@ def build_for_config(
         compute,
         hidden_size=base.config.hidden_size,
         compute_name=compute_name,
-        max_shard_bytes=max_shard_bytes,
+        max_shard_bytes=plan.max_shard_bytes,
         log=log,
     )
 
 
-def _load_base(config, facts: BaseFacts):
+def _load_base(model, facts: BaseFacts):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=device,
-                             attn_implementation=config.model.attn_implementation, config=facts.config)
+    return ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=device,
+                             attn_implementation=model.attn_implementation, config=facts.config)
 
 

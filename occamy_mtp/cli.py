@@ -10,6 +10,7 @@ stderr and exit status 2, and keeps transformers' kernel fallback warnings to on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -35,7 +36,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argp
     """The parsed flags and the run config they name (flags and overrides in any order), its
     models named by Hub id resolved to their local snapshots (`hub.resolve`)."""
     args = parser.parse_intermixed_args(argv)
-    return args, resolve(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    return args, dataclasses.replace(config, model=resolve(config.model))
 
 
 def command(main: Callable[..., int]) -> Callable[..., int]:

@@ -667,20 +667,30 @@ def check(config: RunConfig) -> None:
             raise ConfigError(f"{option}: expected {expected}, got {value!r}")
 
 
-def require_set(config: RunConfig, *options: str) -> None:
-    """ConfigError naming each of `options` (dotted: `model.base`, `data.files`) that still holds
-    the placeholder `UNSET`, which the shipped configs leave where the user's paths go."""
+def placeholders(config: RunConfig, *options: str) -> dict[str, str]:
+    """Each of `options` (dotted: `model.base`, `data.files`) that still holds the placeholder `UNSET`,
+    which the shipped configs leave where the user's paths go: option -> "option (value)"."""
     tree = config.to_dict()
-    unset = []
+    unset = {}
     for option in options:
         value = _dotted(tree, option)
         if any(str(v).startswith(UNSET) for v in (value if isinstance(value, list) else [value])):
-            unset.append(f"{option} ({value!r})")
+            unset[option] = f"{option} ({value!r})"
+    return unset
+
+
+def refuse_placeholders(unset: list[str]) -> None:
+    """ConfigError naming every option of `unset` (`placeholders`' values) at once."""
     if unset:
         raise ConfigError(
             f"{', '.join(unset)}: still the placeholder {UNSET}; give your own on the command line, e.g. "
             "model.base=/ckpt/occamy model.donor_head=/ckpt/donor data.files=[/data/chats.jsonl]"
         )
+
+
+def require_set(config: RunConfig, *options: str) -> None:
+    """ConfigError naming each of `options` that still holds the placeholder (`placeholders`)."""
+    refuse_placeholders(list(placeholders(config, *options).values()))
 
 
 def _dotted(tree: dict, option: str):

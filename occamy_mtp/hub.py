@@ -83,18 +83,16 @@ def snapshot(repo_id: str, revision: str | None, where: str, repo_type: str = "m
         raise HubError(f"{where}: {asked} is not a local path, and the Hub answered: {err}") from None
 
 
-def resolve(config):
-    """`config` with every Hub id among `model.base`, `model.donor_head` and `model.tokenizer`
+def resolve(model):
+    """The model settings `model` with every Hub id among `base`, `donor_head` and `tokenizer`
     replaced by its local snapshot directory (local paths are kept as they are)."""
     changes = {}
     for option in MODEL_OPTIONS:
-        spec = getattr(config.model, option)
+        spec = getattr(model, option)
         named = hub_id(spec)
         if named is not None:
             changes[option] = str(snapshot(*named, where=f"model.{option}", allow_patterns=MODEL_FILES))
-    if not changes:
-        return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
+    return dataclasses.replace(model, **changes) if changes else model
 
 
 # ----------------------------------------------------------------------------------

@@ -142,9 +142,10 @@ def library_identity() -> dict:
 _LOSS_WINDOW_STEPS = 16  # steps summarised at each end of the loss curve
 
 
-def training_record(config, identities: dict, dataset: dict, summary: dict, self_generated: dict, metrics: dict, *,
+def training_record(settings: dict, identities: dict, dataset: dict, summary: dict, self_generated: dict, metrics: dict, *,
                     derived: dict, export: dict, seconds: dict, outputs: dict) -> dict:
-    """TRAINING.json: provenance and results of one exported head (SCHEMA below).
+    """TRAINING.json: provenance and results of one exported head (SCHEMA below); `settings` is the
+    run's whole config as a plain tree.
 
     `summary` is train.py's train-summary.json; `self_generated` the provenance of the
     continuations export read (any it wrote itself are timed there); `seconds` the
@@ -157,7 +158,7 @@ def training_record(config, identities: dict, dataset: dict, summary: dict, self
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **identities,
         "dataset": dataset,
-        "settings": config.to_dict(),
+        "settings": settings,
         "derived": {"total_steps": summary["steps"], "steps_per_epoch": summary["steps_per_epoch"], **derived,
                     "train_windows": summary["train_windows"]},
         "packages": package_versions(),

@@ -8,7 +8,8 @@ trains), the self-generated store and the run's windows (the base, or the server
 source (the base online, or the offline cache). `check_run`, the checks that need no data
 and no weights, comes before it in the commands that write into `output.dir`.
 
-`RunDir` names every file a run keeps under `output.dir`.
+It takes the set-up settings (`settings.Setup`), never the whole config; `settings.RunDir`
+names every file a run keeps under `output.dir`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.config import ConfigError, RunConfig, require_set, window_settings
+from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
+from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
+from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
@@ -54,53 +56,6 @@ def quiet(message: str) -> None:
 # ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunDir:
-    """Every file a run keeps under `output.dir` (docs/reference/OUTPUTS.md)."""
-
-    root: Path
-
-    @classmethod
-    def of(cls, config: RunConfig) -> RunDir:
-        return cls(Path(config.output.dir))
-
-    lock = property(lambda self: self.root / ".lock")
-    """Held by a running train or export (its pid inside)."""
-    resolved_config = property(lambda self: self.root / "config.resolved.yaml")
-    """The run's settings as resolved; evaluate and validate read its split with `--config`."""
-    checkpoints = property(lambda self: self.root / "checkpoints")
-    """Resumable training state, `step-NNNNNN.pt`."""
-    trained_tensors = property(lambda self: self.root / "trained-tensors.safetensors")
-    """fp32 masters of the trained tensors at the step selection kept (train.py)."""
-    train_summary = property(lambda self: self.root / "train-summary.json")
-    """Loss and selection history (train.py)."""
-    self_generated = property(lambda self: self.root / "self-generated")
-    """The base's continuations, unless `data.self_generated_dir` puts them elsewhere."""
-    head = property(lambda self: self.root / ckpt_io.HEAD_FILE)
-    """The exported head (export.py)."""
-    head_config = property(lambda self: self.root / ckpt_io.HEAD_CONFIG_FILE)
-    metrics = property(lambda self: self.root / "metrics.json")
-    plot = property(lambda self: self.root / "acceptance.png")
-    card = property(lambda self: self.root / "README.md")
-    """The head's model card (`export.card`), for `hf upload` of the directory."""
-    record = property(lambda self: self.root / ckpt_io.EXPORT_RECORD)
-    export_incomplete = property(lambda self: self.root / ckpt_io.EXPORT_INCOMPLETE)
-    """There while export renames its outputs into place: readers refuse the set (`check_export_set`)."""
-    hash_cache = property(lambda self: self.root / ".file-hashes.json")
-    """Known sha256 of the base's and donor's files, by path, size and mtime."""
-
-    def export_outputs(self) -> tuple[Path, ...]:
-        """What export writes, in the order it renames them: TRAINING.json, which records the others' hashes, last."""
-        return (self.head, self.head_config, self.metrics, self.plot, self.card, self.record)
-
-    def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step-{step:06d}.pt"
-
-    def latest_checkpoint(self) -> Path | None:
-        found = sorted(self.checkpoints.glob("step-*.pt"))
-        return found[-1] if found else None
-
-
 class BaseFacts:
     """What a run reads about its base, once: its config (`checkpoint.read_config`) and, when
     first asked, its fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every
@@ -121,33 +76,6 @@ class BaseFacts:
         return ckpt_io.checkpoint_fingerprint(self.directory)
 
 
-def self_generated_dir(config: RunConfig, sampling: TextSampling = GREEDY_TEXT) -> Path:
-    """Where the continuations written under `sampling` are stored: the greedy ones in the store
-    directory itself, sampled ones in a folder of it named after their settings."""
-    root = Path(config.data.self_generated_dir) if config.data.self_generated_dir else RunDir.of(config).self_generated
-    return root if sampling.greedy else root / f"sampled-{sampling.label()}"
-
-
-def train_text(config: RunConfig) -> TextSampling:
-    """How the base writes the train windows' continuations (`data.self_generate_*`)."""
-    data = config.data
-    return TextSampling(data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k,
-                        data.self_generate_seed, data.self_generate_presence_penalty, data.self_generate_frequency_penalty,
-                        data.self_generate_repetition_penalty)
-
-
-def serving_text(config: RunConfig, serving, continuation: int = 0) -> TextSampling:
-    """How the base writes the text a serving configuration is measured on: its `continuation`-th
-    sampled draw is seeded `data.self_generate_seed` + `continuation`."""
-    return text_sampling(serving, config.data.self_generate_seed + continuation)
-
-
-def serving_texts(config: RunConfig, serving) -> list[TextSampling]:
-    """Every way the base writes a serving configuration's text: one for greedy serving, and
-    `eval.sampled_continuations` seeds under sampling (one store each)."""
-    return [serving_text(config, serving, j) for j in range(1 if serving.greedy else config.eval.sampled_continuations)]
-
-
 def measured_windows(stores: "Stores", texts: list[TextSampling], prompts: list[Window]) -> list[Window]:
     """The windows of `prompts` continued under each of `texts`, the continuations of one text after another's."""
     return [w for sampling in texts for w in stores[sampling].windows(prompts)]
@@ -158,32 +86,34 @@ def measured_windows(stores: "Stores", texts: list[TextSampling], prompts: list[
 # ----------------------------------------------------------------------------------
 
 
-def refuse_inside_models(config: RunConfig, outputs: list[tuple[str, Path]]) -> None:
+def refuse_inside_models(model, outputs: list[tuple[str, Path]]) -> None:
     """ConfigError for any (option, path) among `outputs` that lies in or below the base or the donor
-    directory, symlinks resolved: what a command writes never lands in a checkpoint it reads."""
-    protected = [("model.base", Path(config.model.base))]
-    if Path(config.model.donor_head).is_dir():
-        protected.append(("model.donor_head", Path(config.model.donor_head)))
+    directory of `model` (the model settings), symlinks resolved: what a command writes never lands in a
+    checkpoint it reads."""
+    protected = [("model.base", Path(model.base))]
+    if Path(model.donor_head).is_dir():
+        protected.append(("model.donor_head", Path(model.donor_head)))
     refusal = files.inside_any(outputs, protected)
     if refusal:
         raise ConfigError(refusal)
 
 
-def check_inputs(config: RunConfig) -> BaseFacts:
+def check_inputs(setup: Setup) -> BaseFacts:
     """The checks of what a run reads that need no data and no weights: the base and the data are
     named, the base's config reads, and a window fits its positions. Returns the base's facts."""
-    require_set(config, "model.base", "data.files")
-    facts = BaseFacts(config.model.base)
+    refuse_placeholders([setup.unset[o] for o in ("model.base", "data.files") if o in setup.unset])
+    facts = BaseFacts(setup.model.base)
     positions = getattr(facts.text_config, "max_position_embeddings", None)
-    window = config.data.context_tokens + config.data.answer_tokens
+    data = setup.data
+    window = data.context_tokens + data.answer_tokens
     if positions is not None and window > positions:
-        raise ConfigError(f"data.context_tokens + data.answer_tokens: {config.data.context_tokens} + {config.data.answer_tokens} "
+        raise ConfigError(f"data.context_tokens + data.answer_tokens: {data.context_tokens} + {data.answer_tokens} "
                           f"= {window} positions, beyond the base's max_position_embeddings ({positions}, "
                           f"{facts.config.path}); shorten the windows")
     return facts
 
 
-def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
+def check_run(setup: Setup, training: bool = False) -> BaseFacts:
     """The checks that need no data and no weights, before anything slow starts; returns the
     base's facts (its config read here, once, for the rest of the run).
 
@@ -195,21 +125,20 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     writes it); every name in `train.trainable` is a head submodule (checked on a head
     built on the meta device).
     """
-    require_set(config, "model.base", "model.donor_head", "data.files")  # every placeholder named at once
-    donor = Path(config.model.donor_head)
-    facts = check_inputs(config)
+    refuse_placeholders(list(setup.unset.values()))  # every placeholder named at once
+    donor = Path(setup.model.donor_head)
+    facts = check_inputs(setup)
     if not donor.exists():
         raise ConfigError(f"model.donor_head: {donor}: no such file or directory")
-    run_dir = RunDir.of(config)
+    run_dir = setup.run_dir
     outputs = [("output.dir", run_dir.root), ("output.dir", run_dir.checkpoints)]
-    stores = dict.fromkeys([GREEDY_TEXT, train_text(config), *(t for s in config.eval.serving for t in serving_texts(config, s))])
-    outputs += [("data.self_generated_dir", self_generated_dir(config, sampling)) for sampling in stores]
-    if config.data.target_cache:
-        outputs.append(("data.target_cache", Path(config.data.target_cache)))
+    outputs += [("data.self_generated_dir", setup.store_dir(sampling)) for sampling in setup.stored_texts()]
+    if setup.data.target_cache:
+        outputs.append(("data.target_cache", Path(setup.data.target_cache)))
     for option, path in outputs:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{option}: {path} is a file; a directory is expected there")
-    refuse_inside_models(config, outputs)
+    refuse_inside_models(setup.model, outputs)
     for path in (run_dir.lock, run_dir.export_incomplete):
         problem = files.not_owned(path)
         if problem:
@@ -221,14 +150,14 @@ def check_run(config: RunConfig, training: bool = False) -> BaseFacts:
     with torch.device("meta"):
         head = MTPHead(facts.text_config)
     try:
-        set_trainable(head, config.train.trainable)
+        set_trainable(head, setup.trainable)
     except ValueError as err:
         raise ConfigError(f"train.trainable: {err}") from None
     return facts
 
 
 @contextlib.contextmanager
-def output_lock(config: RunConfig) -> Iterator[None]:
+def output_lock(run_dir: RunDir) -> Iterator[None]:
     """Hold an exclusive lock on output.dir (its `.lock` file, with the holder's pid) while a run writes there.
 
     Two trainings into one directory would both run and the last would silently win;
@@ -236,7 +165,6 @@ def output_lock(config: RunConfig) -> Iterator[None]:
     that stops with an error takes back the lock file and the directories it made, when
     nothing else was written into them.
     """
-    run_dir = RunDir.of(config)
     made = [d for d in (run_dir.root, *run_dir.root.parents) if not d.exists()]
     run_dir.root.mkdir(parents=True, exist_ok=True)
     made_lock = not os.path.lexists(run_dir.lock)
@@ -263,14 +191,15 @@ def output_lock(config: RunConfig) -> Iterator[None]:
 # ----------------------------------------------------------------------------------
 
 
-def prepare_data(config: RunConfig, tokenizer, log: Log = quiet) -> PreparedData:
-    if not config.data.files:
+def prepare_data(setup: Setup, tokenizer, log: Log = quiet) -> PreparedData:
+    files = setup.data.files
+    if not files:
         raise ConfigError("data.files: no chat data files given")
-    size = sum(Path(f).stat().st_size for f in config.data.files if Path(f).is_file())
-    log(f"data: reading {len(config.data.files)} file(s) ({size / 2**20:.1f} MiB) into windows")
+    size = sum(Path(f).stat().st_size for f in files if Path(f).is_file())
+    log(f"data: reading {len(files)} file(s) ({size / 2**20:.1f} MiB) into windows")
     started = time.perf_counter()
-    data = prepare_windows(list(config.data.files), tokenizer, **window_settings(config.data),
-                           served_thinking={serving.thinking for serving in config.eval.serving})
+    data = prepare_windows(list(files), tokenizer, **setup.windows,
+                           served_thinking={serving.thinking for serving in setup.servings})
     summary = data.summary()
     log(f"data: {summary['conversations_read']} conversations read, {summary['conversations_kept']} kept; "
         f"{summary['train_windows']} train / {summary['validation_windows']} validation / {summary['heldout_windows']} "
@@ -282,10 +211,10 @@ TRAIN, VALIDATION, HELDOUT = "train", "validation", "heldout"
 EVERY_SPLIT = (TRAIN, VALIDATION, HELDOUT)
 
 
-def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> None:
+def check_split(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) -> None:
     """Refuse a split that leaves the run nothing to train, select or report on."""
     sides = [(TRAIN, data.train, "data.train_conversations"), (HELDOUT, data.heldout, "data.heldout_conversations")]
-    if config.train.select_every_steps:
+    if setup.validates:
         sides.append((VALIDATION, data.validation, "data.validation_conversations (or set train.select_every_steps=0)"))
     for side, windows, option in sides:
         if side in splits and not windows:
@@ -296,31 +225,31 @@ def check_split(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> No
             )
 
 
-def open_store(config: RunConfig, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
+def open_store(setup: Setup, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
     """The run's store of continuations written under `sampling` (refused when written for another
     base, other settings or by another writer)."""
     identity = store_identity(
         base.fingerprint,
         base.text_config.vocab_size,
-        config.model.dtype,
-        config.model.attn_implementation,
-        max_new_tokens=config.data.answer_tokens,
+        setup.model.dtype,
+        setup.model.attn_implementation,
+        max_new_tokens=setup.selfgen.answer_tokens,
         stop_token_ids=stop_ids,
-        writer=ENGINE if config.data.self_generate_endpoints else EMBEDDED,
+        writer=ENGINE if setup.selfgen.endpoints else EMBEDDED,
         sampling=sampling,
     )
-    return SelfGeneratedStore.open(self_generated_dir(config, sampling), identity)
+    return SelfGeneratedStore.open(setup.store_dir(sampling), identity)
 
 
 Stores = dict[TextSampling, SelfGeneratedStore]
 """The run's stores, one per way the base writes its text (`self_generated_needed`)."""
 
 
-def open_stores(config: RunConfig, base: BaseFacts, stop_ids: set[int], needed: dict[TextSampling, list[Window]]) -> Stores:
-    return {sampling: open_store(config, base, stop_ids, sampling) for sampling in needed}
+def open_stores(setup: Setup, base: BaseFacts, stop_ids: set[int], needed: dict[TextSampling, list[Window]]) -> Stores:
+    return {sampling: open_store(setup, base, stop_ids, sampling) for sampling in needed}
 
 
-def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSampling, list[Window]]) -> None:
+def check_store_writable(stores: Stores, needed: dict[TextSampling, list[Window]]) -> None:
     """A store that lacks continuations must take them: found before the base loads, not after."""
     for sampling, windows in needed.items():
         store = stores[sampling]
@@ -335,18 +264,17 @@ def check_store_writable(config: RunConfig, stores: Stores, needed: dict[TextSam
                 raise files.LinkedOutput(problem)
 
 
-def continuation_writer(config: RunConfig, tokenizer, facts: BaseFacts, stop_ids: set[int], base=None) -> Writer | None:
+def continuation_writer(selfgen: SelfGenSettings, tokenizer, facts: BaseFacts, stop_ids: set[int], base=None) -> Writer | None:
     """Who writes the continuations a store lacks: the servers of `data.self_generate_endpoints`
     (checked when first asked), else the base in this process when it is loaded, else nobody."""
-    if config.data.self_generate_endpoints:
+    if selfgen.endpoints:
         from occamy_mtp.engines.completions import Request
         from occamy_mtp.selfgen.engine_writer import EngineWriter
 
-        request = Request(config.data.answer_tokens, frozenset(stop_ids), facts.text_config.vocab_size,
-                          config.data.self_generate_timeout_seconds, config.data.self_generate_retries)
-        return EngineWriter(config.data.self_generate_endpoints, config.data.self_generate_model, tokenizer, request,
-                            config.data.self_generate_concurrency)
-    return EmbeddedWriter(base, config.data.self_generate_batch_size) if base is not None else None
+        request = Request(selfgen.answer_tokens, frozenset(stop_ids), facts.text_config.vocab_size,
+                          selfgen.timeout_seconds, selfgen.retries)
+        return EngineWriter(selfgen.endpoints, selfgen.model, tokenizer, request, selfgen.concurrency)
+    return EmbeddedWriter(base, selfgen.batch_size) if base is not None else None
 
 
 @dataclass(frozen=True)
@@ -380,24 +308,24 @@ class RunWindows:
         return out
 
 
-def self_generated_needed(config: RunConfig, data: PreparedData, splits=EVERY_SPLIT) -> dict[TextSampling, list[Window]]:
+def self_generated_needed(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) -> dict[TextSampling, list[Window]]:
     """The windows of `splits` whose self-generated twins the run uses, by how the base writes them:
     validation under the selected serving configuration, heldout under each one, and train under
     `data.self_generate_*` unless the head trains on the recorded answers only."""
     needed: dict[TextSampling, list[Window]] = {}
     if VALIDATION in splits:
-        selected = config.selected_serving
-        for sampling in serving_texts(config, selected):
+        selected = setup.selected
+        for sampling in setup.texts(selected):
             needed.setdefault(sampling, []).extend(data.served_windows(VALIDATION, selected.thinking))
     if HELDOUT in splits:
-        for sampling, thinking in dict.fromkeys((t, s.thinking) for s in config.eval.serving for t in serving_texts(config, s)):
+        for sampling, thinking in dict.fromkeys((t, s.thinking) for s in setup.servings for t in setup.texts(s)):
             needed.setdefault(sampling, []).extend(data.served_windows(HELDOUT, thinking))
-    if TRAIN in splits and config.data.answers != "data":
-        needed.setdefault(train_text(config), []).extend(data.train)
+    if TRAIN in splits and setup.data.answers != "data":
+        needed.setdefault(setup.train_text, []).extend(data.train)
     return needed
 
 
-def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, writer: Writer | None = None,
+def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer | None = None,
                 log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
     """The windows of `splits`; `writer` (`continuation_writer`) first writes the continuations the stores lack.
 
@@ -409,7 +337,7 @@ def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, wr
     if stores is None:
         return RunWindows(train=[w for w in data.train if w.has_answer] if TRAIN in splits else [], validation=[],
                           heldout={}, heldout_data=recorded_heldout, self_generated={})
-    needed = self_generated_needed(config, data, splits)
+    needed = self_generated_needed(setup, data, splits)
     for sampling, windows in needed.items():
         store = stores[sampling]
         missing = store.missing(windows)
@@ -425,22 +353,22 @@ def run_windows(config: RunConfig, data: PreparedData, stores: Stores | None, wr
         store.generate(writer.for_text(sampling), windows, log)
     train: list[Window] = []
     if TRAIN in splits:
-        answers = config.data.answers
+        answers = setup.data.answers
         if answers == "data":
             train = list(data.train)
         else:
-            generated = stores[train_text(config)].windows(data.train)
+            generated = stores[setup.train_text].windows(data.train)
             train = generated if answers == "self_generated" else [
                 w for pair in zip(data.train, generated) for w in pair if w.has_answer]  # a prompt's recorded half is empty
     heldout = {}
     if HELDOUT in splits:
-        heldout = {serving.label(): measured_windows(stores, serving_texts(config, serving),
+        heldout = {serving.label(): measured_windows(stores, setup.texts(serving),
                                                      data.served_windows(HELDOUT, serving.thinking))
-                   for serving in config.eval.serving}
-    selected = config.selected_serving
+                   for serving in setup.servings}
+    selected = setup.selected
     return RunWindows(
         train=train,
-        validation=(measured_windows(stores, serving_texts(config, selected), data.served_windows(VALIDATION, selected.thinking))
+        validation=(measured_windows(stores, setup.texts(selected), data.served_windows(VALIDATION, selected.thinking))
                     if VALIDATION in splits else []),
         heldout=heldout,
         heldout_data=recorded_heldout,
@@ -464,37 +392,39 @@ class Models:
     head_parameters: int
 
 
-def load_models(config: RunConfig, facts: BaseFacts, device, with_base: bool = True, log: Log = quiet) -> Models:
-    """The frozen base and the donor head on `device`, trainable tensors as fp32 masters.
+def load_models(model, trainable_names: tuple[str, ...], facts: BaseFacts, device, with_base: bool = True,
+                log: Log = quiet) -> Models:
+    """The frozen base and the donor head of `model` (the model settings) on `device`, the tensors
+    `trainable_names` names as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
     tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
     """
-    dtype = ckpt_io.DTYPES[config.model.dtype]
+    dtype = ckpt_io.DTYPES[model.dtype]
     started = time.perf_counter()
-    files = ckpt_io.SafetensorsCheckpoint(Path(config.model.base)).files()
+    files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
     size = sum(f.stat().st_size for f in files) / 2**30
     if with_base:
-        log(f"base: loading {config.model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {config.model.dtype}")
-        base = ckpt_io.load_base(config.model.base, dtype=dtype, device=device, attn_implementation=config.model.attn_implementation,
+        log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {model.dtype}")
+        base = ckpt_io.load_base(model.base, dtype=dtype, device=device, attn_implementation=model.attn_implementation,
                                  config=facts.config)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
         tuned = use_tuned_kernel_configs(torch.device(device))
         if tuned:
             log(tuned)
     else:
-        log(f"base: loading only embed_tokens and lm_head of {config.model.base} (the targets are cached)")
+        log(f"base: loading only embed_tokens and lm_head of {model.base} (the targets are cached)")
         base = None
-        shared = ckpt_io.load_shared_weights(config.model.base, dtype=dtype, device=device, config=facts.config)
+        shared = ckpt_io.load_shared_weights(model.base, dtype=dtype, device=device, config=facts.config)
     head, layout = ckpt_io.load_head(
-        config.model.donor_head,
+        model.donor_head,
         facts.text_config,
         shared,
         dtype=dtype,
         device=device,
-        attn_implementation=config.model.attn_implementation,
+        attn_implementation=model.attn_implementation,
     )
-    trainable = set_trainable(head, config.train.trainable)
+    trainable = set_trainable(head, trainable_names)
     for param in head.parameters():
         if param.requires_grad:
             param.data = param.data.float()  # fp32 master copy; the forward rounds it as serving stores it
@@ -503,15 +433,15 @@ def load_models(config: RunConfig, facts: BaseFacts, device, with_base: bool = T
     return Models(base, head, layout, trainable, total)
 
 
-def open_targets(config: RunConfig, facts: BaseFacts, windows: list[Window], window_settings: dict, base=None) -> TargetSource:
+def open_targets(setup: Setup, facts: BaseFacts, windows: list[Window], window_settings: dict, base=None) -> TargetSource:
     """The base online, or the offline cache at `data.target_cache` checked against `windows`
     (built with `window_settings`, `PreparedData.settings`)."""
-    if not config.data.target_cache:
+    if not setup.data.target_cache:
         if base is None:
             raise ValueError("no target cache configured, so the base itself is needed for the online path")
         return OnlineTargets(base)
-    identity = cache_identity(facts.fingerprint, windows, window_settings, config.model.dtype, config.model.attn_implementation)
-    return TargetCache.open(Path(config.data.target_cache), identity)
+    identity = cache_identity(facts.fingerprint, windows, window_settings, setup.model.dtype, setup.model.attn_implementation)
+    return TargetCache.open(Path(setup.data.target_cache), identity)
 
 
 # ----------------------------------------------------------------------------------
@@ -521,9 +451,8 @@ def open_targets(config: RunConfig, facts: BaseFacts, windows: list[Window], win
 
 @dataclass(frozen=True)
 class Run:
-    """Everything a stage reads, set up once from the config."""
+    """Everything a stage reads, set up once from the set-up settings (`settings.Setup`)."""
 
-    config: RunConfig
     dir: RunDir
     base_facts: BaseFacts
     tokenizer: object
@@ -535,7 +464,7 @@ class Run:
     """Where the base's continuations end (`stop_token_ids`)."""
 
 
-def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: Log = quiet, splits=EVERY_SPLIT,
+def open_run(setup: Setup, device, *, base: BaseFacts | None = None, log: Log = quiet, splits=EVERY_SPLIT,
              self_generated: bool = True, max_heldout: int | None = None,
              writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
              check_data: Callable[[PreparedData], None] | None = None) -> Run:
@@ -549,29 +478,29 @@ def open_run(config: RunConfig, device, *, base: BaseFacts | None = None, log: L
     loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
     `check_run` read, else read here.
     """
-    facts = base or check_inputs(config)
-    tokenizer = load_tokenizer(config)
-    stop_ids = stop_token_ids(tokenizer, config.model.base)
-    data = prepare_data(config, tokenizer, log=log)
-    check_split(config, data, splits)
+    facts = base or check_inputs(setup)
+    tokenizer = load_tokenizer(setup.model)
+    stop_ids = stop_token_ids(tokenizer, setup.model.base)
+    data = prepare_data(setup, tokenizer, log=log)
+    check_split(setup, data, splits)
     if check_data is not None:
         check_data(data)
     if max_heldout is not None:
         data = dataclasses.replace(data, heldout=data.heldout[:max_heldout], served={
             mode: {**sides, HELDOUT: sides[HELDOUT][:max_heldout]} for mode, sides in data.served.items()})
-    needed = self_generated_needed(config, data, splits)
-    stores = open_stores(config, facts, stop_ids, needed) if self_generated else None
+    needed = self_generated_needed(setup, data, splits)
+    stores = open_stores(setup, facts, stop_ids, needed) if self_generated else None
     engines = None
     if stores is not None:
-        check_store_writable(config, stores, needed)
-        if config.data.self_generate_endpoints and any(stores[s].missing(w) for s, w in needed.items()):
-            engines = continuation_writer(config, tokenizer, facts, stop_ids)
+        check_store_writable(stores, needed)
+        if setup.selfgen.endpoints and any(stores[s].missing(w) for s, w in needed.items()):
+            engines = continuation_writer(setup.selfgen, tokenizer, facts, stop_ids)
             engines.servers  # noqa: B018 - the servers are checked here, before minutes of loading the base
-    models = load_models(config, facts, device, with_base=not config.data.target_cache, log=log)
+    models = load_models(setup.model, setup.trainable, facts, device, with_base=not setup.data.target_cache, log=log)
     with writer_first():
         for store in (stores or {}).values():
             store.reread()  # what the main process (or another run) wrote meanwhile
-        writer = engines or continuation_writer(config, tokenizer, facts, stop_ids, models.base)
-        windows = run_windows(config, data, stores, writer, log=log, splits=splits)
-    targets = open_targets(config, facts, windows.all(), data.settings, base=models.base)
-    return Run(config, RunDir.of(config), facts, tokenizer, data, models, windows, targets, stop_ids)
+        writer = engines or continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, models.base)
+        windows = run_windows(setup, data, stores, writer, log=log, splits=splits)
+    targets = open_targets(setup, facts, windows.all(), data.settings, base=models.base)
+    return Run(setup.run_dir, facts, tokenizer, data, models, windows, targets, stop_ids)

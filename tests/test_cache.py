@@ -8,6 +8,7 @@ cache; a corrupted or truncated shard is detected and recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.files import sha256_file
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
 from occamy_mtp.commands import cache as cache_command
+from occamy_mtp.settings import plan_of, serving_texts
 
 CONVERSATIONS = 30  # the first lines of data/sample.jsonl: enough for 6 + 2 conversations
 WINDOW_SETTINGS = dict(context_tokens=16, answer_tokens=48, train_conversations=6, heldout_conversations=2)
@@ -179,7 +181,7 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed, serving_texts
+    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -188,10 +190,10 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     cached_config = load_config(run_config(world, world["root"] / "run-cached"), [f"data.target_cache={directory}"])
     # The cache pass writes the self-generated windows (shared with the online run) and caches every window of the run.
     assert cache_command.main(["--config", str(run_config(world, world["root"] / "run-cli")), "--dir", str(directory), "--max-shard-bytes", str(SHARD_BYTES)]) == 0
-    data = prepare_data(cached_config, world["tokenizer"])
-    stores = open_stores(cached_config, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
-                         self_generated_needed(cached_config, data))
-    windows = run_windows(cached_config, data, stores).all()
+    data = prepare_data(plan_of(cached_config).setup, world["tokenizer"])
+    stores = open_stores(plan_of(cached_config).setup, BaseFacts(cached_config.model.base), stop_token_ids(world["tokenizer"], cached_config.model.base),
+                         self_generated_needed(plan_of(cached_config).setup, data))
+    windows = run_windows(plan_of(cached_config).setup, data, stores).all()
     # self-generated (the heldout ones under each serving configuration: greedy once and each of the four
     # default presets eval.sampled_continuations times), + recorded heldout
     texts = sum(len(serving_texts(cached_config, s)) for s in cached_config.eval.serving)
@@ -203,19 +205,20 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     assert shard_bytes(directory) == shard_bytes(library)
     with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded for a complete cache"))
-        assert CP.build_for_config(cached_config, directory, log=lambda m: None)["complete"]
+        plan = plan_of(cached_config)
+        assert CP.build_for_run(plan.setup, dataclasses.replace(plan.cache, directory=str(directory)), log=lambda m: None)["complete"]
 
-    train_module.train(online_config)
+    train_module.train(plan_of(online_config))
     with monkeypatch.context() as patch:  # training from the cache needs only embed_tokens and lm_head
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("the base was loaded although targets are cached"))
-        summary = train_module.train(cached_config)
+        summary = train_module.train(plan_of(cached_config))
     assert summary["targets"]["source"] != "online"
     assert summary["selection"]["enabled"] and [e["step"] for e in summary["selection"]["history"]] == [0, 3, 6]
     # Export evaluates from the cache too, without the base (random models: the head may lose to the donor).
-    online_record = export_module.export(online_config, allow_worse=True, log=lambda m: None)
+    online_record = export_module.export(plan_of(online_config), allow_worse=True, log=lambda m: None)
     with monkeypatch.context() as patch:
         patch.setattr(ckpt_io, "load_base", lambda *a, **k: pytest.fail("export loaded the base although targets are cached"))
-        cached_record = export_module.export(cached_config, allow_worse=True, log=lambda m: None)
+        cached_record = export_module.export(plan_of(cached_config), allow_worse=True, log=lambda m: None)
     for head in ("donor", "trained"):
         online, cached = (r["metrics"]["heldout"][head] for r in (online_record, cached_record))
         parts = [(online["teacher_forced"], cached["teacher_forced"])]
@@ -287,12 +290,12 @@ def test_online_source_is_base_outputs(world):
     from occamy_mtp.run import BaseFacts, open_targets
 
     config = load_config(None, [f"model.base={world['base_path']}", "model.dtype=float32"])
-    source = open_targets(config, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings, base=world["base"])
+    source = open_targets(plan_of(config).setup, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings, base=world["base"])
     window = windows_of(world["data"])[0]
     expected, got = online(world["base"], [window]), source.outputs(*T.padded_ids([window.input_ids]))
     assert torch.equal(got.hidden, expected.hidden) and source.provenance() == {"source": "online"}
     with pytest.raises(ValueError, match="base itself is needed"):
-        open_targets(config, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings)
+        open_targets(plan_of(config).setup, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings)
 
 
 def test_shared_weights_only_are_the_base_s(world):

@@ -16,6 +16,7 @@ from occamy_mtp import record as rec
 from occamy_mtp.export.card import acceptance_table, hub_id, model_card
 from occamy_mtp.run import RunDir
 from occamy_mtp.commands import compare as compare_command
+from occamy_mtp.settings import plan_of
 from test_faults import exported, run_models  # noqa: F401 (fixtures)
 
 
@@ -123,7 +124,7 @@ def test_training_prints_a_line_every_log_every_steps(run_models, tmp_path, caps
     from test_faults import run_config
     from occamy_mtp.train.loop import train
 
-    train(run_config(run_models, tmp_path / "run", "train.log_every_steps=2"))
+    train(plan_of(run_config(run_models, tmp_path / "run", "train.log_every_steps=2")))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train: ")]
     assert [line.split()[1] for line in lines] == ["2/6", "4/6", "6/6"]
     assert "mean loss of steps 1-2" in lines[0] and "mean loss of steps 5-6" in lines[-1]

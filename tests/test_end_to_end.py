@@ -29,6 +29,7 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.record import validate_record
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.settings import plan_of, serving_texts
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINED = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"}
@@ -115,7 +116,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
     from occamy_mtp.model.head import SharedWeights
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_store, serving_texts
+    from occamy_mtp.run import BaseFacts, open_store
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []
@@ -150,7 +151,7 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
     for serving in config.eval.serving:
         # every continuation of each heldout prompt, rendered in the configuration's thinking mode, one store a seed
         prompts = data.served_windows("heldout", serving.thinking)
-        texts = [w for sampling in serving_texts(config, serving) for w in open_store(config, facts, stops, sampling).windows(prompts)]
+        texts = [w for sampling in serving_texts(config, serving) for w in open_store(plan_of(config).setup, facts, stops, sampling).windows(prompts)]
         assert len(texts) == len(prompts) * (1 if serving.greedy else config.eval.sampled_continuations)
         served = served_acceptance(base, head, texts, (1, 2), max_new_tokens=40, serving=serving)
         for k, figures in served.items():

@@ -33,6 +33,7 @@ from occamy_mtp.selfgen.store import META_FILE, STORE_FILE, SelfGenError
 from occamy_mtp.testing.loopback import LoopbackServer
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+from occamy_mtp.settings import plan_of
 from test_validate import _wait_for_url
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,11 +63,11 @@ def config_of(world, store: Path, *overrides):
 
 def write_store(config, base=None):
     """What a run does to its store: every window's continuation, written by the configured writer."""
-    tokenizer = load_tokenizer(config)
-    data = prepare_data(config, tokenizer)
-    needed = self_generated_needed(config, data)
-    stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
-    run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), base))
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(plan_of(config).setup, tokenizer)
+    needed = self_generated_needed(plan_of(config).setup, data)
+    stores = open_stores(plan_of(config).setup, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
+    run_windows(plan_of(config).setup, data, stores, continuation_writer(plan_of(config).setup.selfgen, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), base))
     return stores[GREEDY_TEXT], len(needed[GREEDY_TEXT])
 
 
@@ -165,11 +166,11 @@ def test_servers_write_sampled_text_seeded_per_context(world, embedded, servers,
 
     def write(directory, urls):
         config = config_of(world, directory, f"data.self_generate_endpoints=[{','.join(urls)}]", *sampled)
-        tokenizer = load_tokenizer(config)
-        data = prepare_data(config, tokenizer)
-        needed = self_generated_needed(config, data)
-        stores = open_stores(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
-        run_windows(config, data, stores, continuation_writer(config, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)))
+        tokenizer = load_tokenizer(config.model)
+        data = prepare_data(plan_of(config).setup, tokenizer)
+        needed = self_generated_needed(plan_of(config).setup, data)
+        stores = open_stores(plan_of(config).setup, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base), needed)
+        run_windows(plan_of(config).setup, data, stores, continuation_writer(plan_of(config).setup.selfgen, tokenizer, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)))
         assert set(needed) == {GREEDY_TEXT, text}  # validation and heldout greedy (eval.serving), train sampled
         return stores[text].directory
 

@@ -227,7 +227,7 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
     assert main(argv) == 0
     report = json.loads((out / "evaluation.json").read_text())
     config = load_config(config_path)
-    expected = prepare_windows(config.data.files, load_tokenizer(config), **window_settings(config.data))
+    expected = prepare_windows(config.data.files, load_tokenizer(config.model), **window_settings(config.data))
     assert report["inputs"]["base"] == str(checkpoints["base"]) and report["inputs"]["donor"] == str(checkpoints["donor"])
     assert report["inputs"]["dtype"] == "float32"
     assert report["dataset"]["settings"]["split_seed"] == 7

@@ -34,6 +34,7 @@ from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.commands import assemble as assemble_command
 from occamy_mtp.commands import data as data_command
+from occamy_mtp.settings import plan_of
 from test_assemble import assert_serves_head, base_tensors, head_variant, tree_state, write_head
 
 # ==================================================================================
@@ -398,9 +399,9 @@ def test_outputs_inside_the_base_or_donor_are_refused(run_models, tmp_path, no_m
     if where == "symlink-into-base":
         (tmp_path / "link").symlink_to(run_models["base"])
     with pytest.raises(ConfigError, match="output.dir: .* is inside model.(base|donor_head)"):
-        train(run_config(run_models, output))
+        train(plan_of(run_config(run_models, output)))
     with pytest.raises(ConfigError, match="data.self_generated_dir: .* is inside model.base"):
-        train(run_config(run_models, tmp_path / "ok", f"data.self_generated_dir={run_models['base'] / 'sg'}"))
+        train(plan_of(run_config(run_models, tmp_path / "ok", f"data.self_generated_dir={run_models['base'] / 'sg'}")))
     assert sha256_tree(run_models["base"]) == before and not (run_models["base"] / "run").exists()
 
 
@@ -429,7 +430,7 @@ def test_bad_settings_are_found_before_any_model_loads(run_models, tmp_path, no_
     if case == "no-heldout":  # every conversation hashes to the train side
         overrides = [*overrides, f"data.files=[{train_side_only(run_models, tmp_path / 'train-side.jsonl')}]"]
     with pytest.raises(ConfigError, match=message):
-        train(run_config(run_models, tmp_path / "run" / "nested", *overrides))
+        train(plan_of(run_config(run_models, tmp_path / "run" / "nested", *overrides)))
     assert not (tmp_path / "run").exists()  # a config error leaves nothing behind (issue 22, item 5)
 
 
@@ -439,7 +440,7 @@ def test_an_output_dir_that_is_a_file_is_refused(run_models, tmp_path, no_model_
 
     (tmp_path / "run").write_text("not a directory")
     with pytest.raises(ConfigError, match="output.dir: .* is a file"):
-        train(run_config(run_models, tmp_path / "run"))
+        train(plan_of(run_config(run_models, tmp_path / "run")))
 
 
 @contextlib.contextmanager
@@ -489,7 +490,7 @@ def test_a_store_that_lacks_lines_and_cannot_take_them_is_refused_before_the_bas
     with unwritable_directory(tmp_path / "shared", how) as shared:
         with pytest.raises(ConfigError, match=r"data.self_generated_dir: .* lacks \d+ of the run's \d+ continuations and "
                                               "cannot be written"):
-            train(run_config(run_models, tmp_path / "run", f"data.self_generated_dir={shared / 'store'}"))
+            train(plan_of(run_config(run_models, tmp_path / "run", f"data.self_generated_dir={shared / 'store'}")))
         config = tmp_path / "cache.yaml"
         config.write_text(dump_yaml(run_config(run_models, tmp_path / "run", f"data.target_cache={shared / 'cache'}")))
         assert cache_main(["--config", str(config)]) == 2  # the store is fine; the cache cannot be written
@@ -526,7 +527,7 @@ def test_a_non_finite_loss_stops_training_and_keeps_the_last_good_checkpoint(run
     monkeypatch.setattr(train_module, "chain_loss", poisoned)
     output = tmp_path / "run"
     with pytest.raises(train_module.TrainingError, match=r"step 3: the loss is nan; .*step-000002.pt, is kept"):
-        train_module.train(run_config(run_models, output))
+        train_module.train(plan_of(run_config(run_models, output)))
     assert [p.name for p in sorted((output / "checkpoints").glob("step-*.pt"))] == ["step-000001.pt", "step-000002.pt"]
     assert not (output / "trained-tensors.safetensors").exists()
 
@@ -549,7 +550,7 @@ def test_a_non_finite_update_is_caught_before_a_checkpoint_keeps_it(run_models, 
     monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
     output = tmp_path / "run"
     with pytest.raises(train_module.TrainingError, match=r"step 3: the update made fc.weight non-finite; .*step-000002.pt, is kept"):
-        train_module.train(run_config(run_models, output))
+        train_module.train(plan_of(run_config(run_models, output)))
     kept = sorted((output / "checkpoints").glob("step-*.pt"))
     assert [p.name for p in kept] == ["step-000001.pt", "step-000002.pt"]
     for path in kept:
@@ -571,8 +572,8 @@ def test_the_whole_layer_trained_exports_in_a_per_expert_donor_s_layout(run_mode
     donor = build_tiny_checkpoint(tmp_path / "donor", layout="per_expert", multimodal=False, seed=1)
     config = run_config(run_models, tmp_path / "run", f"model.donor_head={donor.path}",
                         "train.trainable=[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]")
-    train(config)
-    record = export(config, allow_worse=True, log=lambda m: None)
+    train(plan_of(config))
+    record = export(plan_of(config), allow_worse=True, log=lambda m: None)
     run_dir = RunDir.of(config)
     assert record["derived"]["export_layout"] == "per_expert"
     replaced = set(record["export"]["replaced"])
@@ -602,7 +603,7 @@ def test_export_refuses_non_finite_or_misshapen_tensors(run_models, tmp_path, fa
     from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
-    train(config)
+    train(plan_of(config))
     path = RunDir.of(config).trained_tensors
     tensors = load_file(path)
     with safe_open(str(path), "pt") as handle:  # keep the metadata (the config fingerprint)
@@ -616,7 +617,7 @@ def test_export_refuses_non_finite_or_misshapen_tensors(run_models, tmp_path, fa
         expected = re.escape(f"tensor 'fc.weight' has shape (1, {shape[1]}), the head's is {shape}")
     save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(ExportError, match=expected):
-        export(config, allow_worse=True, log=lambda m: None)
+        export(plan_of(config), allow_worse=True, log=lambda m: None)
     assert not (tmp_path / "run" / "mtp-trained.safetensors").exists()
 
 
@@ -627,15 +628,15 @@ def test_export_is_reproducible_atomic_and_cleans_stale_temporaries(run_models, 
 
     config = run_config(run_models, tmp_path / "run")
     output = RunDir.of(config)
-    train(config)
+    train(plan_of(config))
     stale = output.root / f".{output.head.name}.killed.tmp"
     stale.write_bytes(b"half a head")
-    export(config, allow_worse=True, log=lambda m: None)
+    export(plan_of(config), allow_worse=True, log=lambda m: None)
     first = {path: path.read_bytes() for path in output.export_outputs()}
     assert not stale.exists() and not list(output.root.glob(".*.tmp"))
     record = json.loads(first[output.record])
     assert record["outputs"][output.head.name] == hashlib.sha256(first[output.head]).hexdigest()
-    export(config, allow_worse=True, log=lambda m: None)
+    export(plan_of(config), allow_worse=True, log=lambda m: None)
     assert output.head.read_bytes() == first[output.head]  # identical tensors, identical file
 
 
@@ -650,8 +651,8 @@ def exported(run_models, tmp_path_factory):
     from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path_factory.mktemp("exported") / "run")
-    train(config)
-    export(config, allow_worse=True, log=lambda m: None)
+    train(plan_of(config))
+    export(plan_of(config), allow_worse=True, log=lambda m: None)
     return config
 
 
@@ -698,11 +699,11 @@ def test_an_export_killed_between_two_renames_is_refused_by_every_reader(exporte
 
     monkeypatch.setattr(files.os, "replace", replace)
     with pytest.raises(Killed):
-        export(config, allow_worse=True, log=lambda m: None)
+        export(plan_of(config), allow_worse=True, log=lambda m: None)
     monkeypatch.undo()
     assert len(done) == renamed and RunDir.of(config).export_incomplete.exists()
     readers_refuse(config, "an export into it was interrupted", capsys)
-    export(config, allow_worse=True, log=lambda m: None)  # the next export completes the set
+    export(plan_of(config), allow_worse=True, log=lambda m: None)  # the next export completes the set
     assert not RunDir.of(config).export_incomplete.exists()
     ckpt_io.load_head(RunDir.of(config).head, ckpt_io.read_config(config.model.base).text_config)
 
@@ -739,10 +740,10 @@ def test_a_second_run_into_a_locked_output_dir_is_refused(run_models, tmp_path):
     from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
-    with output_lock(config):
+    with output_lock(plan_of(config).run_dir):
         with pytest.raises(ConfigError, match=rf"output.dir: .* is in use by another run \(pid {os.getpid()}\)"):
-            train(config)
-    train(config)  # the lock went with its holder
+            train(plan_of(config))
+    train(plan_of(config))  # the lock went with its holder
 
 
 def test_a_refused_resume_names_the_setting_that_differs(run_models, tmp_path, capsys):
@@ -768,15 +769,15 @@ def test_a_resume_on_other_data_is_refused_before_any_model_loads(run_models, tm
     lines = SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)
     data.write_text("".join(lines[:40]))
     config = run_config(run_models, tmp_path / "run", f"data.files=[{data}]")
-    train(config)
-    train(config, resume=True)  # the same data: resumes (and finds nothing left to do)
+    train(plan_of(config))
+    train(plan_of(config), resume=True)  # the same data: resumes (and finds nothing left to do)
     data.write_text("".join(lines[:20] + lines[60:80]))  # half the conversations replaced
     for name in ("load_base", "load_head", "load_shared_weights"):
         monkeypatch.setattr(ckpt_io, name, lambda *a, **k: pytest.fail("a model was loaded before the data was checked"))
     with pytest.raises(ConfigError, match=r"step-\d+.pt: was trained on other data \(data.files .*chats.jsonl: sha256 "
                                           r"[0-9a-f]+\.\.\. then, [0-9a-f]+\.\.\. now; the train split: [1-9]\d* of its 6 "
                                           r"conversations are gone, [1-9]\d* are new"):
-        train(config, resume=True)
+        train(plan_of(config), resume=True)
 
 
 def test_slow_phases_report_progress(run_models, tmp_path, capsys):
@@ -784,8 +785,8 @@ def test_slow_phases_report_progress(run_models, tmp_path, capsys):
     from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run")
-    train(config)
-    export(config, allow_worse=True)
+    train(plan_of(config))
+    export(plan_of(config), allow_worse=True)
     err = capsys.readouterr().err
     for phase in ("data: reading 1 file(s)", "base: loading", "self-generated windows: the base (greedy) writes",
                   "export: measuring the donor head", "hashing "):
@@ -918,7 +919,7 @@ def test_the_run_config_sets_the_record_size_limit(tmp_path, sample_tokenizer_di
     config = load_config(None, [f"model.base={sample_tokenizer_dir}", f"data.files=[{path}]", "data.max_record_bytes=1000",
                                 "data.train_conversations=3", "data.validation_conversations=0", "data.heldout_conversations=1",
                                 "train.select_every_steps=0"])
-    data = prepare_data(config, sample_tokenizer)
+    data = prepare_data(plan_of(config).setup, sample_tokenizer)
     assert data.excluded[reader.RECORD_TOO_LARGE] == 2 and data.summary()["conversations_kept"] == 2
     assert data.max_record_bytes == 1000 and data.provenance()["max_record_bytes"] == 1000
 
@@ -1146,9 +1147,9 @@ def opened_store(config):
     from occamy_mtp.run import BaseFacts, load_tokenizer, open_store, prepare_data, self_generated_needed
     from occamy_mtp.sampling import GREEDY_TEXT
 
-    tokenizer = load_tokenizer(config)
-    data = prepare_data(config, tokenizer)
-    return open_store(config, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)), self_generated_needed(config, data)[GREEDY_TEXT]
+    tokenizer = load_tokenizer(config.model)
+    data = prepare_data(plan_of(config).setup, tokenizer)
+    return open_store(plan_of(config).setup, BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)), self_generated_needed(plan_of(config).setup, data)[GREEDY_TEXT]
 
 
 def embedded_writer(config):
@@ -1377,9 +1378,9 @@ def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figur
 
     path = write_jsonl(tmp_path / "prompts.jsonl", prompt_records(30))
     config = run_config(run_models, tmp_path / "run", f"data.files=[{path}]")
-    summary = train(config)
+    summary = train(plan_of(config))
     assert summary["steps"] > 0
-    record = export(config, allow_worse=True, log=lambda m: None)
+    record = export(plan_of(config), allow_worse=True, log=lambda m: None)
     assert not rec.validate_record(record)
     windows = record["dataset"]["windows"]
     assert windows["prompts"] == {side: windows[side] for side in ("train", "validation", "heldout")}  # every one
@@ -1389,7 +1390,7 @@ def test_a_run_on_prompts_alone_trains_and_exports_with_the_teacher_forced_figur
         assert all(by_serving["served"]["1"]["contexts"] == 2 for by_serving in record["metrics"]["heldout"][head]["serving"].values())
     assert "absent" in format_metrics(record["metrics"])
     with pytest.raises(ConfigError, match="the data are prompts"):
-        evaluate_run(config, tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),
+        evaluate_run(plan_of(config), tmp_path / "run" / "mtp-trained.safetensors", tmp_path / "eval", torch.device("cpu"),
                      teacher_forced_only=True)
 
 
@@ -1404,7 +1405,7 @@ def test_export_s_decoder_checks_on_the_static_runners_equal_those_on_transforme
     from occamy_mtp.train.loop import train
 
     config = run_config(run_models, tmp_path / "run", "eval.decoder_check_windows=2")
-    train(config)
+    train(plan_of(config))
     checks = []
     for static in (False, True):
         if static:
@@ -1412,7 +1413,7 @@ def test_export_s_decoder_checks_on_the_static_runners_equal_those_on_transforme
             monkeypatch.setattr(decode, "static_head_decoding", lambda head: True)
         output = tmp_path / f"export-{static}"
         shutil.copytree(tmp_path / "run", output)
-        record = export(dataclasses.replace(config, output=dataclasses.replace(config.output, dir=str(output))), allow_worse=True,
+        record = export(plan_of(dataclasses.replace(config, output=dataclasses.replace(config.output, dir=str(output)))), allow_worse=True,
                         log=lambda m: None)
         checks.append(json.loads((output / "metrics.json").read_text())["decoder_check"])
         assert record["outputs"]

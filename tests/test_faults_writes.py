@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from occamy_mtp import files
 from occamy_mtp.config import ConfigError, dump_yaml, load_config
 from occamy_mtp.commands import train as train_command
+from occamy_mtp.settings import plan_of
 from test_faults import no_model_loading, run_config, run_models, sha256_tree, unwritable_directory  # noqa: F401 (fixtures)
 
 
@@ -123,7 +124,7 @@ def test_checkpoints_that_link_into_the_base_are_refused_before_any_model_loads(
     output.mkdir()
     (output / "checkpoints").symlink_to(run_models["base"])
     with pytest.raises(ConfigError, match=r"output.dir: .*checkpoints is inside model.base"):
-        train(run_config(run_models, output))
+        train(plan_of(run_config(run_models, output)))
     assert sha256_tree(run_models["base"]) == before
 
 
@@ -194,11 +195,11 @@ def test_a_checkpoint_on_a_full_disk_is_skipped_and_the_trained_tensors_are_kept
     from occamy_mtp.train import loop
 
     reference = run_config(run_models, tmp_path / "reference")
-    loop.train(reference)
+    loop.train(plan_of(reference))
     expected = load_file(tmp_path / "reference" / "trained-tensors.safetensors")
 
     _fill_disk_at(monkeypatch, torch, "save", lambda call: call >= 2)  # every checkpoint after the first
-    loop.train(run_config(run_models, tmp_path / "run"))
+    loop.train(plan_of(run_config(run_models, tmp_path / "run")))
     err = capsys.readouterr().err
     assert "step 2's checkpoint was not written" in err and "no space left on the device" in err
     assert "the older checkpoints are kept" in err
@@ -211,7 +212,7 @@ def test_trained_tensors_on_a_full_disk_say_how_to_get_them_back_and_resume_does
     from occamy_mtp.train import loop
 
     reference = run_config(run_models, tmp_path / "reference")
-    loop.train(reference)
+    loop.train(plan_of(reference))
     expected = load_file(tmp_path / "reference" / "trained-tensors.safetensors")
 
     output = tmp_path / "run"
@@ -244,7 +245,7 @@ def test_an_export_on_a_full_disk_is_one_line_and_replaces_nothing(run_models, t
 
     output = tmp_path / "run"
     config = run_config(run_models, output)
-    train(config)
+    train(plan_of(config))
     before = sha256_tree(output)
     monkeypatch.setattr(files, "write_safetensors", _failing_safetensors(files.write_safetensors))
     assert export_main(["--config", str(write_config(config, tmp_path / "run.yaml")), "--allow-worse"]) == 2
@@ -351,7 +352,7 @@ def test_windows_beyond_the_base_s_positions_are_refused_before_any_model_loads(
     positions = read_config(run_models["base"]).text_config.max_position_embeddings
     with pytest.raises(ConfigError, match=rf"data.context_tokens \+ data.answer_tokens: .* beyond the base's "
                                           rf"max_position_embeddings \({positions}"):
-        train(run_config(run_models, tmp_path / "run", f"data.answer_tokens={positions}"))
+        train(plan_of(run_config(run_models, tmp_path / "run", f"data.answer_tokens={positions}")))
 
 
 def test_evaluate_refuses_a_wrong_head_before_any_model_loads(run_models, tmp_path, no_model_loading, capsys):
@@ -385,7 +386,7 @@ def test_endpoints_are_checked_before_any_model_loads(run_models, tmp_path, no_m
 def test_resume_without_a_checkpoint_says_it_starts_from_step_0(run_models, tmp_path, capsys):
     from occamy_mtp.train.loop import train
 
-    train(run_config(run_models, tmp_path / "run"), resume=True)
+    train(plan_of(run_config(run_models, tmp_path / "run")), resume=True)
     assert f"--resume: {tmp_path / 'run' / 'checkpoints'} holds no checkpoint, so training starts from step 0" in \
         capsys.readouterr().err
 

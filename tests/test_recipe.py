@@ -30,6 +30,7 @@ from occamy_mtp.testing.demo_models import build_demo_models
 from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
 from occamy_mtp.run import RunDir
 from occamy_mtp.train.loop import train
+from occamy_mtp.settings import plan_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
@@ -59,8 +60,8 @@ def trained_and_exported(models, root, records: list[str], *extra: str) -> dict:
     overrides = [f"model.base={models / 'base'}", f"model.donor_head={models / 'donor'}", f"data.files=[{data}]",
                  f"output.dir={root / 'run'}", *RECIPE, *extra]
     config = load_config("configs/demo.yaml", overrides)
-    summary = train(config)
-    record = export(config, log=lambda message: None)
+    summary = train(plan_of(config))
+    record = export(plan_of(config), log=lambda message: None)
     return {"root": root, "config": config, "overrides": overrides, "summary": summary, "record": record}
 
 
@@ -134,7 +135,7 @@ def test_a_head_worse_than_the_donor_is_refused_unless_allowed(run, capsys):
     save_file(tensors, path, metadata=metadata)
 
     with pytest.raises(ExportError, match="worse than the donor where serving runs it, so it was not written"):
-        export(config, log=lambda message: None)
+        export(plan_of(config), log=lambda message: None)
     assert {path_: path_.read_bytes() for path_ in run_dir.export_outputs()} == before
     argv = ["--config", "configs/demo.yaml", *run["overrides"], SELECTED_AND_GREEDY]
     assert export_main(argv) == 2

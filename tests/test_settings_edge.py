@@ -1,11 +1,10 @@
 """How far the run's whole config reaches into the library, measured with `ast` (issue 45's measures).
 
-M1: functions outside config.py and the commands (the edge, which holds the config) that take the
-RunConfig or read `config.<section>`; M2: those of them that read two or more sections; M3: reads of
-`run.config`; M4: call sites, there, of the helpers that derive a setting from the whole config. The goal is 0 for each outside the
-settings' edge (the commands and the one module that resolves a config into each stage's
-settings); until the stages take their own settings, each measure may only fall: the ceilings
-below are today's, lowered as the stages move to their own settings.
+M1: functions that take the RunConfig or read `config.<section>`; M2: those of them that read two or
+more sections; M3: reads of `run.config`; M4: call sites of the helpers that derive a setting from the
+whole config. Each is counted outside the edge, which holds the config: config.py, settings.py (which
+resolves it, once, into each stage's settings), cli.py (the commands' convention, which reads it) and
+the commands. The goal, held here, is 0 for each.
 """
 
 from __future__ import annotations
@@ -17,14 +16,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "occamy_mtp"
 SECTIONS = {"model", "data", "train", "eval", "output"}
 DERIVED = {"require_set", "window_settings", "selected_serving", "fingerprinted", "step_loss_weights", "train_text",
            "serving_text", "self_generated_dir"}
-CEILINGS = {"M1": 42, "M2": 22, "M3": 8, "M4": 12}
+CEILINGS = {"M1": 0, "M2": 0, "M3": 0, "M4": 0}
+EDGE = ("occamy_mtp/config.py", "occamy_mtp/settings.py", "occamy_mtp/cli.py")
 
 
 def measures(package: Path = PACKAGE) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {name: [] for name in CEILINGS}
     for path in sorted(package.rglob("*.py")):
         where = str(path.relative_to(package.parent))
-        if where == "occamy_mtp/config.py" or where.startswith("occamy_mtp/commands/"):  # the edge: the commands hold the config
+        if where in EDGE or where.startswith("occamy_mtp/commands/"):  # the edge, which holds the config
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -46,11 +46,11 @@ def measures(package: Path = PACKAGE) -> dict[str, list[str]]:
     return found
 
 
-def test_the_whole_config_reaches_no_further_than_it_did():
+def test_the_whole_config_stops_at_the_edge():
     found = measures()
     over = {name: len(found[name]) for name in CEILINGS if len(found[name]) > CEILINGS[name]}
-    assert not over, f"the run's config reaches further than the ceilings {CEILINGS}: {over}; " \
-                     "hand the stage its own settings instead"
+    assert not over, f"the run's config reaches past the edge: {over}, at {[found[name] for name in over]}; " \
+                     "hand the stage its own settings (occamy_mtp/settings.py) instead"
 
 
 def test_the_measures_count_what_they_say(tmp_path):

@@ -27,9 +27,9 @@ from occamy_mtp.data.reader import DataError, normalise_record
 from occamy_mtp.evaluation.evaluate import context_bucket, grouped_acceptance
 from occamy_mtp.evaluation.metrics import (difference_noise, expected_rounds, jackknife_se, paired_difference_se,
                                            per_context, replayed_acceptance, replayed_counts, summed_acceptance)
-from occamy_mtp.run import serving_texts
 from occamy_mtp.selfgen import regenerate
 from occamy_mtp.testing.tokenizer import build_tokenizer
+from occamy_mtp.settings import serving_texts
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = ("Hello there. How are you today? I am fine, thank you.", "Two and two make four. The answer is four.",

@@ -6,10 +6,13 @@ The offline target cache, built ahead of training (`occamy_mtp.cache`).
 from __future__ import annotations
 
 import argparse
-from occamy_mtp.cache import build_for_config, DEFAULT_FASTBASE_TOKENS
+import dataclasses
+
+from occamy_mtp.cache import build_for_run, DEFAULT_FASTBASE_TOKENS
 from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError
 from occamy_mtp.run import log_stderr
+from occamy_mtp.settings import plan_of
 from occamy_mtp.targets.cache import DEFAULT_MAX_SHARD_BYTES
 
 
@@ -42,9 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse(cli, argv)
     if args.max_shard_bytes < 1:
         raise ConfigError(f"--max-shard-bytes: expected a size of 1 byte or more, got {args.max_shard_bytes}")
-    directory = args.dir or config.data.target_cache
+    plan = plan_of(config)
+    directory = args.dir or plan.cache.directory
     if not directory:
         raise ConfigError("data.target_cache: no cache directory configured; set it or pass --dir")
-    build_for_config(config, directory, windows_per_batch=args.windows_per_batch, fastbase_tokens=args.fastbase_tokens,
-                     max_shard_bytes=args.max_shard_bytes, log=log_stderr)
+    cache = dataclasses.replace(plan.cache, directory=directory, windows_per_batch=args.windows_per_batch,
+                                fastbase_tokens=args.fastbase_tokens, max_shard_bytes=args.max_shard_bytes)
+    build_for_run(plan.setup, cache, log=log_stderr)
     return 0

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_sources(config.data.files)
     if missing:  # before the slow transformers import: a typo should fail at once
         raise ConfigError(f"data.files: {missing[0]}: no such file")
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.model)
     exclude = set(DEFAULT_EXCLUSIONS)
     if args.keep_non_text:
         exclude.discard(NON_TEXT_CONTENT)

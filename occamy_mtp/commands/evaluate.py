@@ -12,7 +12,7 @@ import torch
 from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError
 from occamy_mtp.evaluation.evaluate import evaluate_run, EVALUATION_FILE, PLOT_FILE
-from occamy_mtp.run import RunDir
+from occamy_mtp.settings import plan_of
 
 
 @command
@@ -41,10 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--max-windows: expected 1 or more windows, got {args.max_windows}")
     if args.decoder_seeds < 2:
         raise ConfigError(f"--decoder-seeds: expected 2 or more (a z-score needs a spread), got {args.decoder_seeds}")
-    head_path = args.head or RunDir.of(config).head
+    plan = plan_of(config)
+    head_path = args.head or plan.run_dir.head
     if not head_path.exists():
         raise ConfigError(f"--head {head_path}: no such file or directory (export the run first, or name a head)")
-    report, printed = evaluate_run(config, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
+    report, printed = evaluate_run(plan, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
                                    reference_decoder=args.reference_decoder, max_windows=args.max_windows,
                                    decoder_seeds=args.decoder_seeds)
     print(printed)

@@ -10,7 +10,7 @@ import sys
 
 from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.export.exporter import export, format_metrics
-from occamy_mtp.run import RunDir
+from occamy_mtp.settings import plan_of
 
 
 @command
@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m occamy_mtp export
     cli.add_argument("--allow-worse", action="store_true",
                      help="write the head even when it is worse than the donor on the headline figures (recorded in TRAINING.json)")
     args, config = parse(cli, argv)
-    record = export(config, allow_worse=args.allow_worse)
+    plan = plan_of(config)
+    record = export(plan, allow_worse=args.allow_worse)
     print(format_metrics(record["metrics"]))
     if not record["metrics"]["comparison"]["trained_not_worse"]:
         print("warning: the trained head is worse than the donor; written because --allow-worse was given", file=sys.stderr)
-    print(f"wrote {RunDir.of(config).head} and {RunDir.of(config).record.name}")
+    print(f"wrote {plan.run_dir.head} and {plan.run_dir.record.name}")
     return 0

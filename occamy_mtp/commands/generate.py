@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     refusal = inside_any([("--out", args.out), ("--out", sidecar_path(args.out))], [("model.base", Path(config.model.base))])
     if refusal:  # an output never lands in the base (an atomic rename could replace one of its files)
         raise ConfigError(refusal)
-    tokenizer = windows.load_tokenizer(config)
+    tokenizer = windows.load_tokenizer(config.model)
     identity = checkpoint_fingerprint(config.model.base)
     base = ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=args.device,
                              attn_implementation=config.model.attn_implementation)

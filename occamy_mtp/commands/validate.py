@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValidationError("--prompt-source windows needs data.files (or --config) and --endpoint completions")
     from occamy_mtp.data.windows import load_tokenizer
 
-    tokenizer = load_tokenizer(config) if files or args.endpoint == COMPLETIONS else None
+    tokenizer = load_tokenizer(config.model) if files or args.endpoint == COMPLETIONS else None
     if args.thinking and tokenizer is not None:
         from occamy_mtp.data.windows import require_thinking_switch
 
@@ -160,14 +160,14 @@ def _main_sampled(args, config) -> int:
         raise ValidationError(f"--samples must be >= 1, got {args.samples}")
     if not config.model.base:
         raise ValidationError("--serving needs model.base (--config): the library's expectation is computed with the base")
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.model)
     if serving.thinking:
         require_thinking_switch(tokenizer, f"--serving {args.serving}")
     if args.prompt_source == "windows" and not config.data.files:
         raise ValidationError("--prompt-source windows needs data.files (or --config)")
     prompts = rendered_prompts(_prompts(args, config, tokenizer, serving.thinking), tokenizer, serving.thinking)
     log = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    report = validate_sampled(args.reference, args.candidate, prompts, args.out, config, serving, args.samples, args.max_tokens,
-                              args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log,
-                              require_drafts=not args.allow_no_drafts)
+    report = validate_sampled(args.reference, args.candidate, prompts, args.out, config.model, serving, args.samples,
+                              args.max_tokens, args.timeout, args.seed, args.head, args.draft_steps, tokenizer, log,
+                              require_drafts=not args.allow_no_drafts, windows_per_batch=config.eval.windows_per_batch)
     return _finished(report, format_sampled_summary, args, f"{len(prompts)} {plural(len(prompts), 'prompt')} x {args.samples}")

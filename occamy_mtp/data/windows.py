@@ -13,7 +13,7 @@ from typing import Any
 
 import jinja2
 
-from occamy_mtp.config import ConfigError, DataSettings, RunConfig
+from occamy_mtp.config import ConfigError, DataSettings
 from occamy_mtp.data.reader import (DEFAULT_EXCLUSIONS, EMPTY_ANSWER, NO_ASSISTANT_TURN, SPECIAL_TOKEN_IN_TEXT, TEMPLATE_ERROR,
                                     TEMPLATE_PREFIX_MISMATCH, Conversation, DataError, Excluded, Message)
 
@@ -388,11 +388,12 @@ def tokenizer_identity(tokenizer) -> dict[str, Any]:
     }
 
 
-def load_tokenizer(config: RunConfig):
-    """The run's tokenizer (`model.tokenizer`, else the base's directory), from local files only."""
+def load_tokenizer(model):
+    """The run's tokenizer (`model.tokenizer`, else the base's directory; `model` the model settings),
+    from local files only."""
     from transformers import AutoTokenizer
 
-    path = config.model.tokenizer or config.model.base
+    path = model.tokenizer or model.base
     if not Path(path).is_dir():
         raise ConfigError(f"model.tokenizer: {path} is not a directory (tokenizer files with a chat template expected)")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

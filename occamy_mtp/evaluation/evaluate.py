@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from occamy_mtp import memory, sampling
 from occamy_mtp.console import plural
-from occamy_mtp.config import ConfigError, RunConfig, Serving
+from occamy_mtp.config import ConfigError, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
+from occamy_mtp.settings import Measuring, Plan
 from occamy_mtp.evaluation.metrics import (
     Acceptance,
     acceptance_from_counts,
@@ -834,7 +835,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     return "\n".join(lines)
 
 
-def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
+def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
                  reference_decoder: bool = False, max_windows: int | None = None, decoder_seeds: int = 4) -> tuple[dict, str]:
     """Donor (`model.donor_head`) and the head at `head_path` on the run's heldout windows; writes
     evaluation.json and the plot into `out`, returns the report and its printed table."""
@@ -842,32 +843,34 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     from occamy_mtp.files import write_json
     from occamy_mtp.evaluation.plot import plot_acceptance, plot_served
 
-    if reference_decoder and config.data.target_cache:
+    setup, settings = plan.setup, plan.evaluate
+    measuring = settings.measuring
+    if reference_decoder and setup.data.target_cache:
         raise ConfigError("--reference-decoder decodes with the base, which data.target_cache leaves unloaded; unset it")
-    penalized = [s.label() for s in config.eval.serving if s.penalized]
+    penalized = [s.label() for s in measuring.servings if s.penalized]
     if reference_decoder and penalized:
         raise ConfigError(f"--reference-decoder samples without penalties, and eval.serving's {', '.join(penalized)} "
                           "set some; leave those out of eval.serving for the decoder check")
-    facts = check_inputs(config)
-    refuse_inside_models(config, [("--out", out)])
+    facts = check_inputs(setup)
+    refuse_inside_models(setup.model, [("--out", out)])
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
-    run = open_run(config, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
+    run = open_run(setup, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows)
-    dtype = ckpt_io.DTYPES[config.model.dtype]
+    dtype = ckpt_io.DTYPES[settings.dtype]
     donor = run.models.head
     for param in donor.parameters():  # as served: every tensor in the model dtype
         param.data = param.data.to(dtype)
     trained = ckpt_io.load_head(head_path, run.base_facts.text_config, donor.shared, dtype=dtype, device=device,
-                                attn_implementation=config.model.attn_implementation)[0]
+                                attn_implementation=settings.attn_implementation)[0]
     heads = {"donor": donor, "trained": trained}
-    steps, served_steps, budget = config.eval.draft_steps, config.eval.served_steps, config.data.answer_tokens
-    per_batch = config.eval.windows_per_batch
+    steps, served_steps, budget = measuring.draft_steps, measuring.served_steps, measuring.answer_tokens
+    per_batch = measuring.windows_per_batch
 
     started = time.perf_counter()
     report = {
         "format": EVALUATION_FORMAT,
-        "inputs": {"base": config.model.base, "head": str(head_path), "donor": config.model.donor_head,
-                   "data": list(config.data.files), "dtype": config.model.dtype, "device": str(device)},
+        "inputs": {"base": settings.inputs["base"], "head": str(head_path), "donor": settings.inputs["donor"],
+                   "data": settings.inputs["data"], "dtype": settings.dtype, "device": str(device)},
         "dataset": {k: v for k, v in run.data.provenance().items() if k in ("files", "windows", "settings")},
         "heldout_windows_evaluated": len(run.windows.heldout_data),
         "plot": PLOT_FILE,
@@ -886,7 +889,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
         plot_acceptance(results, out / PLOT_FILE, title="Drafts accepted at each step, on the recorded answers (teacher-forced, approximate)")
         printed = format_table(results)
     else:
-        servings, selected = config.eval.serving, config.selected_serving.label()
+        servings, selected = measuring.servings, measuring.selected.label()
         results = {}
         log_stderr("evaluate: the ceiling, a drafter of the base's own choices, under each serving configuration")
         ceiling = ceiling_report(run.targets, donor, run.windows.heldout, servings, served_steps, budget, per_batch)
@@ -900,7 +903,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
             text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
             selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results, ceiling=ceiling,
             self_generated={"stores": run.windows.self_generated, "max_new_tokens": budget,
-                            "stop_token_ids": sorted(run.stop_token_ids), "batch_size": config.data.self_generate_batch_size},
+                            "stop_token_ids": sorted(run.stop_token_ids), "batch_size": settings.self_generate_batch_size},
         )
         plot_served({"serving": report["serving"], "served_steps": list(served_steps), "selected_serving": selected,
                      "heldout": results, "ceiling": ceiling}, out / PLOT_FILE)
@@ -910,7 +913,7 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
                                      [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))
             runners = {name: shared.with_head(head) for name, head in heads.items()}  # one base runner, a head runner each
             report["reference_decoder"] = {
-                name: {serving.label(): {str(k): _decoder_check(run, head, serving, k, range(decoder_seeds), runners[name])
+                name: {serving.label(): {str(k): _decoder_check(run, measuring, head, serving, k, range(decoder_seeds), runners[name])
                                          for k in served_steps}
                        for serving in servings}
                 for name, head in heads.items()
@@ -921,21 +924,20 @@ def evaluate_run(config: RunConfig, head_path: Path, out: Path, device: torch.de
     return report, printed
 
 
-def _decoder_check(run, head, serving: Serving, draft_steps: int, seeds, runners: Runners) -> dict:
+def _decoder_check(run, measuring: Measuring, head, serving: Serving, draft_steps: int, seeds, runners: Runners) -> dict:
     """The reference decoder on the run's heldout prompts under one serving configuration."""
-    config = run.config
     windows = distinct_contexts(run.windows.heldout[serving.label()])
     decodes = len(windows) * (1 if serving.greedy else len(seeds))
     log_stderr(f"evaluate: reference decoder, {serving.label()}, {draft_steps}-step drafts: {decodes} "
                f"{plural(decodes, 'decode')}")
     if serving.greedy:
-        return reference_decoder_check(run.models.base, head, windows, draft_steps, config.data.answer_tokens,
-                                       run.stop_token_ids, config.eval.windows_per_batch, runners)
+        return reference_decoder_check(run.models.base, head, windows, draft_steps, measuring.answer_tokens,
+                                       run.stop_token_ids, measuring.windows_per_batch, runners)
     started = time.perf_counter()
-    decodes = sampled_decodes(run.models.base, head, windows, draft_steps, config.data.answer_tokens, run.stop_token_ids,
+    decodes = sampled_decodes(run.models.base, head, windows, draft_steps, measuring.answer_tokens, run.stop_token_ids,
                               serving, seeds, runners)
-    check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, config.data.answer_tokens, serving,
-                                  config.eval.windows_per_batch)
+    check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, measuring.answer_tokens, serving,
+                                  measuring.windows_per_batch)
     return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}
 
 

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
-from occamy_mtp.config import RunConfig, Serving, other_settings
+from occamy_mtp.config import Serving
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
@@ -37,7 +37,8 @@ from occamy_mtp.evaluation.evaluate import ceiling_report, format_served, heldou
 from occamy_mtp.evaluation.plot import plot_served
 from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_noise
 from occamy_mtp.export.card import model_card
-from occamy_mtp.run import BaseFacts, Run, RunDir, check_run, log_stderr, open_run, output_lock
+from occamy_mtp.run import BaseFacts, Run, check_run, log_stderr, open_run, output_lock
+from occamy_mtp.settings import ExportPlan, Fingerprint, Measuring, Plan, RunDir
 
 METRICS_FORMAT = 5  # 3: served figures per serving configuration; 4: the ceiling; 5: standard errors, figures by group
 HEADLINE = (
@@ -53,14 +54,14 @@ class ExportError(OccamyError, RuntimeError):
     """The trained tensors do not belong to this config, the written head failed its check, or it is worse than the donor."""
 
 
-def read_trained_tensors(run_dir: RunDir, config: RunConfig, summary: dict) -> dict[str, torch.Tensor]:
+def read_trained_tensors(run_dir: RunDir, fingerprint: Fingerprint, summary: dict) -> dict[str, torch.Tensor]:
     """The trained fp32 masters, refused when another config trained them or when any is not finite."""
     path = run_dir.trained_tensors
     if not path.is_file():
         raise ExportError(f"{path}: no trained tensors; run train.py with this config first")
     with safe_open(str(path), framework="pt") as handle:
-        changed = other_settings((handle.metadata() or {}).get("config_fingerprint"), summary.get("fingerprinted_settings", {}),
-                                 config)
+        changed = fingerprint.refusal((handle.metadata() or {}).get("config_fingerprint"),
+                                      summary.get("fingerprinted_settings", {}))
         if changed is not None:
             raise ExportError(f"{path}: was trained with different model/data/train settings ({changed}); "
                               "export with the config it was trained with")
@@ -123,29 +124,28 @@ def compare_heads(heldout: dict, served_steps, allow_worse: bool, serving: str) 
             "allow_worse": allow_worse, "written": not_worse or allow_worse}
 
 
-def _checked_windows(run: Run) -> list:
-    return run.windows.heldout.get("greedy", [])[: run.config.eval.decoder_check_windows]
+def _checked_windows(run: Run, measuring: Measuring) -> list:
+    return run.windows.heldout.get("greedy", [])[: measuring.decoder_check_windows]
 
 
-def decoder_runners(run: Run) -> Runners | None:
+def decoder_runners(run: Run, measuring: Measuring) -> Runners | None:
     """The runners of every decoder check of an export (both heads: one module, the trained tensors
     swapped in; each served step count), so that their CUDA graphs are captured once; None where no check runs."""
-    chosen = _checked_windows(run)
+    chosen = _checked_windows(run, measuring)
     if run.models.base is None or not chosen:
         return None
-    return decodes_runners(run.models.base, run.models.head, [w.answer_start for w in chosen], run.config.data.answer_tokens,
-                           max(run.config.eval.served_steps))
+    return decodes_runners(run.models.base, run.models.head, [w.answer_start for w in chosen], measuring.answer_tokens,
+                           max(measuring.served_steps))
 
 
-def decoder_check(run: Run, head, runners: Runners | None = None) -> dict:
+def decoder_check(run: Run, measuring: Measuring, head, runners: Runners | None = None) -> dict:
     """The reference decoder on the first `eval.decoder_check_windows` heldout prompts of greedy serving,
     per served step count (the replay's counts must equal its own); `runners` from `decoder_runners`."""
-    config = run.config
-    chosen = _checked_windows(run)
+    chosen = _checked_windows(run, measuring)
     out = {}
-    for k in config.eval.served_steps:
-        check = reference_decoder_check(run.models.base, head, chosen, k, config.data.answer_tokens, run.stop_token_ids,
-                                        config.eval.windows_per_batch, runners)
+    for k in measuring.served_steps:
+        check = reference_decoder_check(run.models.base, head, chosen, k, measuring.answer_tokens, run.stop_token_ids,
+                                        measuring.windows_per_batch, runners)
         out[str(k)] = {
             "windows": check["windows"],
             "measured": check["measured"],
@@ -160,54 +160,55 @@ def decoder_check(run: Run, head, runners: Runners | None = None) -> dict:
     return out
 
 
-def export(config: RunConfig, allow_worse: bool = False, log=log_stderr) -> dict:
+def export(plan: Plan, allow_worse: bool = False, log=log_stderr) -> dict:
     """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir.
-    `config`'s models are local directories (the command line resolves Hub ids: `cli.parse`)."""
-    base = check_run(config)
-    with output_lock(config):
-        return _export(config, base, allow_worse, log)
+    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
+    base = check_run(plan.setup)
+    with output_lock(plan.run_dir):
+        return _export(plan, base, allow_worse, log)
 
 
-def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
+def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log) -> dict:
     started = time.perf_counter()
-    run_dir = RunDir.of(config)
+    run_dir, settings = plan.run_dir, plan.export
+    measuring = settings.measuring
     if not run_dir.train_summary.is_file():
         raise ExportError(f"{run_dir.train_summary}: missing; run train.py with this config first")
     summary = json.loads(run_dir.train_summary.read_text())
-    masters = read_trained_tensors(run_dir, config, summary)
+    masters = read_trained_tensors(run_dir, settings.fingerprint, summary)
     for path in run_dir.export_outputs():  # what a killed export left behind
         for stale in files.stale_temporaries(path):
             stale.unlink()
 
-    run = open_run(config, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log)
+    run = open_run(plan.setup, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log)
     head = run.models.head
-    dtype = ckpt_io.DTYPES[config.model.dtype]
+    dtype = ckpt_io.DTYPES[settings.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype
         param.data = param.data.to(dtype)
 
     # Donor first, then the same head with the trained tensors swapped in.
     eval_started = time.perf_counter()
-    runners = decoder_runners(run)
-    donor_report, donor_check = _measure(run, head, "donor", log, runners)
+    runners = decoder_runners(run, measuring)
+    donor_report, donor_check = _measure(run, measuring, head, "donor", log, runners)
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     max_rounding = _swap_in(head, masters, dtype)
-    trained_report, trained_check = _measure(run, head, "trained", log, runners)
+    trained_report, trained_check = _measure(run, measuring, head, "trained", log, runners)
 
     log("export: the ceiling, a drafter of the base's own choices, under each serving configuration")
-    ceiling = ceiling_report(run.targets, head, run.windows.heldout, config.eval.serving, config.eval.served_steps,
-                             config.data.answer_tokens, config.eval.windows_per_batch)
+    ceiling = ceiling_report(run.targets, head, run.windows.heldout, measuring.servings, measuring.served_steps,
+                             measuring.answer_tokens, measuring.windows_per_batch)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
-    selected = config.selected_serving.label()
-    comparison = compare_heads(heldout, config.eval.served_steps, allow_worse, selected)
+    selected = measuring.selected.label()
+    comparison = compare_heads(heldout, measuring.served_steps, allow_worse, selected)
     metrics = {
         "format": METRICS_FORMAT,
         "headline": HEADLINE,
-        "serving": [{"label": s.label(), **asdict(s)} for s in config.eval.serving],
+        "serving": [{"label": s.label(), **asdict(s)} for s in measuring.servings],
         "selected_serving": selected,
-        "served_steps": list(config.eval.served_steps),
-        "max_new_tokens": config.data.answer_tokens,
+        "served_steps": list(measuring.served_steps),
+        "max_new_tokens": measuring.answer_tokens,
         "heldout": heldout,
         "ceiling": ceiling,
         "comparison": comparison,
@@ -220,16 +221,16 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
             + "\nchange the recipe (docs/guide/RECIPE.md), or pass --allow-worse to write it anyway"
         )
 
-    layout = run.models.donor_layout if config.output.expert_layout == "donor" else config.output.expert_layout
+    layout = run.models.donor_layout if settings.expert_layout == "donor" else settings.expert_layout
     state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     disk = ckpt_io.head_checkpoint_tensors(state, layout)
-    donor_disk = _donor_disk(config, layout, run.models.donor_layout, donor_state)
+    donor_disk = _donor_disk(settings, layout, run.models.donor_layout, donor_state)
     # A fused expert tensor trained in the module is one tensor per expert on a per-expert disk.
     trained_disk = {key: disk[key] for key in ckpt_io.head_checkpoint_tensors({k: state[k] for k in masters}, layout)}
     head_config = head_config_json(run.base_facts.text_config, layout, list(trained_disk), disk)
     hash_cache = rec.load_hash_cache(run_dir.hash_cache)
     identities = {name: rec.checkpoint_identity(Path(path), hash_cache, log)
-                  for name, path in (("base", config.model.base), ("donor", config.model.donor_head))}
+                  for name, path in (("base", settings.base), ("donor", settings.donor_head))}
 
     head_bytes = sum(t.numel() * t.element_size() for t in disk.values())
     with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete,
@@ -241,7 +242,7 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
         tmp[run_dir.metrics].write_text(files.json_text(metrics))
         plot_served(metrics, tmp[run_dir.plot], image_format="png")
         record = rec.training_record(
-            config, identities, run.data.provenance(), summary, run.windows.self_generated, metrics,
+            settings.settings, identities, run.data.provenance(), summary, run.windows.self_generated, metrics,
             derived={"trainable_parameters": run.models.trainable_parameters, "head_parameters": run.models.head_parameters,
                      "trainable_tensors": sorted(trained_disk), "donor_layout": run.models.donor_layout, "export_layout": layout},
             export={**check, "replaced": sorted(trained_disk), "max_abs_rounding_error": max_rounding},
@@ -257,27 +258,27 @@ def _export(config: RunConfig, base: BaseFacts, allow_worse: bool, log) -> dict:
     return record
 
 
-def _measure(run: Run, head, name: str, log, runners: Runners | None) -> tuple[dict, dict]:
+def _measure(run: Run, measuring: Measuring, head, name: str, log, runners: Runners | None) -> tuple[dict, dict]:
     """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
-    config, windows = run.config, run.windows
+    windows, servings = run.windows, measuring.servings
     count = len(next(iter(windows.heldout.values())))
-    log(f"export: measuring the {name} head on {count} heldout {plural(count, 'window')} under {len(config.eval.serving)} "
-        f"serving {plural(len(config.eval.serving), 'configuration')}")
-    report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, config.eval.serving,
-                            config.eval.served_steps, config.eval.draft_steps, config.data.answer_tokens,
-                            config.eval.windows_per_batch, run.data.domains)
+    log(f"export: measuring the {name} head on {count} heldout {plural(count, 'window')} under {len(servings)} "
+        f"serving {plural(len(servings), 'configuration')}")
+    report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, servings,
+                            measuring.served_steps, measuring.draft_steps, measuring.answer_tokens,
+                            measuring.windows_per_batch, run.data.domains)
     reason = None
     if run.models.base is None:
         reason = "data.target_cache is set (no base loaded)"
-    elif not config.eval.decoder_check_windows:
+    elif not measuring.decoder_check_windows:
         reason = "eval.decoder_check_windows is 0"
     elif "greedy" not in windows.heldout:
         reason = "no greedy serving configuration in eval.serving (the check compares the decoder's counts with the greedy replay)"
     if reason is not None:
         return report, {"skipped": reason}
-    checked = min(count, config.eval.decoder_check_windows)
+    checked = min(count, measuring.decoder_check_windows)
     log(f"export: reference decoder on {checked} heldout {plural(checked, 'prompt')} ({name})")
-    return report, decoder_check(run, head, runners)
+    return report, decoder_check(run, measuring, head, runners)
 
 
 def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
@@ -297,10 +298,10 @@ def _swap_in(head, masters: dict[str, torch.Tensor], dtype: torch.dtype) -> floa
     return max_rounding
 
 
-def _donor_disk(config: RunConfig, layout: str, donor_layout: str, donor_state: dict) -> dict[str, torch.Tensor]:
+def _donor_disk(settings: ExportPlan, layout: str, donor_layout: str, donor_state: dict) -> dict[str, torch.Tensor]:
     """The donor's tensors in the export's layout: its own bytes on disk when the layout is the donor's."""
     if layout == donor_layout:
-        donor_ckpt = ckpt_io.SafetensorsCheckpoint(Path(config.model.donor_head))
+        donor_ckpt = ckpt_io.SafetensorsCheckpoint(Path(settings.donor_head))
         return {k: donor_ckpt.get(k) for k in ckpt_io.head_disk_keys(donor_ckpt)}
     return ckpt_io.head_checkpoint_tensors(donor_state, layout)
 

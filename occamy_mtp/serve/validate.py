@@ -659,13 +659,13 @@ def collect_sampled(base_url: str, prompts: list[ValidationPrompt], samples: int
     return run
 
 
-def validate_sampled(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, config, serving,
+def validate_sampled(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, model, serving,
                      samples: int, max_tokens: int, timeout: float, seed: int, head: str | None, draft_steps: int, tokenizer,
-                     log=None, require_drafts: bool = True) -> dict | None:
+                     log=None, require_drafts: bool = True, windows_per_batch: int = 4) -> dict | None:
     """The sampled protocol (`occamy_mtp.serve.sampled`): each server's answers (or a recorded run),
     then fidelity, the MTP-on/off shift and the candidate's acceptance against the library's
-    expectation at `draft_steps`, with the base of `config` (and `head`: a file, or "donor");
-    None when only recording the reference."""
+    expectation at `draft_steps`, with the base of `model` (the model settings; and `head`: a file,
+    or "donor"), `windows_per_batch` texts a forward; None when only recording the reference."""
     import torch
 
     from occamy_mtp.model import checkpoint as ckpt_io
@@ -673,7 +673,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    request = sampled_request(config.model.base, tokenizer, serving, seed, max_tokens, timeout)
+    request = sampled_request(model.base, tokenizer, serving, seed, max_tokens, timeout)
 
     def recorded(path: Path) -> dict:
         run = load_sampled_run(path)
@@ -686,11 +686,10 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     if candidate is None:
         return None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    head_path = None if head is None else config.model.donor_head if head == "donor" else head
-    base, drafter = expectation_models(config.model.base, head_path, ckpt_io.DTYPES[config.model.dtype], device,
-                                       config.model.attn_implementation)
+    head_path = None if head is None else model.donor_head if head == "donor" else head
+    base, drafter = expectation_models(model.base, head_path, ckpt_io.DTYPES[model.dtype], device, model.attn_implementation)
     report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
-                             max_tokens, candidate, config.eval.windows_per_batch, require_drafts)
+                             max_tokens, candidate, windows_per_batch, require_drafts)
     report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,
               "serving": serving.label(), "thinking": serving.thinking, "samples": samples, "max_tokens": max_tokens,
               "head": head, "draft_steps": draft_steps,

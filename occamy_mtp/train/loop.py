@@ -1,6 +1,6 @@
 """Training: distil the frozen base's greedy choices (or its processed distribution) into the head's trainable tensors.
 
-`train(config)` reads top to bottom: open the run (`run.open_run`: data, models, the
+`train(plan)` (`settings.plan_of`) reads top to bottom: open the run (`run.open_run`: data, models, the
 self-generated windows, targets), the optimizer, resume if asked, then per step
 `train_step` (base targets, no grad -> head chain -> loss -> backward -> clip ->
 update), log, select, checkpoint. Selection scores the head where serving runs it (the
@@ -30,7 +30,7 @@ from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp import files
 from occamy_mtp import record as rec
 from occamy_mtp.console import Progress
-from occamy_mtp.config import ConfigError, RunConfig, TrainSettings, dump_yaml, other_settings, step_loss_weights
+from occamy_mtp.config import ConfigError, TrainSettings
 from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
@@ -38,7 +38,8 @@ from occamy_mtp.evaluation.evaluate import served_with_contexts
 from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
-from occamy_mtp.run import Run, RunDir, check_run, log_stderr, open_run, output_lock, quiet
+from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
+from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
 from occamy_mtp.targets.base import TargetSource
 
 # Head submodules whose fp32 master weights the forward can use directly: the norms
@@ -67,24 +68,25 @@ class TrainState:
 # ----------------------------------------------------------------------------------
 
 
-def train(config: RunConfig, resume: bool = False) -> dict:
+def train(plan: Plan, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir.
-    `config`'s models are local directories (the command line resolves Hub ids: `cli.parse`)."""
-    run_dir = RunDir.of(config)
-    base = check_run(config, training=True)  # paths, outputs, train.trainable: before anything slow
+    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
+    run_dir, fit = plan.run_dir, plan.train
+    settings = fit.settings
+    base = check_run(plan.setup, training=True)  # paths, outputs, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
         cpu=not torch.cuda.is_available(),
-        log_with=None if config.train.tracker == "none" else config.train.tracker,
+        log_with=None if settings.tracker == "none" else settings.tracker,
         project_dir=str(run_dir.root),
     )
     # One run at a time writes into output.dir (the main process holds its lock).
-    with output_lock(config) if accelerator.is_main_process else contextlib.nullcontext():
-        set_seed(config.train.seed)
+    with output_lock(run_dir) if accelerator.is_main_process else contextlib.nullcontext():
+        set_seed(settings.seed)
         world = accelerator.num_processes
-        if config.train.windows_per_step % world:
+        if settings.windows_per_step % world:
             raise ConfigError(
-                f"train.windows_per_step: {config.train.windows_per_step} windows cannot be split evenly "
+                f"train.windows_per_step: {settings.windows_per_step} windows cannot be split evenly "
                 f"over {world} processes; use a multiple of {world}"
             )
         existing = run_dir.latest_checkpoint()
@@ -93,38 +95,38 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
         if resume and existing is None:
             log(f"--resume: {run_dir.checkpoints} holds no checkpoint, so training starts from step 0")
-        resumed = read_checkpoint(existing, config) if resume and existing is not None else None
+        resumed = read_checkpoint(existing, fit.fingerprint) if resume and existing is not None else None
         check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
-        run = open_run(config, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
+        run = open_run(plan.setup, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data)
         trainable = [p for p in run.models.head.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=config.train.lr, betas=(config.train.adam_beta1, config.train.adam_beta2),
-                                      eps=config.train.adam_eps, weight_decay=config.train.weight_decay)
+        optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                                      eps=settings.adam_eps, weight_decay=settings.weight_decay)
         model, optimizer = accelerator.prepare(run.models.head, optimizer)
         head: MTPHead = accelerator.unwrap_model(model)
-        act_dtype = ckpt_io.DTYPES[config.model.dtype]
-        total_steps = config.train.epochs * steps_per_epoch(len(run.windows.train), config.train.windows_per_step)
-        weights = step_loss_weights(config.train)
-        objective = build_objective(config)
+        act_dtype = ckpt_io.DTYPES[fit.dtype]
+        total_steps = settings.epochs * steps_per_epoch(len(run.windows.train), settings.windows_per_step)
+        weights = fit.step_weights
+        objective = build_objective(fit)
         state, best = TrainState(), None
         if resumed is not None:
             state, best = restore_checkpoint(resumed, existing, head, optimizer)
             log(f"resumed from {existing} at step {state.step}/{total_steps}")
         if accelerator.is_main_process:
             with files.atomic_path(run_dir.resolved_config) as tmp:
-                tmp.write_text(dump_yaml(config))
-        if config.train.tracker != "none":
-            accelerator.init_trackers("occamy-mtp", config=_flat(config.to_dict()))
+                tmp.write_text(fit.resolved_yaml)
+        if settings.tracker != "none":
+            accelerator.init_trackers("occamy-mtp", config=fit.tracked)
 
         def select() -> None:
             """Score the head as served; keep it when it is the best so far (every process agrees)."""
             nonlocal best
-            if selection_step(state, head, run, act_dtype, log):
+            if selection_step(state, head, run, fit.measuring, act_dtype, log):
                 best = trainable_tensors(head)
 
-        select_every = config.train.select_every_steps
-        log_every = config.train.log_every_steps
+        select_every = settings.select_every_steps
+        log_every = settings.log_every_steps
         progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process,
                             every=log_every)
         since_log: list[dict] = []  # the steps since the last progress line, whose mean it shows
@@ -133,14 +135,14 @@ def train(config: RunConfig, resume: bool = False) -> dict:
         if select_every and not state.selection:
             select()  # step 0: the donor itself
         while state.step < total_steps:
-            lr = lr_at(state.step, total_steps, config.train.lr, config.train.lr_warmup_steps, config.train.lr_min_ratio)
+            lr = lr_at(state.step, total_steps, settings.lr, settings.lr_warmup_steps, settings.lr_min_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             # This process's share of the step's windows.
-            windows = step_windows(run.windows.train, state.step, config.train.windows_per_step, config.train.seed)
+            windows = step_windows(run.windows.train, state.step, settings.windows_per_step, settings.seed)
             try:
                 step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
-                                  config.train, weights, act_dtype, backward=accelerator.backward,
+                                  settings, weights, act_dtype, backward=accelerator.backward,
                                   clip_grad_norm=accelerator.clip_grad_norm_, objective=objective)
             except NonFiniteStep as err:
                 _stop(run_dir, state.step + 1, str(err), lr)
@@ -159,18 +161,19 @@ def train(config: RunConfig, resume: bool = False) -> dict:
             if select_every and (state.step % select_every == 0 or state.step == total_steps):
                 select()
                 state.elapsed_seconds = time.perf_counter() - started
-            if state.step % config.train.checkpoint_every_steps == 0 or state.step == total_steps:
+            if state.step % settings.checkpoint_every_steps == 0 or state.step == total_steps:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
                     try:
-                        save_checkpoint(run_dir, state, head, optimizer, config, config.train.keep_checkpoints, best, run.data)
+                        save_checkpoint(run_dir, state, head, optimizer, fit.fingerprint, settings.keep_checkpoints, best,
+                                        run.data)
                     except files.DiskFull as err:  # the tensors are still here: train on, and keep the older checkpoints
                         log(f"warning: step {state.step}'s checkpoint was not written: {err}; training goes on, "
                             f"and the older checkpoints are kept")
         progress.close()
 
         accelerator.wait_for_everyone()
-        summary = _summary(run, state, total_steps, world, accelerator.device)
+        summary = _summary(run, fit, state, total_steps, world, accelerator.device)
         if accelerator.is_main_process:
             written = best if select_every else trainable_tensors(head)
             metadata = {"format": "pt", "config_fingerprint": summary["config_fingerprint"]}
@@ -212,10 +215,10 @@ class StepOutput:
     """Time spent getting the base's targets (the forward, or the cache read)."""
 
 
-def build_objective(config: RunConfig) -> Objective:
+def build_objective(fit: TrainPlan) -> Objective:
     """What the head is fitted to: `train.loss` under the selected serving configuration, the chain
     fed the text's tokens when the base sampled the train text."""
-    return Objective(config.train.loss, config.selected_serving, embed_text=config.data.self_generate_temperature > 0)
+    return Objective(fit.settings.loss, fit.measuring.selected, embed_text=fit.embed_text)
 
 
 def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window], optimizer, settings: TrainSettings,
@@ -253,14 +256,14 @@ def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window
     return StepOutput(loss.detach(), stats, grad_norm, base_seconds)
 
 
-def selection_step(state: TrainState, head: MTPHead, run: Run, act_dtype: torch.dtype, log=quiet) -> bool:
+def selection_step(state: TrainState, head: MTPHead, run: Run, measuring: Measuring, act_dtype: torch.dtype,
+                   log=quiet) -> bool:
     """Measure the head on the validation windows as served, record it in `state`; True when it is the best so far."""
-    config = run.config
     started = time.perf_counter()
     device = head.fc.weight.device
     with as_served(head, act_dtype), head_autocast(head, device, act_dtype):
-        served = served_with_contexts(run.targets, head, run.windows.validation, config.eval.served_steps,
-                                      config.data.answer_tokens, config.eval.windows_per_batch, config.selected_serving)
+        served = served_with_contexts(run.targets, head, run.windows.validation, measuring.served_steps,
+                                      measuring.answer_tokens, measuring.windows_per_batch, measuring.selected)
     score, score_se = selection_score(served), selection_score_se(served)
     entry = {"step": state.step, "score": score, "score_se": score_se,
              **{f"accept_length_k{k}": a["mean_accept_length"] for k, a in served.items()}}
@@ -362,13 +365,13 @@ def trainable_tensors(head: MTPHead) -> dict[str, torch.Tensor]:
 CHECKPOINT_FORMAT = 3  # 3: the data's files and split members ("data"), which resume checks
 
 
-def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer, config: RunConfig, keep: int,
+def save_checkpoint(run_dir: RunDir, state: TrainState, head: MTPHead, optimizer, fingerprint: Fingerprint, keep: int,
                     best: dict[str, torch.Tensor] | None, data: PreparedData) -> Path:
     path = run_dir.checkpoint(state.step)
     payload = {
         "format": CHECKPOINT_FORMAT,
-        "config_fingerprint": config.fingerprint(),
-        "settings": config.fingerprinted(),
+        "config_fingerprint": fingerprint.value,
+        "settings": fingerprint.settings,
         "data": data.members(),
         "state": dataclasses.asdict(state),
         "trainable": trainable_tensors(head),
@@ -404,7 +407,7 @@ def _how_to_recover(run_dir: RunDir, step: int) -> str:
             f"{run_dir.resolved_config} --resume` {then}")
 
 
-def read_checkpoint(path: Path, config: RunConfig) -> dict:
+def read_checkpoint(path: Path, fingerprint: Fingerprint) -> dict:
     """A checkpoint to resume from, read once: its data (`PreparedData.members`), checked before any
     model loads (`same_data`), then its tensors (`restore_checkpoint`). Refused when it is of another
     format or was written under other settings."""
@@ -412,7 +415,7 @@ def read_checkpoint(path: Path, config: RunConfig) -> dict:
     if payload.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{path}: checkpoint format {payload.get('format')!r}, this version reads {CHECKPOINT_FORMAT}; "
                           "use a new output.dir")
-    changed = other_settings(payload.get("config_fingerprint"), payload.get("settings", {}), config)
+    changed = fingerprint.refusal(payload.get("config_fingerprint"), payload.get("settings", {}))
     if changed is not None:
         raise ConfigError(f"{path}: written by a run with other settings ({changed}); resume with the same config, or use a new output.dir")
     return payload
@@ -451,12 +454,11 @@ def _stop(run_dir: RunDir, step: int, what: str, lr: float) -> None:
     )
 
 
-def _summary(run: Run, state: TrainState, total_steps: int, processes: int, device) -> dict:
+def _summary(run: Run, fit: TrainPlan, state: TrainState, total_steps: int, processes: int, device) -> dict:
     """train-summary.json: what export needs of training, and its history."""
-    config = run.config
     return {
         "steps": total_steps,
-        "steps_per_epoch": steps_per_epoch(len(run.windows.train), config.train.windows_per_step),
+        "steps_per_epoch": steps_per_epoch(len(run.windows.train), fit.settings.windows_per_step),
         "processes": processes,
         "device": str(device),
         "train_seconds": state.elapsed_seconds,
@@ -464,13 +466,13 @@ def _summary(run: Run, state: TrainState, total_steps: int, processes: int, devi
         "trainable_parameters": run.models.trainable_parameters,
         "head_parameters": run.models.head_parameters,
         "donor_layout": run.models.donor_layout,
-        "config_fingerprint": config.fingerprint(),
-        "fingerprinted_settings": config.fingerprinted(),
+        "config_fingerprint": fit.fingerprint.value,
+        "fingerprinted_settings": fit.fingerprint.settings,
         "final_loss": state.history[-1]["loss"] if state.history else None,
         "history": state.history,
-        "selection": _selection_summary(config, state, len(run.windows.validation)),
+        "selection": _selection_summary(fit, state, len(run.windows.validation)),
         "data": run.data.provenance(),
-        "answers": config.data.answers,
+        "answers": fit.answers,
         "train_windows": len(run.windows.train),
         "self_generated": run.windows.self_generated,
         "targets": run.targets.provenance(),
@@ -478,17 +480,17 @@ def _summary(run: Run, state: TrainState, total_steps: int, processes: int, devi
     }
 
 
-def _selection_summary(config: RunConfig, state: TrainState, validation_windows: int) -> dict:
+def _selection_summary(fit: TrainPlan, state: TrainState, validation_windows: int) -> dict:
     """What selection measured and chose: the step whose tensors the run writes."""
-    if not config.train.select_every_steps:
+    if not fit.settings.select_every_steps:
         return {"enabled": False, "written_step": state.step}
     return {
         "enabled": True,
-        "every_steps": config.train.select_every_steps,
+        "every_steps": fit.settings.select_every_steps,
         "metric": "mean over eval.served_steps of the decoder's mean accept length (replayed, or expected under sampling) on "
                   "the validation windows the base wrote under the selected serving configuration",
-        "serving": config.selected_serving.label(),
-        "served_steps": list(config.eval.served_steps),
+        "serving": fit.measuring.selected.label(),
+        "served_steps": list(fit.measuring.served_steps),
         "validation_windows": validation_windows,
         "history": state.selection,
         "donor_score": state.selection[0]["score"] if state.selection else None,
@@ -543,14 +545,3 @@ def running_means(lines: list[dict]) -> dict[str, str]:
     scored = sum(line["scored_step1"] for line in lines)
     agree = sum(line["agreement_step1"] * line["scored_step1"] for line in lines) / scored if scored else 0.0
     return {f"mean loss of {steps}": f"{loss:.4f}", "step-1 agreement": f"{agree:.3f}"}
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat(value, name + "."))
-        else:
-            out[name] = json.dumps(value) if isinstance(value, list) else value
-    return out
