@@ -57,8 +57,8 @@ def quiet(message: str) -> None:
 
 
 class BaseFacts:
-    """What a run reads about its base, once: its config (`checkpoint.read_config`) and, when
-    first asked, its fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every
+    """What a run reads about its base, once: its config (`checkpoint.read_config`), its quantization
+    (`checkpoint.quantization_of`, refused here when unsupported) and, when first asked, its fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every
     weight file)."""
 
     def __init__(self, directory: str | Path):
@@ -66,6 +66,8 @@ class BaseFacts:
         if not self.directory.exists():
             raise ConfigError(f"model.base: {self.directory}: no such directory (a checkpoint directory holding config.json is expected)")
         self.config = ckpt_io.read_config(self.directory)
+        self.quantization = ckpt_io.quantization_of(self.directory, self.config)
+        """How the base's weights are stored (`model.quantized.Scheme`; None: unquantized), its scales checked."""
 
     @property
     def text_config(self):

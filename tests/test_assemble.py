@@ -556,3 +556,29 @@ def test_entry_point_runs(base, tmp_path, monkeypatch, capsys):
     assert exit_.value.code == 0
     assert "rewritten without mtp.*" in capsys.readouterr().out
     assert (tmp_path / "serve" / head_file.name).is_file()
+
+
+def test_the_family_s_block_fp8_base_keeps_the_head_out_of_its_quantization(tmp_path):
+    """A base in the family's FP8 layout (`quant_method` fp8): assembly adds the head to
+    `modules_to_not_convert`, the base's FP8 weights and scales go through untouched, and the
+    served directory still loads as a quantized base with the new head."""
+    from occamy_mtp.model import quantized
+    from occamy_mtp.testing.quantize import write_quantized_copy
+
+    bf16 = build_tiny_checkpoint(tmp_path / "bf16", layout="per_expert", multimodal=True, seed=0).path
+    base = write_quantized_copy(bf16, tmp_path / "base", quantized.FP8, block=(16, 16))
+    head_file = tmp_path / "mtp-trained.safetensors"
+    head = write_head(base, head_file)
+    before = tree_state(base)
+
+    report = asm.assemble(base, head_file, tmp_path / "serve")
+
+    assert tree_state(base) == before
+    out = tmp_path / "serve"
+    kept = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    declared = json.loads((base / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert kept == declared + [e for e in asm.HEAD_EXCLUSIONS if e not in declared]
+    assert report.quantization["method"] == "fp8"
+    served = ckpt_io.SafetensorsCheckpoint(out)
+    assert any(served.dtype(k) == "F8_E4M3" for k in served.keys()) and ckpt_io.quantization_of(out, ckpt_io.read_config(out))
+    assert_serves_head(out, ckpt_io.read_config(out).text_config, head, head_file.name)

@@ -426,18 +426,40 @@ def exclude_head_from_quantization(raw: dict, hf_quant: dict | None, base: Path)
         return None
     for location, quant in configs:
         nested_hf = location == HF_QUANT_CONFIG_NAME and isinstance(quant.get("quantization"), dict)
-        if not (_is_modelopt(quant) or nested_hf):
+        if not (_is_modelopt(quant) or nested_hf or _is_block_fp8(quant)):
             method = quant.get("quant_method", "unknown")
             raise AssemblyError(
                 f"{base / CONFIG_NAME}: {location} has quant_method {method!r}; assembly can exclude the bf16 head "
                 "only from ModelOpt quantization (quant_method 'modelopt', lists 'ignore' / "
-                "'quantization.exclude_modules'). Serving the head under another method's config would quantize it"
+                "'quantization.exclude_modules') and the family's block-wise FP8 (quant_method 'fp8', list "
+                "'modules_to_not_convert'). Serving the head under another method's config would quantize it"
             )
     added = {}
     for location, quant in configs:
-        added.update(add_head_exclusions(quant, location))
+        if _is_block_fp8(quant):
+            added.update(_add_fp8_exclusions(quant, location))
+        else:
+            added.update(add_head_exclusions(quant, location))
     _, first = configs[0]
+    if _is_block_fp8(first):
+        return {"method": "fp8", "quant_algo": None, "added": added}
     return {"method": "modelopt", "quant_algo": _quant_algo(first), "added": added}
+
+
+def _is_block_fp8(quant: dict) -> bool:
+    return str(quant.get("quant_method", "")).lower() == "fp8"
+
+
+def _add_fp8_exclusions(quant: dict, location: str) -> dict[str, list[str]]:
+    """Add HEAD_EXCLUSIONS to a block-wise FP8 config's `modules_to_not_convert`, in place."""
+    entries = quant.get("modules_to_not_convert")
+    if entries is None:
+        entries = quant["modules_to_not_convert"] = []
+    if not isinstance(entries, list):
+        raise AssemblyError(f"{location}: modules_to_not_convert is {type(entries).__name__}, expected a list")
+    new = [e for e in HEAD_EXCLUSIONS if e not in entries]
+    entries.extend(new)
+    return {f"{location}: modules_to_not_convert": new}
 
 
 # ----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
+from occamy_mtp.model.quantized import dequantized, emulate_activations
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -525,6 +526,23 @@ def _head_sources(ckpt: SafetensorsCheckpoint, head: torch.nn.Module) -> tuple[d
     return sources, report
 
 
+def head_checkpoint(source: Path):
+    """The checkpoint a head is read from: one safetensors file, or a directory; a directory that is a
+    quantized base (its config declares the scheme) reads its `mtp.*` tensors dequantized, when they
+    are quantized there."""
+    ckpt = SafetensorsCheckpoint(source)
+    if not Path(source).is_dir():
+        return ckpt
+    config_path = Path(source) / "config.json"
+    try:
+        raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except json.JSONDecodeError:
+        raw = {}  # not a base's config: nothing declares a quantization there
+    raw = raw if isinstance(raw, dict) else {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return dequantized(ckpt, raw.get("quantization_config") or text.get("quantization_config"))
+
+
 def check_head(source: Path, text_config) -> None:
     """What `load_head` checks that needs no tensor read (the export set, every `mtp.*` name, shape
     and dtype), so that a wrong head is refused before a base of minutes loads."""
@@ -533,7 +551,7 @@ def check_head(source: Path, text_config) -> None:
     check_export_set(source)
     with torch.device("meta"):
         head = MTPHead(text_config)
-    _head_sources(SafetensorsCheckpoint(source), head)
+    _head_sources(head_checkpoint(source), head)
 
 
 def load_head_state(
@@ -606,10 +624,19 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
     every parameter frozen. `config`: the directory's `read_config`, when the caller has it.
     """
     config = config or read_config(directory)
-    ckpt = SafetensorsCheckpoint(directory)
+    ckpt = dequantized(SafetensorsCheckpoint(directory), config.quantization_config)
     model = build_base_model(config.text_config, dtype, device, attn_implementation)
     load_base_weights(model, ckpt, dtype=dtype, device=device)
+    if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
+        emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
     return model
+
+
+def quantization_of(directory: Path, config: ModelConfig):
+    """The base's quantization (`quantized.Scheme`), every quantized weight's scales checked by name
+    and shape from the headers alone; None when the base is not quantized. A scheme the library
+    cannot read is a `quantized.QuantizationError` naming it and the supported ones."""
+    return getattr(dequantized(SafetensorsCheckpoint(directory), config.quantization_config), "scheme", None)
 
 
 def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device) -> LoadReport:
@@ -701,7 +728,7 @@ def load_head(
     from occamy_mtp.model.head import MTPHead
 
     check_export_set(source)
-    ckpt = SafetensorsCheckpoint(source)
+    ckpt = head_checkpoint(source)
     with torch.device("meta"):
         head = MTPHead(text_config, attn_implementation=attn_implementation)
     state, layout = load_head_state(ckpt, head, dtype=dtype)
@@ -723,8 +750,9 @@ def load_shared_weights(base_dir: str | Path, dtype: torch.dtype = torch.bfloat1
     from occamy_mtp.model.head import SharedWeights
 
     base_dir = Path(base_dir)
-    text_config = (config or read_config(base_dir)).text_config
-    ckpt = SafetensorsCheckpoint(base_dir)
+    config = config or read_config(base_dir)
+    text_config = config.text_config
+    ckpt = dequantized(SafetensorsCheckpoint(base_dir), config.quantization_config)
     embed_key = base_text_prefix(ckpt) + "embed_tokens.weight"
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
     head_key = embed_key if tied else "lm_head.weight"

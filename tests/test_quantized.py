@@ -1,0 +1,309 @@
+"""Quantized bases (issue 46, items 4-5): the family's block-wise FP8 and ModelOpt's NVFP4, read as
+the frozen base; each dequantization and the NVFP4 activations against a plain reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model import quantized as q
+from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+from occamy_mtp.testing.quantize import write_quantized_copy
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory, sample_tokenizer_dir):
+    """A tiny bf16 base (per-expert, multimodal layout) and its FP8 (blocks of 16 x 16) and NVFP4 copies."""
+    root = tmp_path_factory.mktemp("quantized")
+    base = build_tiny_checkpoint(root / "base", layout="per_expert", multimodal=True, seed=2,
+                                 tokenizer_dir=sample_tokenizer_dir).path
+    return {"root": root, "bf16": base,
+            q.FP8: write_quantized_copy(base, root / "fp8", q.FP8, block=(16, 16)),
+            q.NVFP4: write_quantized_copy(base, root / "nvfp4", q.NVFP4)}
+
+
+# ----------------------------------------------------------------------------------
+# Dequantization against element-by-element references
+# ----------------------------------------------------------------------------------
+
+
+def test_fp8_blocks_dequantize_as_each_element_times_its_block_s_multiplier():
+    torch.manual_seed(0)
+    weight = (torch.randn(2, 7, 37) * 3).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 2, 5) + 0.1  # blocks of 4 x 8: ceil(7/4) = 2, ceil(37/8) = 5
+    got = q.dequantize_fp8(weight, scale_inv, (4, 8))
+    for e in range(2):
+        for i in range(7):
+            for j in range(37):
+                assert got[e, i, j] == weight[e, i, j].float() * scale_inv[e, i // 4, j // 8]
+
+
+def test_nvfp4_bytes_dequantize_as_computed_by_hand():
+    # One row of 32 elements, two groups. Byte 0x91: low nibble 1 (+0.5), high nibble 9 (-0.5).
+    # Byte 0x7F: low 15 (-6.0), high 7 (+6.0). Group scales 2.0 and 0.5 (exact in fp8), global 0.25.
+    packed = torch.tensor([[0x91, 0x7F] + [0x00] * 6 + [0x32, 0xC4] + [0x00] * 6], dtype=torch.uint8)
+    scale = torch.tensor([[2.0, 0.5]]).to(torch.float8_e4m3fn)
+    got = q.dequantize_nvfp4(packed, scale, torch.tensor(0.25))
+    expected = torch.zeros(1, 32)
+    expected[0, :4] = torch.tensor([0.5, -0.5, -6.0, 6.0]) * 2.0 * 0.25
+    expected[0, 16:20] = torch.tensor([1.0, 1.5, 2.0, -2.0]) * 0.5 * 0.25  # 0x32: 2 (1.0), 3 (1.5); 0xC4: 4 (2.0), 12 (-2.0)
+    assert torch.equal(got, expected)
+
+
+def test_nvfp4_dequantizes_as_each_nibble_times_its_group_s_scales():
+    torch.manual_seed(1)
+    packed = torch.randint(0, 256, (3, 24), dtype=torch.uint8)  # 48 elements a row, 3 groups
+    scale = (torch.rand(3, 3) * 4).to(torch.float8_e4m3fn)
+    got = q.dequantize_nvfp4(packed, scale, torch.tensor(0.125))
+    for r in range(3):
+        for c in range(48):
+            byte = int(packed[r, c // 2])
+            code = byte & 0xF if c % 2 == 0 else byte >> 4
+            value = q.E2M1_VALUES[code & 7] * (-1 if code & 8 else 1)
+            assert got[r, c] == value * scale[r, c // 16].float() * 0.125
+
+
+def test_e2m1_rounds_to_nearest_and_ties_to_the_even_code():
+    x = torch.tensor([0.24, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.75, -5.0, 0.0])
+    assert q.e2m1_round(x).tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -1.0, -4.0, 0.0]
+
+
+def test_nvfp4_activations_fake_quantize_group_by_group():
+    torch.manual_seed(2)
+    x = torch.randn(3, 32) * 5
+    x[1, :16] = 0  # an all-zero group stays zero
+    input_scale = torch.tensor(0.01)
+    got = q.fake_quantize_nvfp4(x, input_scale)
+    for r in range(3):
+        for g in range(2):
+            group = x[r, 16 * g: 16 * g + 16]
+            scale = float(torch.tensor(float(group.abs().max()) / 6 / 0.01).to(torch.float8_e4m3fn).float())
+            for c in range(16):
+                if scale == 0:
+                    assert got[r, 16 * g + c] == 0
+                    continue
+                step = scale * 0.01
+                candidates = [v for m in q.E2M1_VALUES for v in (m, -m)]
+                nearest = min(candidates, key=lambda v: (abs(float(group[c]) / step - v), v != 0 and q.E2M1_VALUES.index(abs(v)) % 2))
+                assert float(got[r, 16 * g + c]) == pytest.approx(nearest * step, rel=1e-6)
+
+
+@pytest.mark.parametrize("scheme", [q.FP8, q.NVFP4])
+def test_quantizing_then_dequantizing_stays_within_the_format_s_step(scheme):
+    torch.manual_seed(3)
+    weight = torch.randn(40, 64)
+    if scheme == q.FP8:
+        stored, scale_inv = q.quantize_fp8(weight, (16, 32))
+        back = q.dequantize_fp8(stored, scale_inv, (16, 32))
+        # e4m3's widest gap below 448 is 32 (between 256 and 448): half of it, in the block's units
+        bound = scale_inv.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1) * 16
+    else:
+        packed, scale, scale_2 = q.quantize_nvfp4(weight)
+        back = q.dequantize_nvfp4(packed, scale, scale_2)
+        # e2m1's widest gap is 2 (between 4 and 6): half of it in the group's step; the group's fp8
+        # scale, rounded down by at most 1/16, can leave its largest element 6/16 of a step past 6
+        bound = scale.float().repeat_interleave(16, 1) * scale_2
+    assert bool(((back - weight).abs() <= bound + 1e-6).all())
+
+
+# ----------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", [q.FP8, q.NVFP4])
+def test_a_quantized_base_loads_its_weights_dequantized(bases, scheme):
+    raw = ckpt_io.SafetensorsCheckpoint(bases[scheme])
+    model = ckpt_io.load_base(bases[scheme], dtype=torch.float32)
+    reference = ckpt_io.load_base(bases["bf16"], dtype=torch.float32)
+    state, original = model.state_dict(), reference.state_dict()
+    checked = 0
+    for key in raw.keys():
+        if not key.endswith(".weight") or raw.dtype(key) not in ("F8_E4M3", "U8"):
+            continue
+        name = key.replace("model.language_model.", "model.")
+        expert = q._EXPERT_KEY.match(name[: -len(".weight")])
+        stem = key[: -len(".weight")]
+        if scheme == q.FP8:
+            value = q.dequantize_fp8(raw.get(key), raw.get(stem + ".weight_scale_inv"), (16, 16))
+        else:
+            value = q.dequantize_nvfp4(raw.get(key), raw.get(stem + ".weight_scale"), raw.get(stem + ".weight_scale_2"))
+        if expert:
+            e, proj = int(expert["expert"]), expert["proj"]
+            fused = state[f"{expert['stem']}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][e]
+            half = fused.shape[0] // 2
+            loaded = fused if proj == "down_proj" else fused[:half] if proj == "gate_proj" else fused[half:]
+        else:
+            loaded = state[name]
+        assert torch.equal(loaded, value), key
+        checked += 1
+    assert checked > 10
+    untouched = [k for k in state if "norm" in k or "embed_tokens" in k or "lm_head" in k]
+    assert untouched and all(torch.equal(state[k], original[k]) for k in untouched)
+
+
+def test_an_nvfp4_base_quantizes_each_linear_s_input(bases):
+    model = ckpt_io.load_base(bases[q.NVFP4], dtype=torch.float32)
+    scales = q.DequantizedCheckpoint(ckpt_io.SafetensorsCheckpoint(bases[q.NVFP4]), q.Scheme(q.NVFP4)).input_scales
+    name = next(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.endswith("o_proj"))
+    linear = dict(model.named_modules())[name]
+    x = torch.randn(5, linear.in_features)
+    scale = scales["model.language_model." + name[len("model."):] + ".weight"]
+    assert torch.equal(linear(x), torch.nn.functional.linear(q.fake_quantize_nvfp4(x, scale), linear.weight))
+
+
+def test_the_emulated_experts_route_and_weigh_as_transformers_does(bases, monkeypatch):
+    """With the activations' quantization taken out, the one-expert-at-a-time emulation gives
+    transformers' own experts' output: routing, gating and weighting are the same."""
+    base = ckpt_io.load_base(bases["bf16"], dtype=torch.float32)
+    experts = next(m for m in base.modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3)
+    tokens, count = 9, experts.gate_up_proj.shape[0]
+    hidden = torch.randn(tokens, experts.gate_up_proj.shape[-1])
+    index = torch.stack([torch.randperm(count)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2)
+    expected = experts(hidden, index, weights)
+    monkeypatch.setattr(q, "fake_quantize_nvfp4", lambda x, scale: x)
+    emulated = q._emulated_experts(experts, torch.ones(count), torch.ones(count))
+    assert torch.allclose(emulated(hidden, index, weights), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", [q.FP8, q.NVFP4])
+def test_a_quantized_base_keeps_the_base_s_choices_mostly(bases, scheme):
+    """The quantized copies are the same model within their formats' error: most greedy choices agree
+    (a check that the copy is the base, not of how close a format is)."""
+    ids = torch.randint(0, 1024, (2, 48), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = ckpt_io.load_base(bases["bf16"], dtype=torch.float32)(input_ids=ids).logits.argmax(-1)
+        quantized = ckpt_io.load_base(bases[scheme], dtype=torch.float32)(input_ids=ids).logits.argmax(-1)
+    assert float((reference == quantized).float().mean()) > 0.7
+
+
+# ----------------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------------
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _rewrite(directory: Path, change) -> None:
+    """Rewrite the shard and index of `directory` with `change(tensors)` applied."""
+    from safetensors.torch import load_file
+
+    ckpt = ckpt_io.SafetensorsCheckpoint(directory)
+    tensors = {}
+    for path in ckpt.files():
+        tensors.update(load_file(str(path)))
+        path.unlink()
+    (directory / "model.safetensors.index.json").unlink()
+    change(tensors)
+    ckpt_io.save_sharded(directory, tensors, max_shard_bytes=400_000)
+
+
+def test_a_missing_or_misshapen_scale_is_refused_naming_the_tensor(bases, tmp_path):
+    missing = _copy(bases[q.FP8], tmp_path / "missing")
+    key = "model.language_model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
+    _rewrite(missing, lambda t: t.pop(key))
+    with pytest.raises(q.QuantizationError, match=r"experts\.1\.up_proj\.weight is float8_e4m3fn but .*weight_scale_inv is missing"):
+        ckpt_io.load_base(missing)
+    wrong = _copy(bases[q.FP8], tmp_path / "wrong")
+    _rewrite(wrong, lambda t: t.__setitem__(key, torch.ones(3, 3)))
+    with pytest.raises(q.QuantizationError, match=r"experts\.1\.up_proj\.weight_scale_inv has shape \[3, 3\], expected \[\d+, \d+\] .*blocks of \[16, 16\]"):
+        ckpt_io.load_base(wrong)
+    nvfp4 = _copy(bases[q.NVFP4], tmp_path / "nvfp4")
+    name = "model.language_model.layers.0.mlp.experts.0.down_proj"
+    _rewrite(nvfp4, lambda t: t.__setitem__(name + ".weight_scale", t[name + ".weight_scale"][:, :1]))
+    with pytest.raises(q.QuantizationError, match=r"down_proj\.weight_scale has shape .*one scale per 16 elements"):
+        ckpt_io.load_base(nvfp4)
+
+
+@pytest.mark.parametrize("declared, named", [
+    ({"quant_method": "gptq", "bits": 4}, "'gptq' (known, not supported)"),
+    ({"quant_method": "awq", "bits": 4}, "'awq' (known, not supported)"),
+    ({"quant_method": "mxfp4"}, "'mxfp4' (known, not supported)"),
+    ({"quant_method": "gguf"}, "'gguf' (known, not supported)"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "ModelOpt quant_algo 'FP8' is not supported"),
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size None"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fp8 fmt 'e5m2' is not supported"),
+])
+def test_an_unsupported_scheme_is_refused_naming_it_and_the_supported_ones(tmp_path, declared, named):
+    with pytest.raises(q.QuantizationError, match="supported: block-wise FP8") as err:
+        q.scheme_of(tmp_path, declared)
+    assert named in str(err.value)
+
+
+def test_the_train_command_refuses_an_unsupported_base_at_once_and_writes_nothing(bases, tmp_path, capsys):
+    from occamy_mtp.commands.train import main
+
+    base = _copy(bases["bf16"], tmp_path / "gptq")
+    raw = json.loads((base / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (base / "config.json").write_text(json.dumps(raw))
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    output = tmp_path / "run"
+    status = main(["--config", str(Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"),
+                   f"model.base={base}", f"model.donor_head={bases['bf16']}", f"data.files=[{data}]", f"output.dir={output}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "quantization 'gptq' (known, not supported)" in err and "Traceback" not in err
+    assert not output.exists()
+
+
+# ----------------------------------------------------------------------------------
+# The recipe on quantized bases
+# ----------------------------------------------------------------------------------
+
+
+def _run_config(bases, base: Path, output: Path, *overrides):
+    from occamy_mtp.config import load_config
+    from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
+
+    data = bases["root"] / "chats.jsonl"
+    if not data.exists():
+        data.write_text("".join(SAMPLE_DATA_PATH.read_text().splitlines(keepends=True)[:40]))
+    return load_config(None, [
+        f"model.base={base}", f"model.donor_head={bases['bf16']}", "model.dtype=float32",
+        f"data.files=[{data}]", "data.context_tokens=16", "data.answer_tokens=16",
+        "data.train_conversations=4", "data.validation_conversations=2", "data.heldout_conversations=2",
+        "train.epochs=1", "train.lr=1.0e-2", "train.lr_warmup_steps=1", "train.select_every_steps=0",
+        "eval.decoder_check_windows=1", "eval.served_steps=[1,2]", "eval.draft_steps=2",
+        "eval.serving=[{temperature: 0}, instruct-general]", "eval.sampled_continuations=1",
+        f"output.dir={output}", *overrides])
+
+
+def test_the_fp8_base_trains_and_exports_on_its_own_targets(bases, tmp_path):
+    """The head trains on the FP8 base's own text and targets, and export measures it there (the
+    reference decoder's check included, on the dequantized base)."""
+    from occamy_mtp.export.exporter import export
+    from occamy_mtp.settings import plan_of
+    from occamy_mtp.train.loop import train
+
+    config = _run_config(bases, bases[q.FP8], tmp_path / "run")
+    summary = train(plan_of(config))
+    record = export(plan_of(config), allow_worse=True, log=lambda m: None)
+    assert summary["steps"] > 0 and record["base"]["path"] == str(bases[q.FP8].resolve())
+    check = record["metrics"]["decoder_check"]["trained"]
+    assert all(c["counts_equal"] for c in check.values())
+
+
+def test_the_nvfp4_base_self_generates_and_evaluates(bases, tmp_path):
+    """Evaluation on the NVFP4 base: the base (weights dequantized, inputs fake-quantized) writes the
+    heldout continuations, and both heads are measured on them."""
+    from occamy_mtp.evaluation.evaluate import evaluate_run
+    from occamy_mtp.settings import plan_of
+
+    config = _run_config(bases, bases[q.NVFP4], tmp_path / "run")
+    report, printed = evaluate_run(plan_of(config), bases["bf16"], tmp_path / "eval", torch.device("cpu"))
+    stores = report["self_generated"]["stores"]
+    assert stores and all(s["windows"] > 0 for s in stores.values())
+    assert set(report["heads"]) == {"donor", "trained"} and "greedy" in printed
