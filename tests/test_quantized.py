@@ -307,3 +307,38 @@ def test_the_nvfp4_base_self_generates_and_evaluates(bases, tmp_path):
     stores = report["self_generated"]["stores"]
     assert stores and all(s["windows"] > 0 for s in stores.values())
     assert set(report["heads"]) == {"donor", "trained"} and "greedy" in printed
+
+
+def test_a_head_is_scored_on_the_base_it_is_served_on_beside_the_one_it_was_trained_on(bases, tmp_path):
+    """`evaluate --served-base`: the served base writes its own text into its own store, every served
+    figure is given on both bases with its difference, and the report warns that the head was trained
+    on the bf16 base (its TRAINING.json says so) while it is scored on the FP8 one."""
+    import shutil
+
+    from occamy_mtp import record as rec
+    from occamy_mtp.evaluation.served_base import evaluate_on_bases
+    from occamy_mtp.settings import plan_of
+
+    head_dir = tmp_path / "head"
+    head_dir.mkdir()
+    for path in bases["bf16"].iterdir():
+        shutil.copyfile(path, head_dir / path.name)
+    (head_dir / ckpt_io.EXPORT_RECORD).write_text(json.dumps({"base": rec.checkpoint_identity(bases["bf16"], {})}))
+    config = _run_config(bases, bases["bf16"], tmp_path / "run", "eval.serving=[{temperature: 0}]")
+    report, printed = evaluate_on_bases(plan_of(config), head_dir, tmp_path / "eval", torch.device("cpu"), [bases[q.FP8]])
+    section = report["served_bases"]
+    assert section["head_trained_on_run_base"] is True
+    entry = section["bases"][str(bases[q.FP8])]
+    assert entry["head_trained_on_it"] is False
+    served = json.loads(Path(entry["report"]).read_text())
+    assert served["inputs"]["base"] == str(bases[q.FP8])
+    assert Path(entry["report"]).parent / "self-generated" != bases["root"]  # its own store, under --out
+    for head in ("donor", "trained"):
+        for k, d in entry["differences"][head]["greedy"].items():
+            on_run = report["heads"][head]["serving"]["greedy"]["served"][k]["mean_accept_length"]
+            on_served = served["heads"][head]["serving"]["greedy"]["served"][k]["mean_accept_length"]
+            assert (d["run_base"], d["served_base"]) == (on_run, on_served) and d["difference"] == on_served - on_run
+    assert len(section["warnings"]) == 1 and str(bases[q.FP8]) in section["warnings"][0]
+    assert printed.startswith("warning: the head was trained on")
+    written = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
+    assert written["served_bases"] == section

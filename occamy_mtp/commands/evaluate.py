@@ -1,6 +1,7 @@
-"""python -m occamy_mtp evaluate --config RUN.yaml [--head FILE] [--out DIR] [section.key=value ...]
+"""python -m occamy_mtp evaluate --config RUN.yaml [--head FILE] --out DIR [--served-base DIR ...] [section.key=value ...]
 
-A head's served acceptance, agreement and NLL on the run's heldout windows (`occamy_mtp.evaluation.evaluate`).
+A head's served acceptance, agreement and NLL on the run's heldout windows (`occamy_mtp.evaluation.evaluate`);
+with --served-base, the same on each base it is served on, beside the run's (`occamy_mtp.evaluation.served_base`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--max-windows", type=int,
                      help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
                           "`occamy_mtp.serve.validate --prompt-source windows --prompts N` sends to a server")
+    cli.add_argument("--served-base", type=Path, action="append", default=[], metavar="DIR",
+                     help="also score both heads on this base (e.g. the FP8 or NVFP4 copy the head is served on), "
+                          "its own text written into --out; repeatable")
     cli.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args, config = parse(cli, argv)
     if args.max_windows is not None and args.max_windows < 1:
@@ -45,9 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     head_path = args.head or plan.run_dir.head
     if not head_path.exists():
         raise ConfigError(f"--head {head_path}: no such file or directory (export the run first, or name a head)")
-    report, printed = evaluate_run(plan, head_path, args.out, torch.device(args.device), teacher_forced_only=args.teacher_forced_only,
-                                   reference_decoder=args.reference_decoder, max_windows=args.max_windows,
-                                   decoder_seeds=args.decoder_seeds)
+    for base in args.served_base:
+        if not (base / "config.json").is_file():
+            raise ConfigError(f"--served-base {base}: no config.json (a base checkpoint directory is expected)")
+    options = dict(teacher_forced_only=args.teacher_forced_only, reference_decoder=args.reference_decoder,
+                   max_windows=args.max_windows, decoder_seeds=args.decoder_seeds)
+    device = torch.device(args.device)
+    if args.served_base:
+        from occamy_mtp.evaluation.served_base import evaluate_on_bases
+
+        report, printed = evaluate_on_bases(plan, head_path, args.out, device, args.served_base, **options)
+    else:
+        report, printed = evaluate_run(plan, head_path, args.out, device, **options)
     print(printed)
     print(f"wrote {args.out / EVALUATION_FILE} and {args.out / PLOT_FILE}")
     return 0

@@ -286,3 +286,25 @@ def build_demo_models(
     files.write_json(manifest_path, manifest)
     log(f"demo models: built in {manifest['build_seconds']:.0f} s under {out_dir}")
     return manifest
+
+
+def build_quantized_demo_base(out_dir: Path, scheme: str, data_path: Path = SAMPLE_DATA_PATH, log=print) -> Path:
+    """`out_dir/base-<scheme>`: the demo base at `out_dir/base` (`build_demo_models` writes it)
+    quantized under `scheme` ("fp8" or "nvfp4") in the layout users serve (`testing.quantize`);
+    NVFP4's input scales calibrated on the sample chats as the template renders them. Reused when it
+    exists."""
+    from transformers import AutoTokenizer
+
+    from occamy_mtp.testing.quantize import write_quantized_copy
+
+    out_dir = Path(out_dir)
+    target = out_dir / f"base-{scheme}"
+    if (target / "config.json").is_file():
+        log(f"demo models: reusing {target}")
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(out_dir / "tokenizer", local_files_only=True)
+    calibration = _packed_sequences(tokenizer, _conversations(data_path)[:32], 256).tolist()
+    started = time.perf_counter()
+    write_quantized_copy(out_dir / "base", target, scheme, calibration=calibration)
+    log(f"demo models: wrote the {scheme} base {target} ({time.perf_counter() - started:.1f} s)")
+    return target
