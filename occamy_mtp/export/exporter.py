@@ -171,7 +171,6 @@ def export(plan: Plan, allow_worse: bool = False, log=log_stderr) -> dict:
 def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log) -> dict:
     started = time.perf_counter()
     run_dir, settings = plan.run_dir, plan.export
-    measuring = settings.measuring
     if not run_dir.train_summary.is_file():
         raise ExportError(f"{run_dir.train_summary}: missing; run train.py with this config first")
     summary = json.loads(run_dir.train_summary.read_text())
@@ -181,6 +180,14 @@ def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log) -> dict:
             stale.unlink()
 
     run = open_run(plan.setup, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log)
+    return export_run(run, settings, summary, masters, allow_worse, log, started)
+
+
+def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str, torch.Tensor], allow_worse: bool, log,
+               started: float) -> dict:
+    """Measure the donor and the trained head (`masters`, train.py's tensors) on an opened run, refuse a
+    head worse than the donor unless `allow_worse`, and write the export set; returns TRAINING.json's record."""
+    run_dir, measuring = run.dir, settings.measuring
     head = run.models.head
     dtype = ckpt_io.DTYPES[settings.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype

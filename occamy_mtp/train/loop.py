@@ -71,8 +71,8 @@ class TrainState:
 def train(plan: Plan, resume: bool = False) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir.
     The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
-    run_dir, fit = plan.run_dir, plan.train
-    settings = fit.settings
+    run_dir, train_plan = plan.run_dir, plan.train
+    settings = train_plan.settings
     base = check_run(plan.setup, training=True)  # paths, outputs, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
@@ -95,96 +95,106 @@ def train(plan: Plan, resume: bool = False) -> dict:
         log = log_stderr if accelerator.is_main_process else quiet  # progress of the slow phases, once
         if resume and existing is None:
             log(f"--resume: {run_dir.checkpoints} holds no checkpoint, so training starts from step 0")
-        resumed = read_checkpoint(existing, fit.fingerprint) if resume and existing is not None else None
+        resumed = read_checkpoint(existing, train_plan.fingerprint) if resume and existing is not None else None
         check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
         run = open_run(plan.setup, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data)
-        trainable = [p for p in run.models.head.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
-                                      eps=settings.adam_eps, weight_decay=settings.weight_decay)
-        model, optimizer = accelerator.prepare(run.models.head, optimizer)
-        head: MTPHead = accelerator.unwrap_model(model)
-        act_dtype = ckpt_io.DTYPES[fit.dtype]
-        total_steps = settings.epochs * steps_per_epoch(len(run.windows.train), settings.windows_per_step)
-        weights = fit.step_weights
-        objective = build_objective(fit)
-        state, best = TrainState(), None
-        if resumed is not None:
-            state, best = restore_checkpoint(resumed, existing, head, optimizer)
-            log(f"resumed from {existing} at step {state.step}/{total_steps}")
-        if accelerator.is_main_process:
-            with files.atomic_path(run_dir.resolved_config) as tmp:
-                tmp.write_text(fit.resolved_yaml)
-        if settings.tracker != "none":
-            accelerator.init_trackers("occamy-mtp", config=fit.tracked)
+        return fit(run, train_plan, accelerator, log, resumed, existing)
 
-        def select() -> None:
-            """Score the head as served; keep it when it is the best so far (every process agrees)."""
-            nonlocal best
-            if selection_step(state, head, run, fit.measuring, act_dtype, log):
-                best = trainable_tensors(head)
 
-        select_every = settings.select_every_steps
-        log_every = settings.log_every_steps
-        progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process,
-                            every=log_every)
-        since_log: list[dict] = []  # the steps since the last progress line, whose mean it shows
-        model.train()
-        started = time.perf_counter() - state.elapsed_seconds
-        if select_every and not state.selection:
-            select()  # step 0: the donor itself
-        while state.step < total_steps:
-            lr = lr_at(state.step, total_steps, settings.lr, settings.lr_warmup_steps, settings.lr_min_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            # This process's share of the step's windows.
-            windows = step_windows(run.windows.train, state.step, settings.windows_per_step, settings.seed)
-            try:
-                step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
-                                  settings, weights, act_dtype, backward=accelerator.backward,
-                                  clip_grad_norm=accelerator.clip_grad_norm_, objective=objective)
-            except NonFiniteStep as err:
-                _stop(run_dir, state.step + 1, str(err), lr)
-            state.step += 1
-            state.base_forward_seconds += step.base_seconds
+def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict | None = None,
+        existing: Path | None = None) -> dict:
+    """The loop over an opened run (`train` opens it): the optimizer, the checkpoint `resumed` from
+    (`read_checkpoint`'s payload of the file `existing`), then per step `train_step`, log, select,
+    checkpoint; the selected tensors and the summary written last. Returns the summary."""
+    run_dir, settings = run.dir, train_plan.settings
+    world = accelerator.num_processes
+    trainable = [p for p in run.models.head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+                                  eps=settings.adam_eps, weight_decay=settings.weight_decay)
+    model, optimizer = accelerator.prepare(run.models.head, optimizer)
+    head: MTPHead = accelerator.unwrap_model(model)
+    act_dtype = ckpt_io.DTYPES[train_plan.dtype]
+    total_steps = settings.epochs * steps_per_epoch(len(run.windows.train), settings.windows_per_step)
+    weights = train_plan.step_weights
+    objective = build_objective(train_plan)
+    state, best = TrainState(), None
+    if resumed is not None:
+        state, best = restore_checkpoint(resumed, existing, head, optimizer)
+        log(f"resumed from {existing} at step {state.step}/{total_steps}")
+    if accelerator.is_main_process:
+        with files.atomic_path(run_dir.resolved_config) as tmp:
+            tmp.write_text(train_plan.resolved_yaml)
+    if settings.tracker != "none":
+        accelerator.init_trackers("occamy-mtp", config=train_plan.tracked)
+
+    def select() -> None:
+        """Score the head as served; keep it when it is the best so far (every process agrees)."""
+        nonlocal best
+        if selection_step(state, head, run, train_plan.measuring, act_dtype, log):
+            best = trainable_tensors(head)
+
+    select_every = settings.select_every_steps
+    log_every = settings.log_every_steps
+    progress = Progress(total_steps, "train", "step", state.step, enabled=accelerator.is_local_main_process,
+                        every=log_every)
+    since_log: list[dict] = []  # the steps since the last progress line, whose mean it shows
+    model.train()
+    started = time.perf_counter() - state.elapsed_seconds
+    if select_every and not state.selection:
+        select()  # step 0: the donor itself
+    while state.step < total_steps:
+        lr = lr_at(state.step, total_steps, settings.lr, settings.lr_warmup_steps, settings.lr_min_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # This process's share of the step's windows.
+        windows = step_windows(run.windows.train, state.step, settings.windows_per_step, settings.seed)
+        try:
+            step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
+                              settings, weights, act_dtype, backward=accelerator.backward,
+                              clip_grad_norm=accelerator.clip_grad_norm_, objective=objective)
+        except NonFiniteStep as err:
+            _stop(run_dir, state.step + 1, str(err), lr)
+        state.step += 1
+        state.base_forward_seconds += step.base_seconds
+        state.elapsed_seconds = time.perf_counter() - started
+
+        line = _log_line(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
+        state.history.append(line)
+        since_log.append(line)
+        if state.step % log_every == 0 or state.step == total_steps:
+            accelerator.log(line, step=state.step)
+            progress.set_postfix(**running_means(since_log))
+            since_log.clear()
+        progress.update(1)
+        if select_every and (state.step % select_every == 0 or state.step == total_steps):
+            select()
             state.elapsed_seconds = time.perf_counter() - started
+        if state.step % settings.checkpoint_every_steps == 0 or state.step == total_steps:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                try:
+                    save_checkpoint(run_dir, state, head, optimizer, train_plan.fingerprint, settings.keep_checkpoints, best,
+                                    run.data)
+                except files.DiskFull as err:  # the tensors are still here: train on, and keep the older checkpoints
+                    log(f"warning: step {state.step}'s checkpoint was not written: {err}; training goes on, "
+                        f"and the older checkpoints are kept")
+    progress.close()
 
-            line = _log_line(accelerator, state, lr, step.loss, step.stats, step.grad_norm)
-            state.history.append(line)
-            since_log.append(line)
-            if state.step % log_every == 0 or state.step == total_steps:
-                accelerator.log(line, step=state.step)
-                progress.set_postfix(**running_means(since_log))
-                since_log.clear()
-            progress.update(1)
-            if select_every and (state.step % select_every == 0 or state.step == total_steps):
-                select()
-                state.elapsed_seconds = time.perf_counter() - started
-            if state.step % settings.checkpoint_every_steps == 0 or state.step == total_steps:
-                accelerator.wait_for_everyone()
-                if accelerator.is_main_process:
-                    try:
-                        save_checkpoint(run_dir, state, head, optimizer, fit.fingerprint, settings.keep_checkpoints, best,
-                                        run.data)
-                    except files.DiskFull as err:  # the tensors are still here: train on, and keep the older checkpoints
-                        log(f"warning: step {state.step}'s checkpoint was not written: {err}; training goes on, "
-                            f"and the older checkpoints are kept")
-        progress.close()
-
-        accelerator.wait_for_everyone()
-        summary = _summary(run, fit, state, total_steps, world, accelerator.device)
-        if accelerator.is_main_process:
-            written = best if select_every else trainable_tensors(head)
-            metadata = {"format": "pt", "config_fingerprint": summary["config_fingerprint"]}
-            try:
-                files.save_safetensors(run_dir.trained_tensors, {n: t.float() for n, t in written.items()}, metadata=metadata)
-                files.write_json(run_dir.train_summary, summary)
-            except files.DiskFull as err:
-                raise files.DiskFull(f"{err}. {_how_to_recover(run_dir, state.step)}") from None
-        accelerator.end_training()
-        _leave_process_group(accelerator)
-        return summary
+    accelerator.wait_for_everyone()
+    summary = _summary(run, train_plan, state, total_steps, world, accelerator.device)
+    if accelerator.is_main_process:
+        written = best if select_every else trainable_tensors(head)
+        metadata = {"format": "pt", "config_fingerprint": summary["config_fingerprint"]}
+        try:
+            files.save_safetensors(run_dir.trained_tensors, {n: t.float() for n, t in written.items()}, metadata=metadata)
+            files.write_json(run_dir.train_summary, summary)
+        except files.DiskFull as err:
+            raise files.DiskFull(f"{err}. {_how_to_recover(run_dir, state.step)}") from None
+    accelerator.end_training()
+    _leave_process_group(accelerator)
+    return summary
 
 
 def _leave_process_group(accelerator) -> None:
@@ -215,10 +225,10 @@ class StepOutput:
     """Time spent getting the base's targets (the forward, or the cache read)."""
 
 
-def build_objective(fit: TrainPlan) -> Objective:
+def build_objective(train_plan: TrainPlan) -> Objective:
     """What the head is fitted to: `train.loss` under the selected serving configuration, the chain
     fed the text's tokens when the base sampled the train text."""
-    return Objective(fit.settings.loss, fit.measuring.selected, embed_text=fit.embed_text)
+    return Objective(train_plan.settings.loss, train_plan.measuring.selected, embed_text=train_plan.embed_text)
 
 
 def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window], optimizer, settings: TrainSettings,
@@ -454,11 +464,11 @@ def _stop(run_dir: RunDir, step: int, what: str, lr: float) -> None:
     )
 
 
-def _summary(run: Run, fit: TrainPlan, state: TrainState, total_steps: int, processes: int, device) -> dict:
+def _summary(run: Run, train_plan: TrainPlan, state: TrainState, total_steps: int, processes: int, device) -> dict:
     """train-summary.json: what export needs of training, and its history."""
     return {
         "steps": total_steps,
-        "steps_per_epoch": steps_per_epoch(len(run.windows.train), fit.settings.windows_per_step),
+        "steps_per_epoch": steps_per_epoch(len(run.windows.train), train_plan.settings.windows_per_step),
         "processes": processes,
         "device": str(device),
         "train_seconds": state.elapsed_seconds,
@@ -466,13 +476,13 @@ def _summary(run: Run, fit: TrainPlan, state: TrainState, total_steps: int, proc
         "trainable_parameters": run.models.trainable_parameters,
         "head_parameters": run.models.head_parameters,
         "donor_layout": run.models.donor_layout,
-        "config_fingerprint": fit.fingerprint.value,
-        "fingerprinted_settings": fit.fingerprint.settings,
+        "config_fingerprint": train_plan.fingerprint.value,
+        "fingerprinted_settings": train_plan.fingerprint.settings,
         "final_loss": state.history[-1]["loss"] if state.history else None,
         "history": state.history,
-        "selection": _selection_summary(fit, state, len(run.windows.validation)),
+        "selection": _selection_summary(train_plan, state, len(run.windows.validation)),
         "data": run.data.provenance(),
-        "answers": fit.answers,
+        "answers": train_plan.answers,
         "train_windows": len(run.windows.train),
         "self_generated": run.windows.self_generated,
         "targets": run.targets.provenance(),
@@ -480,17 +490,17 @@ def _summary(run: Run, fit: TrainPlan, state: TrainState, total_steps: int, proc
     }
 
 
-def _selection_summary(fit: TrainPlan, state: TrainState, validation_windows: int) -> dict:
+def _selection_summary(train_plan: TrainPlan, state: TrainState, validation_windows: int) -> dict:
     """What selection measured and chose: the step whose tensors the run writes."""
-    if not fit.settings.select_every_steps:
+    if not train_plan.settings.select_every_steps:
         return {"enabled": False, "written_step": state.step}
     return {
         "enabled": True,
-        "every_steps": fit.settings.select_every_steps,
+        "every_steps": train_plan.settings.select_every_steps,
         "metric": "mean over eval.served_steps of the decoder's mean accept length (replayed, or expected under sampling) on "
                   "the validation windows the base wrote under the selected serving configuration",
-        "serving": fit.measuring.selected.label(),
-        "served_steps": list(fit.measuring.served_steps),
+        "serving": train_plan.measuring.selected.label(),
+        "served_steps": list(train_plan.measuring.served_steps),
         "validation_windows": validation_windows,
         "history": state.selection,
         "donor_score": state.selection[0]["score"] if state.selection else None,
