@@ -80,10 +80,16 @@ def family_of(model_type: str | None) -> Family | None:
     return FAMILIES.get(model_type)
 
 
+EMULATED = "occamy_emulated_quantization"
+"""Set on a base's config when its linears' inputs are fake-quantized in their forwards
+(`model.quantized.emulate_activations`): the fast paths read the weights directly and would skip that."""
+
+
 def fast_paths(config) -> bool:
-    """Whether the library's fast paths run a model of this config (its family says so)."""
+    """Whether the library's fast paths run a model of this config: its family says so, and its
+    forward is transformers' own (no emulated quantization of the activations, `EMULATED`)."""
     family = family_of(getattr(config, "model_type", None))
-    return family is not None and family.fast_paths
+    return family is not None and family.fast_paths and not getattr(config, EMULATED, None)
 
 
 def draft_architectures() -> dict[str, str]:

@@ -342,3 +342,12 @@ def test_a_head_is_scored_on_the_base_it_is_served_on_beside_the_one_it_was_trai
     assert printed.startswith("warning: the head was trained on")
     written = json.loads((tmp_path / "eval" / "evaluation.json").read_text())
     assert written["served_bases"] == section
+
+
+def test_an_emulated_nvfp4_base_is_left_to_transformers_forward(bases):
+    """The fast paths (the packed base pass, the static decoder) read the weights directly and would
+    skip the inputs' quantization: an NVFP4 base is marked so that they stand aside."""
+    from occamy_mtp.families import fast_paths
+
+    assert fast_paths(ckpt_io.load_base(bases[q.FP8]).config)
+    assert not fast_paths(ckpt_io.load_base(bases[q.NVFP4]).config)

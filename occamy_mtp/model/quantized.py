@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.families import EMULATED
 
 FP8 = "fp8"
 NVFP4 = "nvfp4"
@@ -331,7 +332,8 @@ def emulate_activations(model: torch.nn.Module, input_scales: dict[str, torch.Te
     quantizes it (`fake_quantize_nvfp4`), with its checkpoint's `input_scale`; returns how many
     modules were hooked. Linear modules take a forward pre-hook; a fused experts module (3-D
     gate_up_proj / down_proj) runs `_emulated_experts`, each expert's input and its activation
-    quantized with that expert's scales."""
+    quantized with that expert's scales. The model's config is marked (`families.EMULATED`), so that
+    the fast paths, which read the weights directly, leave it to transformers' forward."""
     modules = dict(model.named_modules())
     linear_scales: dict[str, torch.Tensor] = {}
     expert_scales: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
@@ -349,6 +351,8 @@ def emulate_activations(model: torch.nn.Module, input_scales: dict[str, torch.Te
             raise QuantizationError(f"{key}: an NVFP4 weight whose module the base does not have ({name})")
     for name, scale in linear_scales.items():
         modules[name].register_forward_pre_hook(lambda module, args, s=scale: (fake_quantize_nvfp4(args[0], s), *args[1:]))
+    if linear_scales or expert_scales:
+        setattr(model.config, EMULATED, NVFP4)  # the fast paths would read the weights and skip the hooks
     for name, scales in expert_scales.items():
         module = modules[name]
         count = module.gate_up_proj.shape[0]
