@@ -73,6 +73,7 @@ def train(plan: Plan, resume: bool = False) -> dict:
     The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
     run_dir, train_plan = plan.run_dir, plan.train
     settings = train_plan.settings
+    refuse_sharding()
     base = check_run(plan.setup, training=True)  # paths, outputs, train.trainable: before anything slow
     accelerator = Accelerator(
         # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
@@ -101,6 +102,22 @@ def train(plan: Plan, resume: bool = False) -> dict:
         run = open_run(plan.setup, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data)
         return fit(run, train_plan, accelerator, log, resumed, existing)
+
+
+SHARDING_LAUNCHES = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_FSDP": "FSDP"}
+
+
+def refuse_sharding() -> None:
+    """ConfigError when `accelerate launch` was given a DeepSpeed or FSDP config (it says so in the
+    environment): the loop prepares only the head, so neither would shard the frozen base, and a run
+    would hold the whole base in every process while looking sharded."""
+    import os
+
+    for variable, name in SHARDING_LAUNCHES.items():
+        if os.environ.get(variable, "false").lower() == "true":
+            raise ConfigError(f"accelerate launch --config_file: a {name} config ({variable}=true) is not supported "
+                              "yet: training prepares only the head, so the frozen base would not be sharded; "
+                              "launch with a plain multi-process config (each process holds the base)")
 
 
 def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict | None = None,
