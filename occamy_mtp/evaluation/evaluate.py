@@ -19,7 +19,7 @@ from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_d
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
-from occamy_mtp.settings import Measuring, Plan
+from occamy_mtp.settings import EvalPlan, Measuring, Plan
 from occamy_mtp.evaluation.metrics import (
     Acceptance,
     acceptance_from_counts,
@@ -840,8 +840,6 @@ def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *
     """Donor (`model.donor_head`) and the head at `head_path` on the run's heldout windows; writes
     evaluation.json and the plot into `out`, returns the report and its printed table."""
     from occamy_mtp.model import checkpoint as ckpt_io
-    from occamy_mtp.files import write_json
-    from occamy_mtp.evaluation.plot import plot_acceptance, plot_served
 
     setup, settings = plan.setup, plan.evaluate
     measuring = settings.measuring
@@ -856,6 +854,19 @@ def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
     run = open_run(setup, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows)
+    return evaluate(run, settings, head_path, out, device, teacher_forced_only=teacher_forced_only,
+                    reference_decoder=reference_decoder, decoder_seeds=decoder_seeds)
+
+
+def evaluate(run, settings: EvalPlan, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
+             reference_decoder: bool = False, decoder_seeds: int = 4) -> tuple[dict, str]:
+    """Donor and the head at `head_path` on an opened run's heldout windows (`evaluate_run` opens it);
+    writes evaluation.json and the plot into `out`, returns the report and its printed table."""
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.files import write_json
+    from occamy_mtp.evaluation.plot import plot_acceptance, plot_served
+
+    measuring = settings.measuring
     dtype = ckpt_io.DTYPES[settings.dtype]
     donor = run.models.head
     for param in donor.parameters():  # as served: every tensor in the model dtype
