@@ -28,7 +28,6 @@ from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.settings import CachePlan, Setup
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
 from occamy_mtp.targets.cache import (
-    DEFAULT_MAX_SHARD_BYTES,
     MANIFEST_NAME,
     build_cache,
     cache_identity,
