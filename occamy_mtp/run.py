@@ -58,8 +58,8 @@ def quiet(message: str) -> None:
 
 class BaseFacts:
     """What a run reads about its base, once: its config (`checkpoint.read_config`), its quantization
-    (`checkpoint.quantization_of`, refused here when unsupported) and, when first asked, its fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every
-    weight file)."""
+    (`checkpoint.quantization_of`, refused here when unsupported) and, when first asked, its
+    fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every weight file)."""
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
