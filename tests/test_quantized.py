@@ -351,3 +351,29 @@ def test_an_emulated_nvfp4_base_is_left_to_transformers_forward(bases):
 
     assert fast_paths(ckpt_io.load_base(bases[q.FP8]).config)
     assert not fast_paths(ckpt_io.load_base(bases[q.NVFP4]).config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [q.FP8, q.NVFP4])
+def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases, scheme):
+    """The dequantized weights and (NVFP4) the inputs' fake quantization run on a GPU as on the CPU,
+    in float32: the same logits to float32's rounding of a different summation order, and the fast
+    paths stand aside for NVFP4 there too."""
+    from occamy_mtp.families import fast_paths
+
+    ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # float32 products on both
+    try:
+        with torch.no_grad():
+            cpu = ckpt_io.load_base(bases[scheme], dtype=torch.float32)(input_ids=ids).logits
+            model = ckpt_io.load_base(bases[scheme], dtype=torch.float32, device="cuda")
+            gpu = model(input_ids=ids.cuda()).logits.cpu()
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert fast_paths(model.config) == (scheme == q.FP8)
+    if scheme == q.FP8:
+        assert torch.allclose(gpu, cpu, atol=1e-4, rtol=1e-4), float((gpu - cpu).abs().max())
+    else:  # an input at an e2m1 rounding boundary may round the other way: a few positions may move, no more
+        close = (gpu - cpu).abs().amax(-1) <= 1e-4
+        assert float(close.float().mean()) >= 0.9, float((gpu - cpu).abs().max())
