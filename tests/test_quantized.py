@@ -377,3 +377,14 @@ def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases,
     else:  # an input at an e2m1 rounding boundary may round the other way: a few positions may move, no more
         close = (gpu - cpu).abs().amax(-1) <= 1e-4
         assert float(close.float().mean()) >= 0.9, float((gpu - cpu).abs().max())
+
+
+def test_two_served_bases_of_one_name_are_refused_before_anything_runs(tmp_path):
+    from occamy_mtp.config import ConfigError, load_config
+    from occamy_mtp.evaluation.served_base import evaluate_on_bases
+    from occamy_mtp.settings import plan_of
+
+    plan = plan_of(load_config(None, [f"output.dir={tmp_path / 'run'}"]))
+    with pytest.raises(ConfigError, match="two bases are named 'base'"):
+        evaluate_on_bases(plan, tmp_path / "head", tmp_path / "eval", torch.device("cpu"), [tmp_path / "a" / "base", tmp_path / "b" / "base"])
+    assert not (tmp_path / "eval").exists()

@@ -16,6 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from occamy_mtp.config import ConfigError
 from occamy_mtp.evaluation.evaluate import EVALUATION_FILE, evaluate_run
 from occamy_mtp.files import write_json
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -86,6 +87,11 @@ def evaluate_on_bases(plan: Plan, head_path: Path, out: Path, device, bases: lis
     evaluation.json gains `served_bases`: per base its report's path, whether the head was trained
     on it, and every served figure's difference from the run's base. Returns the report and the
     printed tables, the warnings first."""
+    names = [Path(base).name for base in bases]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # each base's evaluation goes to out/served-on-<name>
+        raise ConfigError(f"--served-base: two bases are named {twice[0]!r}; their evaluations would share "
+                          f"{Path(out) / ('served-on-' + twice[0])}: give each its own directory name")
     report, printed = evaluate_run(plan, head_path, out, device, **options)
     identity = trained_on(Path(head_path))
     sections, warnings = {}, []
