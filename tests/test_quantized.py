@@ -388,3 +388,16 @@ def test_two_served_bases_of_one_name_are_refused_before_anything_runs(tmp_path)
     with pytest.raises(ConfigError, match="two bases are named 'base'"):
         evaluate_on_bases(plan, tmp_path / "head", tmp_path / "eval", torch.device("cpu"), [tmp_path / "a" / "base", tmp_path / "b" / "base"])
     assert not (tmp_path / "eval").exists()
+
+
+def test_an_nvfp4_base_with_kv_cache_scales_loads_them_read_past(bases, tmp_path):
+    """ModelOpt writes `k_scale` / `v_scale` beside an fp8 KV cache: they are not weights of the
+    model, and the base loads as it does without them."""
+    with_kv = _copy(bases[q.NVFP4], tmp_path / "kv")
+    attention = "model.language_model.layers.3.self_attn"
+    _rewrite(with_kv, lambda t: t.update({f"{attention}.k_proj.k_scale": torch.tensor(0.5),
+                                          f"{attention}.v_proj.v_scale": torch.tensor(0.5)}))
+    ids = torch.randint(0, 1024, (1, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert torch.equal(ckpt_io.load_base(with_kv, dtype=torch.float32)(input_ids=ids).logits,
+                           ckpt_io.load_base(bases[q.NVFP4], dtype=torch.float32)(input_ids=ids).logits)

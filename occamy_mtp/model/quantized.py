@@ -44,6 +44,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _KNOWN_OTHERS = ("gptq", "awq", "gguf", "mxfp4", "bitsandbytes", "compressed-tensors", "compressed_tensors", "hqq", "aqlm",
                  "eetq", "torchao", "fbgemm_fp8", "quanto", "exl2", "marlin", "bitnet", "vptq", "higgs", "spqr")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale_2", ".weight_scale", ".input_scale")
+_KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 class QuantizationError(OccamyError, ValueError):
@@ -278,8 +279,10 @@ class DequantizedCheckpoint:
         return list(self._quantized)
 
     def keys(self) -> list[str]:
+        """The tensors a model reads: the scales hidden, and the KV cache's (`k_scale`, `v_scale`, which
+        ModelOpt writes with an fp8 KV cache; the cache is not emulated, docs/guide/QUANTIZED.md)."""
         hidden = {s for q in self._quantized.values() for s in q.scales.values()}
-        return [k for k in self._ckpt.keys() if k not in hidden]
+        return [k for k in self._ckpt.keys() if k not in hidden and not k.endswith(_KV_CACHE_SCALES)]
 
     def __contains__(self, key: str) -> bool:
         return key in self._ckpt and key in set(self.keys())
