@@ -35,11 +35,8 @@ def tensor_core(x: torch.Tensor, input_scale: torch.Tensor, packed: torch.Tensor
                 w_scale_2: torch.Tensor) -> torch.Tensor:
     """(N, out) in float64: e2m1 codes multiplied exactly, summed per 16-element block, each block
     scaled by its two fp8 scales, the blocks summed, the global scales applied last."""
-    groups = x.double().reshape(x.shape[0], -1, q.NVFP4_GROUP)
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    x_scale = (amax.float() / q.E2M1_MAX / input_scale.float()).clamp(max=q.FP8_MAX).to(torch.float8_e4m3fn).double()
-    step = x_scale * input_scale.double()
-    x_codes = torch.where(step > 0, q.e2m1_round((groups / torch.where(step > 0, step, 1.0)).float()).double(), 0.0)
+    x_values, x_scale = q.nvfp4_blocks(x.float(), input_scale.float())  # the input's codes, as the W4A4 path rounds them
+    x_codes, x_scale = x_values.double(), x_scale.double()[..., None]
     w_codes = q.e2m1_decode(q.unpack_e2m1(packed)).double().reshape(packed.shape[0], -1, q.NVFP4_GROUP)
     block_sums = torch.einsum("nbi,obi->nob", x_codes, w_codes)  # exact: small integers and halves
     scales = x_scale[:, None, :, 0] * w_scale.double()[None]  # (N, out, blocks)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from occamy_mtp.config import ConfigError
 from occamy_mtp.evaluation.evaluate import EVALUATION_FILE, evaluate_run
-from occamy_mtp.files import write_json
+from occamy_mtp.files import sha256_file, write_json
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.settings import Plan
 
@@ -61,8 +61,6 @@ def same_base(identity: dict | None, base: Path) -> bool | None:
     recorded = sorted((f["name"], f["bytes"]) for f in identity.get("files", []))
     if files != recorded:
         return False
-    from occamy_mtp.files import sha256_file
-
     config = base / "config.json"
     return identity.get("config_sha256") in (None, sha256_file(config, {}) if config.is_file() else None)
 

@@ -298,6 +298,13 @@ def _check_field_types(config_class, fields: dict, source: str) -> None:
                                   f"({type(value).__name__}); {expected} is expected")
 
 
+def declared_quantization(raw: dict):
+    """What a config.json declares as its `quantization_config`: at its top level, else in its
+    `text_config` (None: nothing)."""
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    return raw.get("quantization_config") or text.get("quantization_config")
+
+
 def read_config(path: Path) -> ModelConfig:
     """Read a checkpoint directory's config.json (or a bare config.json path)."""
     path = Path(path)
@@ -321,7 +328,7 @@ def read_config(path: Path) -> ModelConfig:
         text = dict(raw)
         text["model_type"] = MULTIMODAL_TYPES.get(text.get("model_type"), text.get("model_type"))
     text_config = text_config_from_dict(text, source=str(config_path))
-    quantization = raw.get("quantization_config") or text.get("quantization_config")
+    quantization = declared_quantization(raw)
     if quantization is not None and not isinstance(quantization, dict):
         raise CheckpointError(f"{config_path}: quantization_config is {type(quantization).__name__}; an object is expected")
     return ModelConfig(config_path, text_config, raw, multimodal, quantization)
@@ -538,9 +545,7 @@ def head_checkpoint(source: Path):
         raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
     except json.JSONDecodeError:
         raw = {}  # not a base's config: nothing declares a quantization there
-    raw = raw if isinstance(raw, dict) else {}
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    return dequantized(ckpt, raw.get("quantization_config") or text.get("quantization_config"))
+    return dequantized(ckpt, declared_quantization(raw if isinstance(raw, dict) else {}))
 
 
 def check_head(source: Path, text_config) -> None:

@@ -157,19 +157,24 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * magnitudes[index]
 
 
+def nvfp4_blocks(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's rounding of float32 `x` (its last dimension a multiple of 16) at `global_scale`: per
+    16 elements a scale amax / 6 / global_scale rounded to float8_e4m3fn, and the elements rounded
+    to e2m1 at that scale times `global_scale`. Returns (e2m1 values (..., blocks, 16), scales
+    (..., blocks) float8_e4m3fn): x is about values * scale * global_scale."""
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // NVFP4_GROUP, NVFP4_GROUP)
+    scale = (groups.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    step = (scale.float() * global_scale)[..., None]
+    return torch.where(step > 0, e2m1_round(groups / torch.where(step > 0, step, 1.0)), 0.0), scale
+
+
 def fake_quantize_nvfp4(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
-    """`x` as the W4A4 path sees it: per 16 elements of its last dimension, a scale
-    amax / 6 / input_scale rounded to float8_e4m3fn, the elements rounded to e2m1 at that scale
-    times `input_scale`, and multiplied back; in `x`'s dtype. The last dimension must be a
-    multiple of 16 (ModelOpt quantizes no other linear)."""
-    shape, dtype = x.shape, x.dtype
+    """`x` as the W4A4 path sees it (`nvfp4_blocks` at the global scale `input_scale`), multiplied
+    back; in `x`'s dtype. The last dimension must be a multiple of 16 (ModelOpt quantizes no other
+    linear)."""
     global_scale = input_scale.float().to(x.device)
-    groups = x.float().reshape(*shape[:-1], shape[-1] // NVFP4_GROUP, NVFP4_GROUP)
-    amax = groups.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / E2M1_MAX / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
-    step = scale * global_scale
-    quantized = torch.where(step > 0, e2m1_round(groups / torch.where(step > 0, step, 1.0)) * step, 0.0)
-    return quantized.reshape(shape).to(dtype)
+    values, scale = nvfp4_blocks(x.float(), global_scale)
+    return (values * (scale.float() * global_scale)[..., None]).reshape(x.shape).to(x.dtype)
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,10 +198,8 @@ def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     its amax / 6 over the global scale, rounded to fp8, each element rounded to e2m1."""
     w = weight.float()
     global_scale = (w.abs().amax() / (E2M1_MAX * FP8_MAX)).clamp(min=torch.finfo(torch.float32).tiny)
-    groups = w.reshape(*w.shape[:-1], w.shape[-1] // NVFP4_GROUP, NVFP4_GROUP)
-    scale = (groups.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    step = (scale.float() * global_scale)[..., None]
-    values = e2m1_round(torch.where(step > 0, groups / torch.where(step > 0, step, 1.0), 0.0)).reshape(w.shape)
+    values, scale = nvfp4_blocks(w, global_scale)
+    values = values.reshape(w.shape)
     magnitudes = torch.tensor(E2M1_VALUES)
     codes = (values.abs()[..., None] == magnitudes).float().argmax(dim=-1) | torch.where(values < 0, 8, 0)
     codes = codes.to(torch.uint8).reshape(*w.shape[:-1], w.shape[-1] // 2, 2)
@@ -223,6 +226,9 @@ class DequantizedCheckpoint:
         self._ckpt, self.scheme = ckpt, scheme
         self.directory, self.index, self.weight_map = ckpt.directory, ckpt.index, ckpt.weight_map
         self._quantized = self._find_quantized()
+        hidden = {s for q in self._quantized.values() for s in q.scales.values()}
+        self._keys = [k for k in ckpt.keys() if k not in hidden and not k.endswith(_KV_CACHE_SCALES)]
+        self._key_set = set(self._keys)
         self.input_scales: dict[str, torch.Tensor] = {}
         if scheme.kind == NVFP4:
             self.input_scales = {w: ckpt.get(q.scales["input_scale"]) for w, q in self._quantized.items()}
@@ -281,11 +287,10 @@ class DequantizedCheckpoint:
     def keys(self) -> list[str]:
         """The tensors a model reads: the scales hidden, and the KV cache's (`k_scale`, `v_scale`, which
         ModelOpt writes with an fp8 KV cache; the cache is not emulated, docs/guide/QUANTIZED.md)."""
-        hidden = {s for q in self._quantized.values() for s in q.scales.values()}
-        return [k for k in self._ckpt.keys() if k not in hidden and not k.endswith(_KV_CACHE_SCALES)]
+        return list(self._keys)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._ckpt and key in set(self.keys())
+        return key in self._key_set
 
     def file_of(self, key: str) -> Path:
         return self._ckpt.file_of(key)
