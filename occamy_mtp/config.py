@@ -388,14 +388,6 @@ _LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_
 _DEFAULTS = {"data": DataSettings()}
 
 
-def other_settings(found_fingerprint: str | None, recorded: dict, config: "RunConfig") -> str | None:
-    """None when `found_fingerprint` is `config`'s; else the settings that differ from the
-    `recorded` fingerprinted tree, listed (`differing_settings`; "unknown" when it holds none)."""
-    if found_fingerprint == config.fingerprint():
-        return None
-    return "; ".join(differing_settings(recorded, config.fingerprinted())) or "unknown"
-
-
 def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
     """`dotted.key: then -> now` for every setting that differs between two `fingerprinted` trees."""
     lines = []
@@ -686,11 +678,6 @@ def refuse_placeholders(unset: list[str]) -> None:
             f"{', '.join(unset)}: still the placeholder {UNSET}; give your own on the command line, e.g. "
             "model.base=/ckpt/occamy model.donor_head=/ckpt/donor data.files=[/data/chats.jsonl]"
         )
-
-
-def require_set(config: RunConfig, *options: str) -> None:
-    """ConfigError naming each of `options` that still holds the placeholder (`placeholders`)."""
-    refuse_placeholders(list(placeholders(config, *options).values()))
 
 
 def _dotted(tree: dict, option: str):

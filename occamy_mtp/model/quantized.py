@@ -280,10 +280,6 @@ class DequantizedCheckpoint:
                                     f"({'float8_e4m3fn' if scheme.kind == FP8 else 'packed uint8'} {orphans[0].rsplit('.', 1)[0]}.weight expected)")
         return found
 
-    @property
-    def quantized_keys(self) -> list[str]:
-        return list(self._quantized)
-
     def keys(self) -> list[str]:
         """The tensors a model reads: the scales hidden, and the KV cache's (`k_scale`, `v_scale`, which
         ModelOpt writes with an fp8 KV cache; the cache is not emulated, docs/guide/QUANTIZED.md)."""
