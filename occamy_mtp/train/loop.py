@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
