@@ -85,11 +85,18 @@ EMULATED = "occamy_emulated_quantization"
 (`model.quantized.emulate_activations`): the fast paths read the weights directly and would skip that."""
 
 
+SHARDED = "occamy_sharded_base"
+"""Set on a base's config (to the number of processes) when its decoder layers are sharded
+(`model.sharding.shard`): the fast paths read the weights directly, and each process holds a shard."""
+
+
 def fast_paths(config) -> bool:
     """Whether the library's fast paths run a model of this config: its family says so, and its
-    forward is transformers' own (no emulated quantization of the activations, `EMULATED`)."""
+    forward is transformers' own (no emulated quantization of the activations, `EMULATED`) over
+    whole weights (not sharded, `SHARDED`)."""
     family = family_of(getattr(config, "model_type", None))
-    return family is not None and family.fast_paths and not getattr(config, EMULATED, None)
+    return (family is not None and family.fast_paths and not getattr(config, EMULATED, None)
+            and not getattr(config, SHARDED, None))
 
 
 def draft_architectures() -> dict[str, str]:

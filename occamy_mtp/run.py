@@ -32,6 +32,7 @@ from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.model.sharding import Sharding, barrier, is_sharded, shard, shards
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
@@ -327,6 +328,45 @@ def self_generated_needed(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) 
     return needed
 
 
+def run_windows_together(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer, base, main_process: bool,
+                         log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
+    """`run_windows` in every process of a sharded base at once: its forwards are collective, so
+    each process decodes every missing continuation, from the same store contents, and the main
+    process alone writes them (`write_missing`); then every process reads what it wrote."""
+    for store in (stores or {}).values():
+        store.reread()
+    barrier(base)  # every process has read the stores before the main one appends to them
+    if stores is not None:
+        write_missing(setup, data, stores, writer, log=log if main_process else quiet, splits=splits, keep=main_process)
+    barrier(base)
+    for store in (stores or {}).values():
+        store.reread()
+    return run_windows(setup, data, stores, None, log=log, splits=splits)
+
+
+def write_missing(setup: Setup, data: PreparedData, stores: Stores, writer: Writer | None, log: Log = quiet,
+                  splits=EVERY_SPLIT, keep: bool = True) -> None:
+    """`writer` (`continuation_writer`) writes the continuations of `splits` the stores lack; with
+    `keep=False` it decodes them and nothing is stored (`run_windows_together`). Without a writer,
+    a SelfGenError when any is missing."""
+    for sampling, windows in self_generated_needed(setup, data, splits).items():
+        store = stores[sampling]
+        missing = store.missing(windows)
+        if not missing:
+            continue
+        if writer is None:
+            raise SelfGenError(
+                f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
+                "and the base is not loaded to write them (data.target_cache is set); run "
+                "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
+                "servers that write them (data.self_generate_endpoints)"
+            )
+        if keep:
+            store.generate(writer.for_text(sampling), windows, log)
+        else:
+            store.follow(writer.for_text(sampling), windows)
+
+
 def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer | None = None,
                 log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
     """The windows of `splits`; `writer` (`continuation_writer`) first writes the continuations the stores lack.
@@ -339,20 +379,8 @@ def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer:
     if stores is None:
         return RunWindows(train=[w for w in data.train if w.has_answer] if TRAIN in splits else [], validation=[],
                           heldout={}, heldout_data=recorded_heldout, self_generated={})
+    write_missing(setup, data, stores, writer, log=log, splits=splits)
     needed = self_generated_needed(setup, data, splits)
-    for sampling, windows in needed.items():
-        store = stores[sampling]
-        missing = store.missing(windows)
-        if not missing:
-            continue
-        if writer is None:
-            raise SelfGenError(
-                f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
-                "and the base is not loaded to write them (data.target_cache is set); run "
-                "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
-                "servers that write them (data.self_generate_endpoints)"
-            )
-        store.generate(writer.for_text(sampling), windows, log)
     train: list[Window] = []
     if TRAIN in splits:
         answers = setup.data.answers
@@ -395,21 +423,27 @@ class Models:
 
 
 def load_models(model, trainable_names: tuple[str, ...], facts: BaseFacts, device, with_base: bool = True,
-                log: Log = quiet) -> Models:
+                log: Log = quiet, sharding: Sharding | None = None) -> Models:
     """The frozen base and the donor head of `model` (the model settings) on `device`, the tensors
     `trainable_names` names as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
-    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded.
+    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded. With `sharding`
+    (`model.sharding`), the base is read into host memory, then its decoder layers are sharded
+    over the processes (each keeps its shard, on `device` or in host memory).
     """
     dtype = ckpt_io.DTYPES[model.dtype]
     started = time.perf_counter()
     files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
     size = sum(f.stat().st_size for f in files) / 2**30
     if with_base:
-        log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {device} as {model.dtype}")
-        base = ckpt_io.load_base(model.base, dtype=dtype, device=device, attn_implementation=model.attn_implementation,
+        load_to = "cpu" if sharding is not None else device
+        log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
+        base = ckpt_io.load_base(model.base, dtype=dtype, device=load_to, attn_implementation=model.attn_implementation,
                                  config=facts.config)
+        if sharding is not None:
+            base = shard(base, sharding, torch.device(device))
+            log(f"base: {sharding.describe(shards(base))}")
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
         tuned = use_tuned_kernel_configs(torch.device(device))
         if tuned:
@@ -469,14 +503,17 @@ class Run:
 def open_run(setup: Setup, device, *, base: BaseFacts | None = None, log: Log = quiet, splits=EVERY_SPLIT,
              self_generated: bool = True, max_heldout: int | None = None,
              writer_first: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-             check_data: Callable[[PreparedData], None] | None = None) -> Run:
+             check_data: Callable[[PreparedData], None] | None = None, sharding: Sharding | None = None,
+             main_process: bool = True) -> Run:
     """Tokenizer, windows of `splits`, models, the self-generated twins, targets (module docstring).
 
     `self_generated=False` reads the recorded answers only (no store, no generation);
     `max_heldout` keeps the first heldout windows only. `writer_first` orders the
     processes of a multi-process run around the store: the main process writes the
     missing continuations while the others wait, then they read them
-    (`accelerator.main_process_first`). `check_data` sees the windows before any model
+    (`accelerator.main_process_first`). With `sharding` (`model.sharding`) the base's
+    forwards are collective, so every process decodes the missing continuations and only
+    the main one (`main_process`) writes them. `check_data` sees the windows before any model
     loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
     `check_run` read, else read here.
     """
@@ -498,11 +535,17 @@ def open_run(setup: Setup, device, *, base: BaseFacts | None = None, log: Log = 
         if setup.selfgen.endpoints and any(stores[s].missing(w) for s, w in needed.items()):
             engines = continuation_writer(setup.selfgen, tokenizer, facts, stop_ids)
             engines.servers  # noqa: B018 - the servers are checked here, before minutes of loading the base
-    models = load_models(setup.model, setup.trainable, facts, device, with_base=not setup.data.target_cache, log=log)
-    with writer_first():
-        for store in (stores or {}).values():
-            store.reread()  # what the main process (or another run) wrote meanwhile
-        writer = engines or continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, models.base)
-        windows = run_windows(setup, data, stores, writer, log=log, splits=splits)
+    models = load_models(setup.model, setup.trainable, facts, device, with_base=not setup.data.target_cache, log=log,
+                         sharding=sharding)
+    if engines is None and is_sharded(models.base):
+        windows = run_windows_together(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stop_ids,
+                                                                                models.base),
+                                       models.base, main_process, log=log, splits=splits)
+    else:
+        with writer_first():
+            for store in (stores or {}).values():
+                store.reread()  # what the main process (or another run) wrote meanwhile
+            writer = engines or continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, models.base)
+            windows = run_windows(setup, data, stores, writer, log=log, splits=splits)
     targets = open_targets(setup, facts, windows.all(), data.settings, base=models.base)
     return Run(setup.run_dir, facts, tokenizer, data, models, windows, targets, stop_ids)

@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from occamy_mtp.compat import cache_kwarg
+from occamy_mtp.model.sharding import all_finished
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 
 # Any id works for padding: padded positions are masked out of every layer (see _greedy_batch).
@@ -132,7 +133,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
             if not finished[row]:
                 generated[row].append(token)
                 finished[row] = token in eos
-        if all(finished):
+        if all_finished(all(finished), base, device):  # a sharded base decodes until every process's rows stop
             break
         # Finished rows keep decoding (their tokens are discarded) so the batch keeps its shape.
         step_ids = next_ids[:, None]

@@ -18,6 +18,7 @@ from occamy_mtp.config import ConfigError, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
+from occamy_mtp.model.sharding import agreed_min
 from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
 from occamy_mtp.settings import EvalPlan, Measuring, Plan
 from occamy_mtp.evaluation.metrics import (
@@ -258,7 +259,8 @@ def window_batches(targets, head, windows, steps: int, windows_per_batch: int):
     device = head.fc.weight.device
     if device.type != "cuda":  # nothing is sized off CUDA: results never depend on the free memory
         return grouped(windows, windows_per_batch, lambda part: True)
-    budget = memory.available_bytes(device) - memory.MARGIN_BYTES
+    # Each process of a sharded base sizes to its own card; they run the same forwards, so the least.
+    budget = agreed_min(memory.available_bytes(device), getattr(targets, "base", None), device) - memory.MARGIN_BYTES
     per_token = _target_token_bytes(targets)
 
     def fits(part) -> bool:

@@ -21,6 +21,7 @@ from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.memory import MARGIN_BYTES, fitting
 from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.base.generate import greedy_generate
+from occamy_mtp.model.sharding import is_sharded
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 
@@ -160,7 +161,8 @@ class EmbeddedWriter:
             return self.batch_size
         upper = min(DEFAULT_MAX_BATCH, len(contexts))
         if not self.static:
-            log(f"self-generated windows: batch {upper} (the CPU's default; data.self_generate_batch_size sets it)")
+            where = "a sharded base's" if is_sharded(self.base) else "the CPU's"
+            log(f"self-generated windows: batch {upper} ({where} default; data.self_generate_batch_size sets it)")
             return upper
         positions = max(len(c) for c in contexts) + max_new_tokens - 1
         row = BatchDecoder.row_bytes(self.base.config, positions, self.base.lm_head.weight.dtype, self.sampling)
@@ -275,6 +277,17 @@ class SelfGeneratedStore:
             missing = [context_digest(c) not in self._continuations for c in contexts]
             if any(missing):
                 self._append(writer, contexts, missing, log)
+
+    def follow(self, writer: Writer, windows: Sequence[Window]) -> None:
+        """Have `writer` decode what `generate` would have it write, and keep none of it: a process
+        beside the main one of a sharded base, whose every forward is collective, takes part in the
+        main process's `generate` (`run.run_windows_together`)."""
+        contexts = sorted({context_of(w) for w in windows}, key=context_digest)
+        missing = [context_digest(c) not in self._continuations for c in contexts]
+        if any(missing):
+            for _ in writer.answers(contexts, missing, self.identity["max_new_tokens"], self.identity["stop_token_ids"],
+                                    lambda message: None):
+                pass
 
     @contextlib.contextmanager
     def _writing(self, log: Callable[[str], None]) -> Iterator[None]:

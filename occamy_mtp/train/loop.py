@@ -37,6 +37,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_with_contexts
 from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
+from occamy_mtp.model.sharding import from_launch, placement
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
@@ -73,14 +74,15 @@ def train(plan: Plan, resume: bool = False) -> dict:
     The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
     run_dir, train_plan = plan.run_dir, plan.train
     settings = train_plan.settings
-    refuse_sharding()
+    sharding = from_launch(os.environ)  # what `accelerate launch --config_file` asked for, refused at once where it conflicts
     base = check_run(plan.setup, training=True)  # paths, outputs, train.trainable: before anything slow
-    accelerator = Accelerator(
-        # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
-        cpu=not torch.cuda.is_available(),
-        log_with=None if settings.tracker == "none" else settings.tracker,
-        project_dir=str(run_dir.root),
-    )
+    with head_only():
+        accelerator = Accelerator(
+            # Without a GPU, say so: accelerate then runs several processes over gloo (MULTI_CPU).
+            cpu=not torch.cuda.is_available(),
+            log_with=None if settings.tracker == "none" else settings.tracker,
+            project_dir=str(run_dir.root),
+        )
     # One run at a time writes into output.dir (the main process holds its lock).
     with output_lock(run_dir) if accelerator.is_main_process else contextlib.nullcontext():
         set_seed(settings.seed)
@@ -100,24 +102,23 @@ def train(plan: Plan, resume: bool = False) -> dict:
         check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
         # The base writes the continuations the store lacks: the main process, while the others wait.
         run = open_run(plan.setup, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
-                       check_data=check_data)
+                       check_data=check_data, sharding=sharding, main_process=accelerator.is_main_process)
         return fit(run, train_plan, accelerator, log, resumed, existing)
 
 
-SHARDING_LAUNCHES = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_FSDP": "FSDP"}
-
-
-def refuse_sharding() -> None:
-    """ConfigError when `accelerate launch` was given a DeepSpeed or FSDP config (it says so in the
-    environment): the loop prepares only the head, so neither would shard the frozen base, and a run
-    would hold the whole base in every process while looking sharded."""
-    import os
-
-    for variable, name in SHARDING_LAUNCHES.items():
-        if os.environ.get(variable, "false").lower() == "true":
-            raise ConfigError(f"accelerate launch --config_file: a {name} config ({variable}=true) is not supported "
-                              "yet: training prepares only the head, so the frozen base would not be sharded; "
-                              "launch with a plain multi-process config (each process holds the base)")
+@contextlib.contextmanager
+def head_only():
+    """accelerate for the head alone, whatever the launch: an FSDP launch shards the frozen base
+    (`model.sharding`, read from the same environment), while the head, 8.4M trainable tensors
+    beside frozen ones it shares with no process, stays whole under DDP, so that its checkpoints
+    are plain tensors that load without FSDP. accelerate reads ACCELERATE_USE_FSDP when its state
+    is first made, so it is hidden for that moment."""
+    hidden = os.environ.pop("ACCELERATE_USE_FSDP", None)
+    try:
+        yield
+    finally:
+        if hidden is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = hidden
 
 
 def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict | None = None,
@@ -488,6 +489,7 @@ def _summary(run: Run, train_plan: TrainPlan, state: TrainState, total_steps: in
         "steps_per_epoch": steps_per_epoch(len(run.windows.train), train_plan.settings.windows_per_step),
         "processes": processes,
         "device": str(device),
+        "base_placement": placement(run.models.base) if run.models.base is not None else None,
         "train_seconds": state.elapsed_seconds,
         "base_forward_seconds": state.base_forward_seconds,
         "trainable_parameters": run.models.trainable_parameters,
