@@ -3,7 +3,8 @@
 Checks the output files, that only fc and the two pre-fc norms changed, that every other
 exported tensor is bit-identical to the donor's, that TRAINING.json fits its schema and
 its metrics equal a recomputation, that a run killed midway and resumed ends with the
-identical head, and that a 2-process CPU run (gloo) works through accelerate.
+identical head, and that a 2-process CPU run (gloo) works through accelerate, plain and with
+the frozen base sharded (configs/accelerate/fsdp2.yaml).
 
 The models here are random (base and donor unrelated), so the trained head has nothing to
 win over the donor; export is run with --allow-worse. tests/test_recipe.py runs the
@@ -202,24 +203,93 @@ def test_resume_after_kill_gives_identical_head(models, tmp_path):
         assert torch.equal(a[key], b[key]), f"{key} differs after resume"
 
 
-def test_two_process_cpu_run(models, tmp_path):
-    config = write_config(tmp_path / "ddp.yaml", models, tmp_path / "ddp", epochs=1)
-    # accelerate's distributed launcher (torchrun underneath); without a GPU (hidden here, so
-    # that a machine with one GPU runs the same test) the Accelerator runs the processes over gloo.
-    # A free port for the rendezvous, not torchrun's fixed 29500, which another run on the machine may hold.
+TWO_PROCESS_STEPS = {"epochs": 4, "checkpoint_every_steps": 2, "select_every_steps": 3}
+
+
+def free_port() -> int:
+    """A free port for the rendezvous, not torchrun's fixed 29500, which another run on the machine may hold."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    result = run(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                  "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "train.py", "--config", str(config)],
-                 env={"CUDA_VISIBLE_DEVICES": ""})
-    ok(result)
-    summary = json.loads((tmp_path / "ddp" / "train-summary.json").read_text())
+        return probe.getsockname()[1]
+
+
+def launch(args: list[str], launcher: list[str], background: bool = False):
+    """`accelerate launch` (torchrun underneath) of a project command; without a GPU (hidden here, so that
+    a machine with one GPU runs the same test) the Accelerator runs the processes over gloo."""
+    command = ["-m", "accelerate.commands.launch", *launcher, "--main_process_port", str(free_port()), *args]
+    if not background:
+        return run(command, env={"CUDA_VISIBLE_DEVICES": ""})
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen([sys.executable, *command], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+PLAIN_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+FSDP2 = ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp2.yaml")]
+FSDP2_OFFLOAD = ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp2-offload.yaml")]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, models):
+    """A plain 2-process CPU run (each process holds the base), exported."""
+    root = tmp_path_factory.mktemp("ddp")
+    config = write_config(root / "ddp.yaml", models, root / "ddp", **TWO_PROCESS_STEPS)
+    ok(launch(["train.py", "--config", str(config)], PLAIN_TWO))
+    ok(run(["export.py", "--config", str(config), "--allow-worse"]))
+    return root / "ddp"
+
+
+def test_two_process_cpu_run(two_processes):
+    summary = json.loads((two_processes / "train-summary.json").read_text())
     assert summary["processes"] == 2
-    assert summary["steps"] == 6  # 12 windows, 2 a step (one on each process), 1 epoch
-    tensors = load_file(tmp_path / "ddp" / "trained-tensors.safetensors")
+    assert summary["steps"] == 24  # 12 windows, 2 a step (one on each process), 4 epochs
+    assert summary["base_placement"] == {"sharded_over": 0, "offload": False}
+    tensors = load_file(two_processes / "trained-tensors.safetensors")
     assert set(tensors) == {k[len("mtp."):] for k in TRAINED}
+
+
+def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(models, two_processes, tmp_path):
+    """configs/accelerate/fsdp2.yaml over 2 processes, killed after its first checkpoint and resumed, then
+    exported by one process through fsdp2-offload.yaml: the plain 2-process run's head, continuations
+    and metrics."""
+    config = write_config(tmp_path / "fsdp.yaml", models, tmp_path / "fsdp", **TWO_PROCESS_STEPS)
+    process = launch(["train.py", "--config", str(config)], FSDP2, background=True)
+    checkpoints = tmp_path / "fsdp" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(checkpoints.glob("step-*.pt")) and process.poll() is None:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (tmp_path / "fsdp" / "train-summary.json").exists(), "the run finished before it could be killed"
+    assert list(checkpoints.glob("step-*.pt")), "no checkpoint was written before the kill"
+    ok(launch(["train.py", "--config", str(config), "--resume"], FSDP2))
+
+    summary = json.loads((tmp_path / "fsdp" / "train-summary.json").read_text())
+    assert summary["processes"] == 2 and summary["base_placement"] == {"sharded_over": 2, "offload": False}
+    plain = json.loads((two_processes / "train-summary.json").read_text())
+    assert [s["score"] for s in summary["selection"]["history"]] == [s["score"] for s in plain["selection"]["history"]]
+    for store in sorted((two_processes / "self-generated").rglob("self-generated.jsonl")):
+        twin = tmp_path / "fsdp" / store.relative_to(two_processes)
+        assert twin.read_bytes() == store.read_bytes(), f"{twin} differs from the plain run's"
+    a = load_file(two_processes / "trained-tensors.safetensors")
+    b = load_file(tmp_path / "fsdp" / "trained-tensors.safetensors")
+    assert set(a) == set(b)
+    for key in a:  # the same arithmetic in the same order: equal, not merely close
+        assert torch.equal(a[key], b[key]), f"{key} differs from the plain run's"
+
+    ok(launch(["export.py", "--config", str(config), "--allow-worse"], FSDP2_OFFLOAD))
+    mine = json.loads((tmp_path / "fsdp" / "TRAINING.json").read_text())["metrics"]
+    theirs = json.loads((two_processes / "TRAINING.json").read_text())["metrics"]
+    assert without_timings(mine) == without_timings(theirs)
+
+
+def without_timings(value):
+    """`value` (JSON) without its durations, the one thing two runs of the same arithmetic differ in."""
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if not k.endswith("seconds")}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
 
 
 def test_unrolled_training_with_a_widened_trainable_set(models, tmp_path):

@@ -6,6 +6,7 @@ with --served-base, the same on each base it is served on, beside the run's (`oc
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError
 from occamy_mtp.evaluation.evaluate import evaluate_run, EVALUATION_FILE, PLOT_FILE
+from occamy_mtp.model.sharding import from_launch
 from occamy_mtp.settings import plan_of
 
 
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (base / "config.json").is_file():
             raise ConfigError(f"--served-base {base}: no config.json (a base checkpoint directory is expected)")
     options = dict(teacher_forced_only=args.teacher_forced_only, reference_decoder=args.reference_decoder,
-                   max_windows=args.max_windows, decoder_seeds=args.decoder_seeds)
+                   max_windows=args.max_windows, decoder_seeds=args.decoder_seeds,
+                   sharding=from_launch(os.environ, command="evaluate"))
     device = torch.device(args.device)
     if args.served_base:
         from occamy_mtp.evaluation.served_base import evaluate_on_bases

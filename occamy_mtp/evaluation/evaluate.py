@@ -18,7 +18,7 @@ from occamy_mtp.config import ConfigError, Serving
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.model.head import DEFAULT_LOGITS_CHUNK_TOKENS
 from occamy_mtp.model.loss import IGNORE, chain_batch, collate
-from occamy_mtp.model.sharding import agreed_min
+from occamy_mtp.model.sharding import Sharding, agreed_min
 from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
 from occamy_mtp.settings import EvalPlan, Measuring, Plan
 from occamy_mtp.evaluation.metrics import (
@@ -838,9 +838,11 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
 
 
 def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *, teacher_forced_only: bool = False,
-                 reference_decoder: bool = False, max_windows: int | None = None, decoder_seeds: int = 4) -> tuple[dict, str]:
+                 reference_decoder: bool = False, max_windows: int | None = None, decoder_seeds: int = 4,
+                 sharding: Sharding | None = None) -> tuple[dict, str]:
     """Donor (`model.donor_head`) and the head at `head_path` on the run's heldout windows; writes
-    evaluation.json and the plot into `out`, returns the report and its printed table."""
+    evaluation.json and the plot into `out`, returns the report and its printed table. `sharding`:
+    the frozen base's placement (`model.sharding`)."""
     from occamy_mtp.model import checkpoint as ckpt_io
 
     setup, settings = plan.setup, plan.evaluate
@@ -855,7 +857,7 @@ def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *
     refuse_inside_models(setup.model, [("--out", out)])
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
     run = open_run(setup, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
-                   max_heldout=max_windows)
+                   max_heldout=max_windows, sharding=sharding)
     return evaluate(run, settings, head_path, out, device, teacher_forced_only=teacher_forced_only,
                     reference_decoder=reference_decoder, decoder_seeds=decoder_seeds)
 

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model.sharding import Sharding
 from occamy_mtp import files
 from occamy_mtp import record as rec
 from occamy_mtp.config import Serving
@@ -160,15 +161,17 @@ def decoder_check(run: Run, measuring: Measuring, head, runners: Runners | None 
     return out
 
 
-def export(plan: Plan, allow_worse: bool = False, log=log_stderr) -> dict:
+def export(plan: Plan, allow_worse: bool = False, log=log_stderr, sharding: Sharding | None = None) -> dict:
     """Write the head, its config, heldout metrics, the plot and TRAINING.json into output.dir.
-    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
+    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`).
+    `sharding`: the frozen base's placement (`model.sharding`; one process: on the card, or in
+    host memory)."""
     base = check_run(plan.setup)
     with output_lock(plan.run_dir):
-        return _export(plan, base, allow_worse, log)
+        return _export(plan, base, allow_worse, log, sharding)
 
 
-def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log) -> dict:
+def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log, sharding: Sharding | None = None) -> dict:
     started = time.perf_counter()
     run_dir, settings = plan.run_dir, plan.export
     if not run_dir.train_summary.is_file():
@@ -179,7 +182,8 @@ def _export(plan: Plan, base: BaseFacts, allow_worse: bool, log) -> dict:
         for stale in files.stale_temporaries(path):
             stale.unlink()
 
-    run = open_run(plan.setup, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log)
+    run = open_run(plan.setup, torch.device("cuda" if torch.cuda.is_available() else "cpu"), base=base, log=log,
+                   sharding=sharding)
     return export_run(run, settings, summary, masters, allow_worse, log, started)
 
 

@@ -49,14 +49,25 @@ def _flag(environ: Mapping[str, str], name: str, default: str = "false") -> bool
     return environ.get(name, default).strip().lower() == "true"
 
 
-def from_launch(environ: Mapping[str, str]) -> Sharding | None:
+def from_launch(environ: Mapping[str, str], command: str | None = None) -> Sharding | None:
     """The sharding `accelerate launch --config_file FILE` asked for (it writes the file's settings
     into the environment), None for a plain launch; a ConfigError naming the setting when the file
-    asks for what the recipe cannot do. Read before anything loads."""
+    asks for what the recipe cannot do. Read by the command, before anything loads. `command`:
+    the name of a command that runs in one process (export, evaluate), which refuses a launch of
+    several."""
+    processes = environ.get("WORLD_SIZE", "1").strip() or "1"
+    if command is not None and processes != "1":
+        raise ConfigError(f"{command} runs in one process, and this launch started {processes}: launch it with "
+                          "--num_processes 1 (the base then sits in this process alone: on the card, or in host "
+                          f"memory with {FSDP_CONFIGS}fsdp2-offload.yaml)")
     accumulation = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1").strip()
     if accumulation not in ("", "1"):
         raise ConfigError(f"accelerate config: gradient_accumulation_steps is {accumulation}; a step's windows are set in "
                           "one place, train.windows_per_step (split over the processes), so leave it at 1")
+    precision = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    if precision not in ("", "no"):
+        raise ConfigError(f"accelerate config: mixed_precision is {precision}; the run config sets the dtypes (model.dtype "
+                          "for the base, train.dtype for the head's forward), so set mixed_precision: no")
     if _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
         raise ConfigError("accelerate config: distributed_type DEEPSPEED is not supported: DeepSpeed would prepare the head "
                           "alone and leave the frozen base whole in every process; shard the base with FSDP2 instead "

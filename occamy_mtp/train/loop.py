@@ -37,7 +37,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import served_with_contexts
 from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
-from occamy_mtp.model.sharding import from_launch, placement
+from occamy_mtp.model.sharding import Sharding, placement
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
@@ -69,12 +69,12 @@ class TrainState:
 # ----------------------------------------------------------------------------------
 
 
-def train(plan: Plan, resume: bool = False) -> dict:
+def train(plan: Plan, resume: bool = False, sharding: Sharding | None = None) -> dict:
     """Train the head's trainable tensors; returns the train summary written to the run dir.
-    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`)."""
+    The plan's models are local directories (the command line resolves Hub ids: `cli.parse`).
+    `sharding`: the frozen base's placement over the launch's processes (`model.sharding`)."""
     run_dir, train_plan = plan.run_dir, plan.train
     settings = train_plan.settings
-    sharding = from_launch(os.environ)  # what `accelerate launch --config_file` asked for, refused at once where it conflicts
     base = check_run(plan.setup, training=True)  # paths, outputs, train.trainable: before anything slow
     with head_only():
         accelerator = Accelerator(

@@ -1,0 +1,177 @@
+"""The frozen base sharded over a launch's processes (FSDP2, `occamy_mtp.model.sharding`).
+
+What `accelerate launch --config_file` writes into the environment is read once, by the
+command, and a setting that conflicts with the recipe is one line with exit status 2 before
+anything is written. A sharded base computes what the whole one computes: the processes gather
+each layer for its forward and agree on every decision that sets how many forwards run.
+The runs themselves, 2 processes over gloo through accelerate, are in tests/test_end_to_end.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from occamy_mtp.config import ConfigError
+from occamy_mtp.model.sharding import Sharding, from_launch
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
+
+
+def launch_environment(config_file: Path) -> tuple[dict, int]:
+    """The environment `accelerate launch --config_file FILE` gives its processes, and their number."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_multi_gpu_env(args), args.num_processes
+
+
+@pytest.mark.parametrize("name, offload, processes", [("fsdp2.yaml", False, 2), ("fsdp2-offload.yaml", True, 1)])
+def test_the_shipped_accelerate_configs_ask_for_what_the_docs_say(name, offload, processes):
+    environ, launched = launch_environment(ACCELERATE_CONFIGS / name)
+    assert from_launch(environ) == Sharding(offload=offload)
+    assert launched == processes
+
+
+def test_a_plain_launch_leaves_the_base_whole():
+    assert from_launch({}) is None
+    assert from_launch({"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_FSDP": "false"}) is None
+
+
+FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+CONFLICTS = [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, r"distributed_type DEEPSPEED is not supported: .*fsdp2.yaml"),
+    ({**FSDP2, "FSDP_VERSION": "1"}, r"fsdp_config.fsdp_version is 1; .*set fsdp_version: 2"),
+    ({**FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "false"}, r"fsdp_reshard_after_forward is false, .*the whole base in every process"),
+    ({**FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"}, r"fsdp_activation_checkpointing is true, .*Set it to false"),
+    ({**FSDP2, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, r"gradient_accumulation_steps is 4; .*train.windows_per_step"),
+    ({"ACCELERATE_MIXED_PRECISION": "bf16"}, r"mixed_precision is bf16; .*model.dtype .*train.dtype"),
+]
+
+
+@pytest.mark.parametrize("environ, message", CONFLICTS)
+def test_a_launch_that_conflicts_with_the_recipe_is_named(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        from_launch(environ)
+
+
+@pytest.mark.parametrize("environ, message", CONFLICTS[:2])
+def test_the_train_command_refuses_a_conflicting_launch_at_once_and_writes_nothing(monkeypatch, tmp_path, capsys,
+                                                                                    environ, message):
+    from occamy_mtp.commands.train import main
+
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    output = tmp_path / "run"
+    status = main(["--config", str(ROOT / "configs" / "demo.yaml"), f"output.dir={output}"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err
+    assert err.startswith("error: accelerate config: ") and len(err.strip().splitlines()) == 1
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("command", ["export", "evaluate"])
+def test_a_one_process_command_refuses_a_launch_of_several(monkeypatch, tmp_path, capsys, command):
+    from occamy_mtp.__main__ import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in FSDP2.items():
+        monkeypatch.setenv(key, value)
+    extra = ["--out", str(tmp_path / "out"), "--head", str(ROOT / "README.md")] if command == "evaluate" else []
+    status = main([command, "--config", str(ROOT / "configs" / "demo.yaml"), f"output.dir={tmp_path / 'run'}", *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and f"{command} runs in one process, and this launch started 2" in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------
+# A sharded base computes what the whole one computes
+# ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_process_group():
+    """This process alone as a gloo process group (as `sharding.process_group` makes it), torn down after."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(single_thread, one_process_group):
+    import copy
+
+    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.families import fast_paths
+    from occamy_mtp.model.sharding import placement, shard
+    from occamy_mtp.sampling import TextSampling
+    from occamy_mtp.targets.base import base_outputs
+    from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+    from torch.distributed.tensor import DTensor
+
+    whole, _ = random_models(tiny_text_config(), seed=3)
+    whole = whole.float().eval().requires_grad_(False)
+    sharded = shard(copy.deepcopy(whole), Sharding(offload=True), torch.device("cpu"))  # offload: nothing to do on a CPU
+    assert all(isinstance(p, DTensor) for layer in sharded.model.layers for p in layer.parameters())
+    assert not isinstance(sharded.lm_head.weight, DTensor) and not isinstance(sharded.model.embed_tokens.weight, DTensor)
+    assert placement(sharded) == {"sharded_over": 1, "offload": False} and placement(whole) == {"sharded_over": 0, "offload": False}
+    assert fast_paths(whole.config) and not fast_paths(sharded.config)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (3, 21), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 15:] = 0
+    a, b = base_outputs(whole, ids, mask), base_outputs(sharded, ids, mask)
+    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
+
+    prompts = [ids[0, :5].tolist(), ids[1, :13].tolist(), ids[2, :2].tolist()]
+    for sampling, uniforms in [(TextSampling(), None),
+                               (TextSampling(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5),
+                                [torch.rand(10, generator=generator, dtype=torch.float64) for _ in prompts])]:
+        expected = greedy_generate(whole, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
+                                   uniforms=uniforms)
+        assert greedy_generate(sharded, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
+                               uniforms=uniforms) == expected
+
+
+AGREEMENT = """
+import sys, torch, torch.distributed as dist
+from occamy_mtp.model.sharding import agreed_min, all_finished, barrier
+from occamy_mtp.families import SHARDED
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+from types import SimpleNamespace
+# what the functions read of a base: its config's mark
+sharded, whole = SimpleNamespace(config=SimpleNamespace(**{SHARDED: 2})), SimpleNamespace(config=SimpleNamespace())
+barrier(sharded)
+print(rank, agreed_min(10 + 5 * rank, sharded), agreed_min(10 + 5 * rank, whole),
+      all_finished(rank == 0, sharded), all_finished(rank == 0, whole), all_finished(True, sharded), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_processes_of_a_sharded_base_agree_and_an_unsharded_one_decides_alone(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                             str(port), str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line[:1] in "01")
+    # the least batch, and a decode that goes on while rank 1's rows run, when sharded; each its own otherwise
+    assert lines == ["0 10 10 False True True", "1 10 15 False False True"]
