@@ -175,3 +175,30 @@ def test_the_processes_of_a_sharded_base_agree_and_an_unsharded_one_decides_alon
     lines = sorted(line for line in result.stdout.splitlines() if line[:1] in "01")
     # the least batch, and a decode that goes on while rank 1's rows run, when sharded; each its own otherwise
     assert lines == ["0 10 10 False True True", "1 10 15 False False True"]
+
+
+@pytest.mark.gpu
+def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_computes(one_process_group):
+    """fsdp2-offload.yaml's placement on one card: the decoder layers' weights in pinned host memory,
+    each copied to the card for its forward; the copy is exact, so are the outputs."""
+    import copy
+
+    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.model.sharding import placement, shard
+    from occamy_mtp.targets.base import base_outputs
+    from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+
+    cuda = torch.device("cuda")
+    whole, _ = random_models(tiny_text_config(), seed=3)
+    whole = whole.eval().requires_grad_(False)  # bf16, as a run holds it
+    held = shard(copy.deepcopy(whole), Sharding(offload=True), cuda)
+    whole = whole.to(cuda)
+    assert placement(held) == {"sharded_over": 1, "offload": True}
+    assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in held.model.layers.parameters())
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (3, 33), generator=generator).to(cuda)
+    a, b = base_outputs(whole, ids), base_outputs(held, ids)
+    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
+    prompts = [ids[0, :5].tolist(), ids[1, :13].tolist(), ids[2, :2].tolist()]
+    assert (greedy_generate(held, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
+            == greedy_generate(whole, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3))
