@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from occamy_mtp import files
-from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.config import ConfigError
 from occamy_mtp.families import fast_paths
 from occamy_mtp.run import (
-    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_tokenizer,
-    open_stores, prepare_data, quiet, run_windows, self_generated_needed,
+    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_frozen_base,
+    load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
 )
+from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.settings import CachePlan, Setup
 from occamy_mtp.targets.base import ComputeOutputs, plain_compute, plain_compute_name
@@ -97,10 +97,11 @@ def make_compute(base, windows_per_batch: int = 1, fastbase_tokens: int | None =
     return plain_compute(base, windows_per_batch), plain_compute_name(windows_per_batch)
 
 
-def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = quiet) -> dict:
+def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = quiet, sharding: Sharding | None = None) -> dict:
     """Build (or resume, or confirm) the target cache of a run at `plan.directory`; returns the manifest.
 
-    Loads only the base (not the donor head), on the GPU when there is one. The run's
+    Loads only the base (not the donor head), on the GPU when there is one (`sharding`: its
+    placement, `model.sharding`; one process). The run's
     windows are those training and export read (`run.run_windows`); the base
     first writes the self-generated continuations the run's store lacks, so that
     training and export from this cache never need the base. See `make_compute` for
@@ -125,7 +126,7 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
     base = None
     lacking = any(stores[sampling].missing(windows) for sampling, windows in needed.items())
     if lacking and not setup.selfgen.endpoints:
-        base = _load_base(model, facts)  # it writes the continuations (servers write them when named)
+        base = _load_base(model, facts, sharding, log)  # it writes the continuations (servers write them when named)
     windows = run_windows(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, base), log).all()
     identity = cache_identity(facts.fingerprint, windows, data.settings, model.dtype, model.attn_implementation)
     if (directory / MANIFEST_NAME).is_file():
@@ -134,7 +135,7 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
             if all(shard_problem(directory, s, identity.key) is None for s in manifest["shards"]):
                 log(f"{directory}: target cache complete and verified ({manifest['windows']} windows); nothing to do")
                 return manifest
-    base = base or _load_base(model, facts)
+    base = base or _load_base(model, facts, sharding, log)
     compute, compute_name = make_compute(base, plan.windows_per_batch, plan.fastbase_tokens,
                                          max(len(w.input_ids) for w in windows), log)
     log(f"target cache: {len(windows)} windows -> {directory} ({compute_name})")
@@ -150,9 +151,7 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
     )
 
 
-def _load_base(model, facts: BaseFacts):
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=device,
-                             attn_implementation=model.attn_implementation, config=facts.config)
+def _load_base(model, facts: BaseFacts, sharding: Sharding | None, log):
+    return load_frozen_base(model, facts, torch.device("cuda" if torch.cuda.is_available() else "cpu"), sharding, log)
 
 

@@ -422,32 +422,39 @@ class Models:
     head_parameters: int
 
 
+def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None = None, log: Log = quiet):
+    """The frozen base of `model` (the model settings) on `device`; with `sharding` (`model.sharding`)
+    read into host memory first, then its decoder layers sharded over the processes (each keeps
+    its shard, on `device` or in host memory)."""
+    files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
+    size = sum(f.stat().st_size for f in files) / 2**30
+    load_to = "cpu" if sharding is not None else device
+    log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
+    base = ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,
+                             attn_implementation=model.attn_implementation, config=facts.config)
+    if sharding is not None:
+        base = shard(base, sharding, torch.device(device))
+        log(f"base: {sharding.describe(shards(base))}")
+    tuned = use_tuned_kernel_configs(torch.device(device))
+    if tuned:
+        log(tuned)
+    return base
+
+
 def load_models(model, trainable_names: tuple[str, ...], facts: BaseFacts, device, with_base: bool = True,
                 log: Log = quiet, sharding: Sharding | None = None) -> Models:
     """The frozen base and the donor head of `model` (the model settings) on `device`, the tensors
     `trainable_names` names as fp32 masters.
 
     Without the base (`with_base=False`, training from the target cache) only the two
-    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded. With `sharding`
-    (`model.sharding`), the base is read into host memory, then its decoder layers are sharded
-    over the processes (each keeps its shard, on `device` or in host memory).
+    tensors the head borrows, `embed_tokens` and `lm_head`, are loaded. `sharding`: the base's
+    placement (`load_frozen_base`).
     """
     dtype = ckpt_io.DTYPES[model.dtype]
     started = time.perf_counter()
-    files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
-    size = sum(f.stat().st_size for f in files) / 2**30
     if with_base:
-        load_to = "cpu" if sharding is not None else device
-        log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
-        base = ckpt_io.load_base(model.base, dtype=dtype, device=load_to, attn_implementation=model.attn_implementation,
-                                 config=facts.config)
-        if sharding is not None:
-            base = shard(base, sharding, torch.device(device))
-            log(f"base: {sharding.describe(shards(base))}")
+        base = load_frozen_base(model, facts, device, sharding, log)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-        tuned = use_tuned_kernel_configs(torch.device(device))
-        if tuned:
-            log(tuned)
     else:
         log(f"base: loading only embed_tokens and lm_head of {model.base} (the targets are cached)")
         base = None

@@ -93,14 +93,3 @@ def test_a_serving_configuration_s_texts_follow_its_own_sampling():
     texts = plan_of(config).setup.texts(coding)
     assert [(t.temperature, t.top_p, t.top_k) for t in texts] == [(0.6, 0.95, 20)] * 2
     assert plan_of(config).setup.texts(Serving(temperature=0.6, top_p=0.95, top_k=20, thinking=True)) == texts
-
-
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
-def test_a_deepspeed_or_fsdp_launch_is_refused_before_anything_runs(monkeypatch, tmp_path, variable):
-    from occamy_mtp.train.loop import train
-
-    monkeypatch.setenv(variable, "true")
-    config = load_config(CONFIGS / "demo.yaml", [f"output.dir={tmp_path / 'run'}"])
-    with pytest.raises(ConfigError, match=r"(DeepSpeed|FSDP) config .* is not supported yet: .*frozen base would not be sharded"):
-        train(plan_of(config))
-    assert not (tmp_path / "run").exists()

@@ -77,7 +77,7 @@ def test_the_train_command_refuses_a_conflicting_launch_at_once_and_writes_nothi
     assert not output.exists()
 
 
-@pytest.mark.parametrize("command", ["export", "evaluate"])
+@pytest.mark.parametrize("command", ["export", "evaluate", "cache"])
 def test_a_one_process_command_refuses_a_launch_of_several(monkeypatch, tmp_path, capsys, command):
     from occamy_mtp.__main__ import main
 

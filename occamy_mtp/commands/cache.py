@@ -1,4 +1,5 @@
 """python -m occamy_mtp cache --config RUN.yaml [--dir DIR] [section.key=value ...]
+(or, the base in host memory: accelerate launch --config_file configs/accelerate/fsdp2-offload.yaml -m occamy_mtp cache ...)
 
 The offline target cache, built ahead of training (`occamy_mtp.cache`).
 """
@@ -7,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from occamy_mtp.cache import build_for_run, DEFAULT_FASTBASE_TOKENS
 from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError
+from occamy_mtp.model.sharding import from_launch
 from occamy_mtp.run import log_stderr
 from occamy_mtp.settings import plan_of
 from occamy_mtp.targets.cache import DEFAULT_MAX_SHARD_BYTES
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES, help="upper bound of one shard file")
     args, config = parse(cli, argv)
+    sharding = from_launch(os.environ, command="cache")  # accelerate launch --config_file configs/accelerate/fsdp2-offload.yaml
     if args.max_shard_bytes < 1:
         raise ConfigError(f"--max-shard-bytes: expected a size of 1 byte or more, got {args.max_shard_bytes}")
     plan = plan_of(config)
@@ -51,5 +55,5 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("data.target_cache: no cache directory configured; set it or pass --dir")
     cache = dataclasses.replace(plan.cache, directory=directory, windows_per_batch=args.windows_per_batch,
                                 fastbase_tokens=args.fastbase_tokens, max_shard_bytes=args.max_shard_bytes)
-    build_for_run(plan.setup, cache, log=log_stderr)
+    build_for_run(plan.setup, cache, log=log_stderr, sharding=sharding)
     return 0

@@ -1,4 +1,5 @@
-"""accelerate launch [--config_file configs/accelerate/fsdp2.yaml] train.py --config configs/512step.yaml [section.key=value ...]
+"""accelerate launch train.py --config configs/512step.yaml [section.key=value ...]
+(the base sharded over the processes: accelerate launch --config_file configs/accelerate/fsdp2.yaml train.py ...)
 
 Train the MTP head (`occamy_mtp.train.loop.train`); `python -m occamy_mtp train` is the same command.
 """
