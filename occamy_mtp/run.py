@@ -32,7 +32,7 @@ from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.model.sharding import Sharding, barrier, is_sharded, shard, shards
+from occamy_mtp.model.sharding import Sharding, barrier, is_sharded, shard, shard_layer, shards
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
@@ -424,14 +424,16 @@ class Models:
 
 def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None = None, log: Log = quiet):
     """The frozen base of `model` (the model settings) on `device`; with `sharding` (`model.sharding`)
-    read into host memory first, then its decoder layers sharded over the processes (each keeps
-    its shard, on `device` or in host memory)."""
+    read a decoder layer at a time into host memory, each sharded over the processes as soon as it
+    is read (each process keeps its shard, on `device` or in host memory)."""
     files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
     size = sum(f.stat().st_size for f in files) / 2**30
     load_to = "cpu" if sharding is not None else device
     log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
+    # Sharded, each layer is placed as it is read: no process holds the whole base.
+    place_layer = None if sharding is None else functools.partial(shard_layer, sharding=sharding, device=torch.device(device))
     base = ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,
-                             attn_implementation=model.attn_implementation, config=facts.config)
+                             attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer)
     if sharding is not None:
         base = shard(base, sharding, torch.device(device))
         log(f"base: {sharding.describe(shards(base))}")

@@ -202,3 +202,33 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     prompts = [ids[0, :5].tolist(), ids[1, :13].tolist(), ids[2, :2].tolist()]
     assert (greedy_generate(held, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
             == greedy_generate(whole, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3))
+
+
+def test_the_loader_shards_each_layer_before_it_reads_the_next(single_thread, one_process_group, tmp_path,
+                                                                sample_tokenizer_dir):
+    """No process holds the whole base: each decoder layer is placed as soon as it is read, while
+    the layers after it are still unread (meta); the result computes what the whole base computes."""
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.model.sharding import shard, shard_layer
+    from occamy_mtp.targets.base import base_outputs
+    from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+
+    built = build_tiny_checkpoint(tmp_path / "base", layout="per_expert", multimodal=True, seed=2,
+                                  tokenizer_dir=sample_tokenizer_dir)
+    whole = ckpt_io.load_base(built.path, dtype=torch.float32)
+    seen = []
+
+    def place(layer):
+        index = len(seen)
+        later = [p for later_layer in loading.model.layers[index + 1:] for p in later_layer.parameters()]
+        seen.append(all(p.is_meta for p in later))
+        shard_layer(layer, Sharding(), torch.device("cpu"))
+
+    loading = ckpt_io.build_base_model(ckpt_io.read_config(built.path).text_config, torch.float32)
+    ckpt = ckpt_io.SafetensorsCheckpoint(built.path)
+    ckpt_io.load_base_weights(loading, ckpt, dtype=torch.float32, device="cpu", place_layer=place)
+    assert seen == [True] * len(loading.model.layers) and len(seen) > 1
+    sharded = shard(loading, Sharding(), torch.device("cpu"))
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
+    a, b = base_outputs(whole, ids), base_outputs(sharded, ids)
+    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)

@@ -43,6 +43,7 @@ EXPORT_RECORD = "TRAINING.json"  # beside it: the export's record, with the sha2
 EXPORT_INCOMPLETE = ".export-incomplete"  # beside it while export renames its outputs into place
 MULTIMODAL_TEXT_PREFIX = "model.language_model."
 TEXT_PREFIX = "model."
+LAYERS_PREFIX = "model.layers."  # a base's decoder layers, by module name
 VISION_PREFIX = "model.visual."
 
 # What an MTP head's tensors may be stored in (safetensors' names): a float the head can run in.
@@ -620,18 +621,21 @@ def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="c
 
 
 def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
-              config=None):
+              config=None, place_layer=None):
     """Load the frozen base text model from a checkpoint directory.
 
     Tensors are read one at a time straight into the module (no second copy of a
     shard). Vision and `mtp.*` tensors are skipped. Missing, unexpected or mis-shaped
     text tensors are an error listing all of them. Returns the model in eval mode with
     every parameter frozen. `config`: the directory's `read_config`, when the caller has it.
+    `place_layer(layer)`: called on each decoder layer as soon as its tensors are read, before
+    the next layer's are (`sharding.shard_layer` keeps a process's shard of it, so that a
+    process never holds the whole base).
     """
     config = config or read_config(directory)
     ckpt = dequantized(SafetensorsCheckpoint(directory), config.quantization_config)
     model = build_base_model(config.text_config, dtype, device, attn_implementation)
-    load_base_weights(model, ckpt, dtype=dtype, device=device)
+    load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer)
     if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
         emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
     return model
@@ -644,7 +648,7 @@ def quantization_of(directory: Path, config: ModelConfig):
     return getattr(dequantized(SafetensorsCheckpoint(directory), config.quantization_config), "scheme", None)
 
 
-def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device) -> LoadReport:
+def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device, place_layer=None) -> LoadReport:
     prefix = base_text_prefix(ckpt)
     module_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -660,8 +664,19 @@ def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, de
     sources, report = check_tensors(ckpt, {d: s for d, (n, s) in renamed.items()}, "", disk_keys)
     if report.problems:
         raise CheckpointError("base checkpoint does not match its config:\n  " + "\n  ".join(report.problems[:20]))
-    state = {renamed[d][0]: _read_source(ckpt, source, dtype, device) for d, source in sources.items()}
-    model.load_state_dict(state, strict=not tied, assign=True)
+    # The tensors outside the decoder layers first, then a layer at a time (`load_base`'s `place_layer`);
+    # check_tensors has found every one, so each part loads without the strict check.
+    parts: dict[int | None, dict] = {}
+    for disk, source in sources.items():
+        name = renamed[disk][0]
+        layer = name.split(".")[2] if name.startswith(LAYERS_PREFIX) else None
+        parts.setdefault(None if layer is None else int(layer), {})[name] = source
+    for index in sorted(parts, key=lambda i: -1 if i is None else i):
+        model.load_state_dict({name: _read_source(ckpt, source, dtype, device) for name, source in parts[index].items()},
+                              strict=False, assign=True)
+        if index is not None and place_layer is not None:
+            layer = model.model.layers[index]
+            place_layer(layer.requires_grad_(False).eval())
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_rotary(model, device)

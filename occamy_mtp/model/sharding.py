@@ -99,11 +99,10 @@ def process_group(device: torch.device) -> None:
                             timeout=datetime.timedelta(minutes=30))
 
 
-def shard(base, sharding: Sharding, device: torch.device):
-    """`base` (loaded on the CPU, eval mode, frozen) with its decoder layers sharded over the
-    process group's processes (`process_group`), on `device` or, with `sharding.offload` on a
-    GPU, in pinned host memory; everything else moved to `device` whole. Marks the config
-    (`families.SHARDED`), so that the fast paths, which read weights directly, stand aside."""
+def shard_layer(layer, sharding: Sharding, device: torch.device) -> None:
+    """One decoder layer (frozen, its weights read) sharded over the process group's processes
+    (`process_group`): this process keeps its shard, on `device` or, with `sharding.offload` on a
+    GPU, in pinned host memory. The layer is gathered for each forward and resharded after it."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -111,9 +110,21 @@ def shard(base, sharding: Sharding, device: torch.device):
     process_group(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     offload = CPUOffloadPolicy(pin_memory=True) if sharding.offload and device.type == "cuda" else OffloadPolicy()
+    fully_shard(layer, mesh=mesh, reshard_after_forward=True, offload_policy=offload)
+
+
+def shard(base, sharding: Sharding, device: torch.device):
+    """`base` (frozen, eval mode) with each decoder layer sharded (`shard_layer`; the loader shards
+    each as it reads it, `checkpoint.load_base`'s `place_layer`, and those are left as they are)
+    and everything else moved to `device` whole. Marks the config (`families.SHARDED`), so that
+    the fast paths, which read weights directly, stand aside."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
     layers = base.model.layers
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True, offload_policy=offload)
+        if not isinstance(layer, FSDPModule):
+            shard_layer(layer, sharding, device)
     sharded = {id(p) for layer in layers for p in layer.parameters()}
     for module in base.modules():  # the rest (embedding, final norm, lm_head, rotary tables) whole on the device
         for name, param in module.named_parameters(recurse=False):
