@@ -174,6 +174,21 @@ def test_training_refuses_to_overwrite_and_export_refuses_foreign_tensors(traine
     assert result.returncode == 2 and "different model/data/train settings" in result.stderr
 
 
+def kill_after_first_checkpoint(process: subprocess.Popen, output: Path) -> list[Path]:
+    """Kill the training `process` (its whole process group) once `output` holds a checkpoint;
+    the checkpoints written, asserting that there is one and that the run had not finished."""
+    checkpoints = output / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(checkpoints.glob("step-*.pt")) and process.poll() is None:
+        time.sleep(0.01)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (output / "train-summary.json").exists(), "the run finished before it could be killed"
+    done = sorted(checkpoints.glob("step-*.pt"))
+    assert done, "no checkpoint was written before the kill"
+    return done
+
+
 def test_resume_after_kill_gives_identical_head(models, tmp_path):
     steps = {"epochs": 4, "checkpoint_every_steps": 2}
     reference = write_config(tmp_path / "ref.yaml", models, tmp_path / "ref", **steps)
@@ -183,15 +198,7 @@ def test_resume_after_kill_gives_identical_head(models, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     process = subprocess.Popen([sys.executable, "train.py", "--config", str(killed)], cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    checkpoints = tmp_path / "killed" / "checkpoints"
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(checkpoints.glob("step-*.pt")) and process.poll() is None:
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (tmp_path / "killed" / "train-summary.json").exists(), "the run finished before it could be killed"
-    done = sorted(checkpoints.glob("step-*.pt"))
-    assert done, "no checkpoint was written before the kill"
+    done = kill_after_first_checkpoint(process, tmp_path / "killed")
     total_steps = 4 * 6  # 12 windows at 2 a step, 4 epochs
     assert int(done[-1].stem.split("-")[1]) < total_steps
 
@@ -254,14 +261,7 @@ def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(model
     and metrics."""
     config = write_config(tmp_path / "fsdp.yaml", models, tmp_path / "fsdp", **TWO_PROCESS_STEPS)
     process = launch(["train.py", "--config", str(config)], FSDP2, background=True)
-    checkpoints = tmp_path / "fsdp" / "checkpoints"
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(checkpoints.glob("step-*.pt")) and process.poll() is None:
-        time.sleep(0.01)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (tmp_path / "fsdp" / "train-summary.json").exists(), "the run finished before it could be killed"
-    assert list(checkpoints.glob("step-*.pt")), "no checkpoint was written before the kill"
+    kill_after_first_checkpoint(process, tmp_path / "fsdp")
     ok(launch(["train.py", "--config", str(config), "--resume"], FSDP2))
 
     summary = json.loads((tmp_path / "fsdp" / "train-summary.json").read_text())
