@@ -47,7 +47,7 @@ def models(tmp_path_factory, sample_tokenizer_dir):
     return {"base": base.path, "donor": donor.path, "tokenizer": tokenizer}
 
 
-def write_config(path: Path, models: dict, output: Path, **train) -> Path:
+def write_config(path: Path, models: dict, output: Path, data: dict | None = None, **train) -> Path:
     train_lines = "\n".join(f"  {k}: {v}" for k, v in {
         "epochs": 2, "windows_per_step": 2, "lr": 1.0e-2, "lr_warmup_steps": 2,
         "checkpoint_every_steps": 2, "log_every_steps": 2, "select_every_steps": 0, **train}.items())
@@ -56,7 +56,8 @@ def write_config(path: Path, models: dict, output: Path, **train) -> Path:
         f"model:\n  base: {models['base']}\n  donor_head: {models['donor']}\n  dtype: float32\n"
         f"data:\n  files: [{SAMPLE_DATA_PATH}]\n  context_tokens: 24\n  answer_tokens: 40\n"
         "  train_conversations: 12\n  validation_conversations: 4\n  heldout_conversations: 4\n"
-        f"train:\n{train_lines}\n"
+        + "".join(f"  {k}: {v}\n" for k, v in (data or {}).items())
+        + f"train:\n{train_lines}\n"
         "eval:\n  draft_steps: 2\n  served_steps: [1, 2]\n  decoder_check_windows: 2\n"
         f"output:\n  dir: {output}\n"
     )
@@ -211,6 +212,9 @@ def test_resume_after_kill_gives_identical_head(models, tmp_path):
 
 
 TWO_PROCESS_STEPS = {"epochs": 4, "checkpoint_every_steps": 2, "select_every_steps": 3}
+# The base's continuations of the 20 contexts in 7 batches: a sharded base's processes take one each
+# in turn, the last round's second process idle.
+TWO_PROCESS_DATA = {"self_generate_batch_size": 3}
 
 
 def free_port() -> int:
@@ -240,7 +244,7 @@ FSDP2_OFFLOAD = ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp2-o
 def two_processes(tmp_path_factory, models):
     """A plain 2-process CPU run (each process holds the base), exported."""
     root = tmp_path_factory.mktemp("ddp")
-    config = write_config(root / "ddp.yaml", models, root / "ddp", **TWO_PROCESS_STEPS)
+    config = write_config(root / "ddp.yaml", models, root / "ddp", data=TWO_PROCESS_DATA, **TWO_PROCESS_STEPS)
     ok(launch(["train.py", "--config", str(config)], PLAIN_TWO))
     ok(run(["export.py", "--config", str(config), "--allow-worse"]))
     return root / "ddp"
@@ -259,7 +263,7 @@ def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(model
     """configs/accelerate/fsdp2.yaml over 2 processes, killed after its first checkpoint and resumed, then
     exported by one process through fsdp2-offload.yaml: the plain 2-process run's head, continuations
     and metrics."""
-    config = write_config(tmp_path / "fsdp.yaml", models, tmp_path / "fsdp", **TWO_PROCESS_STEPS)
+    config = write_config(tmp_path / "fsdp.yaml", models, tmp_path / "fsdp", data=TWO_PROCESS_DATA, **TWO_PROCESS_STEPS)
     process = launch(["train.py", "--config", str(config)], FSDP2, background=True)
     kill_after_first_checkpoint(process, tmp_path / "fsdp")
     ok(launch(["train.py", "--config", str(config), "--resume"], FSDP2))

@@ -92,8 +92,16 @@ def greedy_generate(
     return out
 
 
+def idle_decode(base, max_new_tokens: int) -> None:
+    """The forwards a process of a sharded base (`model.sharding`) runs while the others decode and it
+    has no rows of its own: one padding row, finished from the start, stepped until every process's
+    rows have stopped (the base's forwards are collective)."""
+    _greedy_batch(base, [[PAD_INPUT_ID]], max_new_tokens, frozenset(), idle=True)
+
+
 def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: frozenset[int],
-                  sampling: TextSampling = GREEDY_TEXT, uniforms: torch.Tensor | None = None) -> list[list[int]]:
+                  sampling: TextSampling = GREEDY_TEXT, uniforms: torch.Tensor | None = None,
+                  idle: bool = False) -> list[list[int]]:
     from transformers import DynamicCache
 
     device = base.lm_head.weight.device
@@ -109,7 +117,7 @@ def _greedy_batch(base, prompts: list[list[int]], max_new_tokens: int, eos: froz
     cache_argument = {cache_kwarg(base.forward): cache}
 
     generated: list[list[int]] = [[] for _ in prompts]
-    finished = [False] * rows
+    finished = [idle] * rows
     step_ids, step_positions = input_ids, position_ids
     # What penalties read (`sampling.penalized`): each row's prompt, and its answer so far (-1: none yet).
     prompt_ids = input_ids.masked_fill(attention_mask == 0, -1)

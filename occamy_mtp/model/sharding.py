@@ -193,6 +193,28 @@ def all_finished(finished: bool, model, device: torch.device | None = None) -> b
     return _all_reduce(int(bool(finished)), dist.ReduceOp.MIN, device or torch.device("cpu")) == 1
 
 
+def share(model) -> tuple[int, int]:
+    """(this process's rank, the number of processes) among those sharing the sharded `model`;
+    (0, 1) for a base that is not sharded, or sharded in one process."""
+    if not _collective(model):
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(), dist.get_world_size()
+
+
+def gathered(value, model) -> list:
+    """Every process's `value` (picklable), in rank order, where `model` is sharded over several;
+    [value] otherwise."""
+    if not _collective(model):
+        return [value]
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier(model) -> None:
     """Wait for every process, where `model` is a sharded base."""
     if _collective(model):

@@ -20,8 +20,8 @@ from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.memory import MARGIN_BYTES, fitting
 from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_greedy_generate, static_decoding
-from occamy_mtp.base.generate import greedy_generate
-from occamy_mtp.model.sharding import is_sharded
+from occamy_mtp.base.generate import greedy_generate, idle_decode
+from occamy_mtp.model.sharding import gathered, is_sharded, share
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 
@@ -172,18 +172,28 @@ class EmbeddedWriter:
         return sizing.count
 
     def answers(self, contexts, missing, max_new_tokens, stop_token_ids, log):
+        """The batches in order; over a base sharded over N processes, N batches at a time, one in
+        each process (the k-th of a round in the k-th process; one with none decodes an idle row,
+        its forwards being collective), each process then holding every batch's continuations."""
         size = self.batch_for(contexts, max_new_tokens, log)
         batches = [range(i, min(i + size, len(contexts))) for i in range(0, len(contexts), size)]
         todo = [b for b in batches if any(missing[i] for i in b)]
         decode = self._decoder(contexts, todo, max_new_tokens)
+        rank, processes = share(self.base)
         started = time.perf_counter()
-        for number, batch in enumerate(todo, start=1):
-            prompts = [contexts[i] for i in batch]
-            outputs = decode(prompts, stop_token_ids, context_uniforms(self.sampling, prompts, max_new_tokens))
-            for index, ids in zip(batch, outputs):
-                if missing[index]:  # the others were generated again only to keep the batch whole
-                    yield index, Continuation(tuple(ids), bool(ids) and ids[-1] in stop_token_ids)
-            log(f"  batch {number}/{len(todo)} written ({time.perf_counter() - started:.0f} s)")
+        for first in range(0, len(todo), processes):
+            round_of = todo[first : first + processes]
+            outputs = None
+            if rank < len(round_of):
+                prompts = [contexts[i] for i in round_of[rank]]
+                outputs = decode(prompts, stop_token_ids, context_uniforms(self.sampling, prompts, max_new_tokens))
+            else:
+                idle_decode(self.base, max_new_tokens)
+            for number, (batch, written) in enumerate(zip(round_of, gathered(outputs, self.base)), start=first + 1):
+                for index, ids in zip(batch, written):
+                    if missing[index]:  # the others were generated again only to keep the batch whole
+                        yield index, Continuation(tuple(ids), bool(ids) and ids[-1] in stop_token_ids)
+                log(f"  batch {number}/{len(todo)} written ({time.perf_counter() - started:.0f} s)")
 
     def _decoder(self, contexts, todo, max_new_tokens):
         """prompts, stop ids, uniform streams -> continuations: one static decoder for every batch, or greedy_generate."""
