@@ -330,9 +330,10 @@ def self_generated_needed(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) 
 
 def run_windows_together(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer, base, main_process: bool,
                          log: Log = quiet, splits=EVERY_SPLIT) -> RunWindows:
-    """`run_windows` in every process of a sharded base at once: its forwards are collective, so
-    each process decodes every missing continuation, from the same store contents, and the main
-    process alone writes them (`write_missing`); then every process reads what it wrote."""
+    """`run_windows` in every process of a sharded base at once: its forwards are collective, so the
+    processes decode the missing continuations together, from the same store contents (a batch
+    each, `selfgen.store.EmbeddedWriter.answers`), and the main process alone writes them
+    (`write_missing`); then every process reads what it wrote."""
     for store in (stores or {}).values():
         store.reread()
     barrier(base)  # every process has read the stores before the main one appends to them
@@ -521,8 +522,8 @@ def open_run(setup: Setup, device, *, base: BaseFacts | None = None, log: Log = 
     processes of a multi-process run around the store: the main process writes the
     missing continuations while the others wait, then they read them
     (`accelerator.main_process_first`). With `sharding` (`model.sharding`) the base's
-    forwards are collective, so every process decodes the missing continuations and only
-    the main one (`main_process`) writes them. `check_data` sees the windows before any model
+    forwards are collective, so the processes decode the missing continuations together and
+    only the main one (`main_process`) writes them (`run_windows_together`). `check_data` sees the windows before any model
     loads (a resumed run refuses data other than its checkpoint's there). `base`: the facts
     `check_run` read, else read here.
     """

@@ -289,9 +289,9 @@ class SelfGeneratedStore:
                 self._append(writer, contexts, missing, log)
 
     def follow(self, writer: Writer, windows: Sequence[Window]) -> None:
-        """Have `writer` decode what `generate` would have it write, and keep none of it: a process
-        beside the main one of a sharded base, whose every forward is collective, takes part in the
-        main process's `generate` (`run.run_windows_together`)."""
+        """Run `writer` over what `generate` would have it write, and keep none of it: a process beside
+        the main one of a sharded base, whose every forward is collective, takes its part (its share
+        of the batches) in the main process's `generate` (`run.run_windows_together`)."""
         contexts = sorted({context_of(w) for w in windows}, key=context_digest)
         missing = [context_digest(c) not in self._continuations for c in contexts]
         if any(missing):

@@ -100,7 +100,8 @@ def train(plan: Plan, resume: bool = False, sharding: Sharding | None = None) ->
             log(f"--resume: {run_dir.checkpoints} holds no checkpoint, so training starts from step 0")
         resumed = read_checkpoint(existing, train_plan.fingerprint) if resume and existing is not None else None
         check_data = None if resumed is None else lambda data: same_data(existing, resumed["data"], data)  # noqa: E731
-        # The base writes the continuations the store lacks: the main process, while the others wait.
+        # The base writes the continuations the store lacks: the main process while the others wait, or, the
+        # base sharded, all of them together.
         run = open_run(plan.setup, accelerator.device, base=base, log=log, writer_first=accelerator.main_process_first,
                        check_data=check_data, sharding=sharding, main_process=accelerator.is_main_process)
         return fit(run, train_plan, accelerator, log, resumed, existing)
@@ -109,10 +110,10 @@ def train(plan: Plan, resume: bool = False, sharding: Sharding | None = None) ->
 @contextlib.contextmanager
 def head_only():
     """accelerate for the head alone, whatever the launch: an FSDP launch shards the frozen base
-    (`model.sharding`, read from the same environment), while the head, 8.4M trainable tensors
-    beside frozen ones it shares with no process, stays whole under DDP, so that its checkpoints
-    are plain tensors that load without FSDP. accelerate reads ACCELERATE_USE_FSDP when its state
-    is first made, so it is hidden for that moment."""
+    (`model.sharding`, read by the command from the same environment), while the head (8.4M
+    trainable parameters) stays whole under DDP, so that its checkpoints are plain tensors that
+    load without FSDP. accelerate reads ACCELERATE_USE_FSDP when its state is first made, so it is
+    hidden for that moment."""
     hidden = os.environ.pop("ACCELERATE_USE_FSDP", None)
     try:
         yield
