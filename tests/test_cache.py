@@ -236,6 +236,38 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
         assert torch.equal(trained_online[name], trained_cached[name]), name
 
 
+def test_the_cache_pass_with_the_base_placed_by_the_launch_writes_the_same_cache(world, monkeypatch, tmp_path):
+    """`accelerate launch --config_file configs/accelerate/fsdp2-offload.yaml -m occamy_mtp cache ...`: the
+    base placed by `model.sharding` (one process; in host memory on a GPU) writes the same continuations
+    and the same cache as the base loaded whole."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = str(run_config(world, tmp_path / "run"))
+
+    def build(name: str, environ: dict) -> None:
+        with monkeypatch.context() as patch:
+            for key, value in environ.items():
+                patch.setenv(key, value)
+            assert cache_command.main(["--config", config, "--dir", str(tmp_path / name), "--max-shard-bytes", str(SHARD_BYTES),
+                                       f"data.self_generated_dir={tmp_path / name}-text"]) == 0
+
+    build("whole", {})
+    assert not dist.is_initialized()
+    try:
+        build("placed", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"})
+        assert dist.is_initialized()  # the base was sharded, over a process group of this process alone
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert shard_bytes(tmp_path / "placed") == shard_bytes(tmp_path / "whole") and shard_bytes(tmp_path / "whole")
+
+    def texts(root: Path) -> dict:
+        return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("self-generated.jsonl"))}
+
+    assert texts(tmp_path / "placed-text") == texts(tmp_path / "whole-text") and texts(tmp_path / "whole-text")
+
+
 def test_the_fast_pass_plugs_in(world, tmp_path):
     """fastbase.FastBasePass is a `compute` as it is: the cache stores exactly what it gives."""
     fastbase = pytest.importorskip("occamy_mtp.base.fastbase")
