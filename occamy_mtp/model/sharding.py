@@ -1,6 +1,6 @@
 """The frozen base spread over the processes of a launch (FSDP2), or held in host memory.
 
-Training hands accelerate the head alone: its 8.4M trainable tensors are replicated (DDP),
+Training hands accelerate the head alone: its 8.4M trainable parameters are replicated (DDP),
 and its checkpoints are plain tensors whatever the launch. What fills a card is the frozen
 base, 64.6 GiB in bf16 at full size. `accelerate launch --config_file
 configs/accelerate/fsdp2*.yaml` asks for FSDP version 2 (`from_launch` reads what the launcher
@@ -14,8 +14,8 @@ the base.
 A sharded base's forward is collective: every process must run every forward, in the same
 order. So wherever the library decides how many forwards run from something a process sees
 alone (the memory free on its card, where its rows stop), the processes agree first
-(`agreed_min`, `all_finished`), and self-generation decodes in every process (the main one
-writes the store; `run.open_run`). Nothing is agreed on for a base that is not sharded, so
+(`agreed_min`, `all_finished`), and self-generation gives each process a batch in turn (the main
+one writes the store; `run.run_windows_together`). Nothing is agreed on for a base that is not sharded, so
 every other run computes what it computed before.
 """
 
@@ -53,8 +53,8 @@ def from_launch(environ: Mapping[str, str], command: str | None = None) -> Shard
     """The sharding `accelerate launch --config_file FILE` asked for (it writes the file's settings
     into the environment), None for a plain launch; a ConfigError naming the setting when the file
     asks for what the recipe cannot do. Read by the command, before anything loads. `command`:
-    the name of a command that runs in one process (export, evaluate), which refuses a launch of
-    several."""
+    the name of a command that runs in one process (export, evaluate, cache), which refuses a
+    launch of several."""
     processes = environ.get("WORLD_SIZE", "1").strip() or "1"
     if command is not None and processes != "1":
         raise ConfigError(f"{command} runs in one process, and this launch started {processes}: launch it with "
