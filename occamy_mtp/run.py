@@ -32,7 +32,7 @@ from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.model.sharding import Sharding, barrier, is_sharded, shard, shard_layer, shards
+from occamy_mtp.model.sharding import Sharding, barrier, described, is_sharded, shard, shard_layer
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
@@ -437,7 +437,7 @@ def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None 
                              attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer)
     if sharding is not None:
         base = shard(base, sharding, torch.device(device))
-        log(f"base: {sharding.describe(shards(base))}")
+        log(f"base: {described(base)}")
     tuned = use_tuned_kernel_configs(torch.device(device))
     if tuned:
         log(tuned)

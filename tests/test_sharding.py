@@ -112,7 +112,7 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
 
     from occamy_mtp.base.generate import greedy_generate
     from occamy_mtp.families import fast_paths
-    from occamy_mtp.model.sharding import placement, shard
+    from occamy_mtp.model.sharding import described, placement, shard
     from occamy_mtp.sampling import TextSampling
     from occamy_mtp.targets.base import base_outputs
     from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
@@ -124,6 +124,7 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
     assert all(isinstance(p, DTensor) for layer in sharded.model.layers for p in layer.parameters())
     assert not isinstance(sharded.lm_head.weight, DTensor) and not isinstance(sharded.model.embed_tokens.weight, DTensor)
     assert placement(sharded) == {"sharded_over": 1, "offload": False} and placement(whole) == {"sharded_over": 0, "offload": False}
+    assert described(sharded) == "its decoder layers sharded over 1 process (FSDP2), on cpu"  # offload means nothing here
     assert fast_paths(whole.config) and not fast_paths(sharded.config)
 
     generator = torch.Generator().manual_seed(0)
@@ -186,7 +187,7 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     import copy
 
     from occamy_mtp.base.generate import greedy_generate
-    from occamy_mtp.model.sharding import placement, shard
+    from occamy_mtp.model.sharding import described, placement, shard
     from occamy_mtp.targets.base import base_outputs
     from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
@@ -196,6 +197,7 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     held = shard(copy.deepcopy(whole), Sharding(offload=True), cuda)
     whole = whole.to(cuda)
     assert placement(held) == {"sharded_over": 1, "offload": True}
+    assert described(held) == "its decoder layers sharded over 1 process (FSDP2), in host memory, a layer copied to the card for its forward"
     assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in held.model.layers.parameters())
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (3, 33), generator=generator).to(cuda)

@@ -40,10 +40,6 @@ class Sharding:
 
     offload: bool = False
 
-    def describe(self, processes: int) -> str:
-        where = "in host memory, a layer copied to the card for its forward" if self.offload else "on the card"
-        return f"the base's decoder layers sharded over {processes} process{'es' * (processes != 1)} (FSDP2), {where}"
-
 
 def _flag(environ: Mapping[str, str], name: str, default: str = "false") -> bool:
     return environ.get(name, default).strip().lower() == "true"
@@ -150,6 +146,17 @@ def placement(model) -> dict:
         return {"sharded_over": 0, "offload": False}
     local = next(model.model.layers[0].parameters()).to_local()
     return {"sharded_over": processes, "offload": local.device.type == "cpu" and model.lm_head.weight.device.type != "cpu"}
+
+
+def described(model) -> str:
+    """`placement` in words, for the log."""
+    where = placement(model)
+    if not where["sharded_over"]:
+        return f"whole, on {model.lm_head.weight.device}"
+    at = ("in host memory, a layer copied to the card for its forward" if where["offload"]
+          else f"on {model.lm_head.weight.device}")
+    processes = where["sharded_over"]
+    return f"its decoder layers sharded over {processes} process{'es' * (processes != 1)} (FSDP2), {at}"
 
 
 def is_sharded(model) -> bool:
