@@ -338,19 +338,20 @@ def run_windows_together(setup: Setup, data: PreparedData, stores: Stores | None
         store.reread()
     barrier(base)  # every process has read the stores before the main one appends to them
     if stores is not None:
-        write_missing(setup, data, stores, writer, log=log if main_process else quiet, splits=splits, keep=main_process)
+        write_missing(stores, self_generated_needed(setup, data, splits), writer, log=log if main_process else quiet,
+                      keep=main_process)
     barrier(base)
     for store in (stores or {}).values():
         store.reread()
     return run_windows(setup, data, stores, None, log=log, splits=splits)
 
 
-def write_missing(setup: Setup, data: PreparedData, stores: Stores, writer: Writer | None, log: Log = quiet,
-                  splits=EVERY_SPLIT, keep: bool = True) -> None:
-    """`writer` (`continuation_writer`) writes the continuations of `splits` the stores lack; with
-    `keep=False` it decodes them and nothing is stored (`run_windows_together`). Without a writer,
-    a SelfGenError when any is missing."""
-    for sampling, windows in self_generated_needed(setup, data, splits).items():
+def write_missing(stores: Stores, needed: dict[TextSampling, list[Window]], writer: Writer | None, log: Log = quiet,
+                  keep: bool = True) -> None:
+    """`writer` (`continuation_writer`) writes the continuations of the `needed` windows
+    (`self_generated_needed`) the stores lack; with `keep=False` it decodes them and nothing is
+    stored (`run_windows_together`). Without a writer, a SelfGenError when any is missing."""
+    for sampling, windows in needed.items():
         store = stores[sampling]
         missing = store.missing(windows)
         if not missing:
@@ -380,8 +381,8 @@ def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer:
     if stores is None:
         return RunWindows(train=[w for w in data.train if w.has_answer] if TRAIN in splits else [], validation=[],
                           heldout={}, heldout_data=recorded_heldout, self_generated={})
-    write_missing(setup, data, stores, writer, log=log, splits=splits)
     needed = self_generated_needed(setup, data, splits)
+    write_missing(stores, needed, writer, log=log)
     train: list[Window] = []
     if TRAIN in splits:
         answers = setup.data.answers

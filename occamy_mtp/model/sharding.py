@@ -121,13 +121,13 @@ def shard(base, sharding: Sharding, device: torch.device):
     for layer in layers:
         if not isinstance(layer, FSDPModule):
             shard_layer(layer, sharding, device)
-    sharded = {id(p) for layer in layers for p in layer.parameters()}
+    placed = {id(t) for layer in layers for t in (*layer.parameters(), *layer.buffers())}
     for module in base.modules():  # the rest (embedding, final norm, lm_head, rotary tables) whole on the device
         for name, param in module.named_parameters(recurse=False):
-            if id(param) not in sharded and param.device != device:
+            if id(param) not in placed and param.device != device:
                 param.data = param.data.to(device)
         for name, buffer in module.named_buffers(recurse=False):
-            if buffer.device != device and not any(buffer is b for layer in layers for b in layer.buffers()):
+            if id(buffer) not in placed and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
     setattr(base.config, SHARDED, dist.get_world_size())
     return base

@@ -280,11 +280,11 @@ class SelfGeneratedStore:
         gave are appended too, out of that order: nothing received is asked for again.
         """
         contexts = sorted({context_of(w) for w in windows}, key=context_digest)
-        if all(context_digest(c) in self._continuations for c in contexts):
+        if not any(self._unstored(contexts)):
             return
         with self._writing(log):
             self.reread()
-            missing = [context_digest(c) not in self._continuations for c in contexts]
+            missing = self._unstored(contexts)
             if any(missing):
                 self._append(writer, contexts, missing, log)
 
@@ -293,11 +293,15 @@ class SelfGeneratedStore:
         the main one of a sharded base, whose every forward is collective, takes its part (its share
         of the batches) in the main process's `generate` (`run.run_windows_together`)."""
         contexts = sorted({context_of(w) for w in windows}, key=context_digest)
-        missing = [context_digest(c) not in self._continuations for c in contexts]
+        missing = self._unstored(contexts)
         if any(missing):
             for _ in writer.answers(contexts, missing, self.identity["max_new_tokens"], self.identity["stop_token_ids"],
                                     lambda message: None):
                 pass
+
+    def _unstored(self, contexts: Sequence[tuple[int, ...]]) -> list[bool]:
+        """For each context, whether its continuation is not stored (yet)."""
+        return [context_digest(c) not in self._continuations for c in contexts]
 
     @contextlib.contextmanager
     def _writing(self, log: Callable[[str], None]) -> Iterator[None]:
