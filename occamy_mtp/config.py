@@ -43,6 +43,11 @@ class ModelSettings:
     """Dtype of every frozen weight and of activations (trainable tensors keep fp32 masters)."""
     attn_implementation: str = "sdpa"
     """transformers attention backend for the base and the head: sdpa or eager."""
+    fp8_weights: str = "auto"
+    """How a block-wise FP8 base holds its decoder layers' weights: fp8 (as stored, one byte a weight,
+    each layer's written in `dtype` into one shared buffer just before it runs: about half the
+    memory, the same results bit for bit), dequantized (in `dtype`, as they load) or auto (fp8 on a
+    CUDA device, dequantized elsewhere). Other bases ignore it; a sharded base is read dequantized."""
 
 
 @dataclass(frozen=True)
@@ -351,6 +356,8 @@ class RunConfig:
         # Where the targets and the continuations are read from does not change them (the
         # cache and the store hold exactly what the base computes), so a run may move them.
         d["data"].pop("target_cache", None)
+        # Nor how an FP8 base's weights are held: the weights computed are the same, bit for bit.
+        d["model"].pop("fp8_weights", None)
         d["data"].pop("self_generated_dir", None)
         # Nor where the servers are or how they are asked (the store knows who wrote its text).
         for name in ("self_generate_endpoints", "self_generate_concurrency", "self_generate_timeout_seconds",
@@ -546,6 +553,7 @@ def check(config: RunConfig) -> None:
     checks = [
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
+        (config.model.fp8_weights in ("auto", "fp8", "dequantized"), "model.fp8_weights", "auto, fp8 or dequantized"),
         (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
         (config.data.thinking in THINKING_CHOICES, "data.thinking", ", ".join(THINKING_CHOICES[:-1]) + " or "
          + THINKING_CHOICES[-1]),

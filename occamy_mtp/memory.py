@@ -69,6 +69,16 @@ def expandable_segments() -> bool:
     return expandable
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """The bytes `model`'s parameters and buffers hold, each storage once (the layers of an FP8 base
+    kept in FP8 share one buffer of weights a layer kind, `model.fp8_weights`)."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
 @dataclass(frozen=True)
 class Sizing:
     """A batch sized to the card, and why."""
@@ -88,8 +98,7 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
     if count < 1:
         held = ""
         if model is not None:
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
-            held = f"the model holds {weights / GIB:.1f} GiB of weights, "
+            held = f"the model holds {held_bytes(model) / GIB:.1f} GiB of weights, "
         raise NotEnoughMemory(
             f"not enough GPU memory for one {what}: {held}this process has "
             f"{torch.cuda.memory_allocated(device) / GIB:.1f} GiB allocated and may allocate {available / GIB:.2f} GiB more "

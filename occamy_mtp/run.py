@@ -32,6 +32,8 @@ from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
+from occamy_mtp.memory import held_bytes
+from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT
 from occamy_mtp.model.sharding import Sharding, barrier, described, is_sharded, shard, shard_layer
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
@@ -435,7 +437,14 @@ def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None 
     # Sharded, each layer is placed as it is read: no process holds the whole base.
     place_layer = None if sharding is None else functools.partial(shard_layer, sharding=sharding, device=torch.device(device))
     base = ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,
-                             attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer)
+                             attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer,
+                             fp8_weights=model.fp8_weights)
+    kept = sum(hasattr(layer, FP8_KEPT) for layer in base.model.layers)
+    if kept:
+        log(f"base: {kept} decoder layers keep their weights in FP8 (model.fp8_weights {model.fp8_weights}), "
+            f"each layer's written in {model.dtype} for its forward; the base holds {held_bytes(base) / 2**30:.2f} GiB")
+    elif sharding is not None and model.fp8_weights == "fp8":
+        log("base: model.fp8_weights fp8 does not apply to a sharded base: its layers are read dequantized, then sharded")
     if sharding is not None:
         base = shard(base, sharding, torch.device(device))
         log(f"base: {described(base)}")

@@ -19,6 +19,7 @@ from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.families import fast_paths
+from occamy_mtp.model.fp8_weights import materialize
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
@@ -431,7 +432,9 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, ke
     """One decoder layer as transformers computes it, unrolled: residual -> input norm -> `mix` (the
     token mixer, on the normed input) -> residual -> post-attention norm -> `moe` (the MoE block).
     Returns the MoE block's output and the residual stream, which the next layer (or the final
-    norm, `residual_norm`) adds."""
+    norm, `residual_norm`) adds. A layer that keeps its weights in FP8 writes them first
+    (`fp8_weights.materialize`), as its forward pre-hook does for transformers' forward."""
+    materialize(layer)
     normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
     hidden = mix(normed)
     normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)

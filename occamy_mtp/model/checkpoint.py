@@ -31,7 +31,8 @@ from safetensors import safe_open
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
-from occamy_mtp.model.quantized import dequantized, emulate_activations
+from occamy_mtp.model.fp8_weights import keep_layer, keeps_fp8
+from occamy_mtp.model.quantized import FP8, dequantized, emulate_activations
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -442,6 +443,23 @@ def _read_source(ckpt: SafetensorsCheckpoint, source: _Source, dtype: torch.dtyp
     return out
 
 
+def _read_fp8_source(ckpt, source: _Source, device) -> tuple[torch.Tensor, tuple[int, ...], tuple[torch.Tensor, ...]]:
+    """An FP8 weight as stored, stacked as `_read_source` stacks it: (float8_e4m3fn codes of the module
+    tensor's shape, each row part's rows, each part's multipliers). A fused gate_up_proj has two parts,
+    gate's rows and up's, each with the blocks its own checkpoint tensor has."""
+    if source.kind == "direct":
+        codes, scale = ckpt.fp8_codes(source.keys[0])
+        return codes.to(device), (codes.shape[-2],), (scale.to(device),)
+    read = [ckpt.fp8_codes(key) for key in source.keys]
+    if source.kind == "down":
+        return (torch.stack([c for c, _ in read]).to(device), (read[0][0].shape[-2],),
+                (torch.stack([m for _, m in read]).to(device),))
+    gate, up = read[0::2], read[1::2]
+    codes = torch.stack([torch.cat([g, u]) for (g, _), (u, _) in zip(gate, up)]).to(device)
+    rows = read[0][0].shape[-2]
+    return codes, (rows, rows), (torch.stack([m for _, m in gate]).to(device), torch.stack([m for _, m in up]).to(device))
+
+
 @dataclass
 class LoadReport:
     """What a load found: every problem (not only the first), and the layout."""
@@ -621,7 +639,7 @@ def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="c
 
 
 def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
-              config=None, place_layer=None):
+              config=None, place_layer=None, fp8_weights: str = "auto"):
     """Load the frozen base text model from a checkpoint directory.
 
     Tensors are read one at a time straight into the module (no second copy of a
@@ -631,11 +649,16 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
     `place_layer(layer)`: called on each decoder layer as soon as its tensors are read, before
     the next layer's are (`sharding.shard_layer` keeps a process's shard of it, so that a
     process never holds the whole base).
+    `fp8_weights` (`model.fp8_weights`): whether an FP8 base's decoder layers keep their weights
+    in FP8 (`fp8_weights.keeps_fp8`), each layer's written in `dtype` for its forward; a sharded
+    base (`place_layer`) is read dequantized, its shards being what saves the memory there.
     """
     config = config or read_config(directory)
     ckpt = dequantized(SafetensorsCheckpoint(directory), config.quantization_config)
+    keep_fp8 = place_layer is None and getattr(ckpt, "scheme", None) is not None and ckpt.scheme.kind == FP8 \
+        and keeps_fp8(fp8_weights, device)
     model = build_base_model(config.text_config, dtype, device, attn_implementation)
-    load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer)
+    load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer, keep_fp8=keep_fp8)
     if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
         emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
     return model
@@ -648,7 +671,8 @@ def quantization_of(directory: Path, config: ModelConfig):
     return getattr(dequantized(SafetensorsCheckpoint(directory), config.quantization_config), "scheme", None)
 
 
-def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device, place_layer=None) -> LoadReport:
+def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device, place_layer=None,
+                      keep_fp8: bool = False) -> LoadReport:
     prefix = base_text_prefix(ckpt)
     module_shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -671,9 +695,17 @@ def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, de
         name = renamed[disk][0]
         layer = name.split(".")[2] if name.startswith(LAYERS_PREFIX) else None
         parts.setdefault(None if layer is None else int(layer), {})[name] = source
+    buffers: dict = {}  # kept in FP8, the layers of one kind share one buffer (`fp8_weights.keep_layer`)
     for index in sorted(parts, key=lambda i: -1 if i is None else i):
-        model.load_state_dict({name: _read_source(ckpt, source, dtype, device) for name, source in parts[index].items()},
-                              strict=False, assign=True)
+        fp8 = {}
+        if keep_fp8 and index is not None:
+            fp8 = {name: source for name, source in parts[index].items() if all(ckpt.is_fp8(k) for k in source.keys)}
+        model.load_state_dict({name: _read_source(ckpt, source, dtype, device) for name, source in parts[index].items()
+                               if name not in fp8}, strict=False, assign=True)
+        if fp8:
+            within = f"{LAYERS_PREFIX}{index}."
+            keep_layer(model.model.layers[index], {name[len(within):]: _read_fp8_source(ckpt, source, device)
+                                                   for name, source in fp8.items()}, ckpt.scheme.block, dtype, buffers)
         if index is not None and place_layer is not None:
             layer = model.model.layers[index]
             place_layer(layer.requires_grad_(False).eval())

@@ -303,6 +303,14 @@ class DequantizedCheckpoint:
     def dtype(self, key: str) -> str:
         return "F32" if key in self._quantized else self._ckpt.dtype(key)
 
+    def is_fp8(self, key: str) -> bool:
+        """Whether `key` is an FP8 weight (`fp8_codes` reads it as stored)."""
+        return self.scheme.kind == FP8 and key in self._quantized
+
+    def fp8_codes(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 weight as stored: (float8_e4m3fn codes, float32 multipliers, one a block)."""
+        return self._ckpt.get(key), self._ckpt.get(self._quantized[key].scales["weight_scale_inv"]).float()
+
     def get(self, key: str) -> torch.Tensor:
         quantized = self._quantized.get(key)
         if quantized is None:
