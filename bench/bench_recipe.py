@@ -76,11 +76,13 @@ from occamy_mtp.evaluation.decode import decodes_runners
 from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
 from occamy_mtp.base.fastbase import FastBasePass
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
+from occamy_mtp.memory import held_bytes
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import PRESETS, EvalSettings, Serving, TrainSettings, step_loss_weights
 from occamy_mtp.sampling import GREEDY_TEXT, text_sampling
 from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
+from occamy_mtp.testing.quantize import keep_in_fp8
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
@@ -228,13 +230,21 @@ def main() -> int:
     parser.add_argument("--heldout-windows", type=int, default=HELDOUT_WINDOWS)
     parser.add_argument("--text", choices=("greedy", *PRESETS), default="greedy",
                         help="how the base writes the run's text and which configuration selection scores")
+    parser.add_argument("--base-weights", choices=("bf16", "fp8"), default="bf16",
+                        help="fp8: the base's decoder layers quantized in blocks of 128 x 128 and kept in FP8 "
+                             "(model.fp8_weights fp8), before the cap is set")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     context_tokens = args.context_tokens
     device = torch.device(args.device)
-    if args.memory_cap_gib:
-        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1],
-                                                   torch.cuda.current_device())
+
+    def cap_memory():
+        if args.memory_cap_gib:
+            torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / torch.cuda.mem_get_info(device)[1],
+                                                       torch.cuda.current_device())
+
+    if args.base_weights == "bf16":
+        cap_memory()
     torch.manual_seed(0)
     config = tiny_text_config() if args.tiny else text_config_from_dict(QWEN3_5_35B_A3B)
     config._attn_implementation = "sdpa"
@@ -248,6 +258,15 @@ def main() -> int:
         for param in head.parameters():  # MTPHead leaves its experts as torch.empty: garbage (NaN at times), not random
             torch.nn.init.normal_(param, std=0.02)
     base.requires_grad_(False).eval()
+    if args.base_weights == "fp8":
+        # A run reads an FP8 checkpoint a layer at a time and never holds the bf16 base: the base is
+        # quantized here on the card, then the cap is set and the peaks counted from there.
+        keep_in_fp8(base)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        cap_memory()
+    held = held_bytes(base)
     tuned = use_tuned_kernel_configs(device)  # as loading the base does in a run
     if tuned:
         print(tuned)
@@ -298,6 +317,8 @@ def main() -> int:
         "servings_measured": [s.label() for s in servings],
         "sampled_continuations": continuations_each,
         "build_seconds_excluded": build_seconds,
+        "base_weights": args.base_weights,
+        "base_held_gib": held / 2**30,
     }
 
     # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check

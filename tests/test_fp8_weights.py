@@ -170,6 +170,20 @@ def test_the_base_kept_in_fp8_computes_what_the_dequantized_base_computes(bases,
         assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
 
 
+def test_a_base_built_in_memory_kept_in_fp8_computes_what_its_fp8_checkpoint_computes(bases):
+    """The benches' full-size base is built on the card and kept in FP8 there (`keep_in_fp8`): it
+    computes what the FP8 copy of the same weights, loaded, computes."""
+    from occamy_mtp.testing.quantize import keep_in_fp8
+
+    built = keep_in_fp8(ckpt_io.load_base(bases["bf16"], dtype=torch.float32), BLOCK)
+    loaded = ckpt_io.load_base(bases["fp8"], dtype=torch.float32, fp8_weights="fp8")
+    assert [len(layer.occamy_fp8_weights.weights) for layer in built.model.layers] == \
+        [len(layer.occamy_fp8_weights.weights) for layer in loaded.model.layers]
+    ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(built(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
 def test_a_sharded_base_is_read_dequantized(bases):
     """FSDP2 shards the layers' own tensors: a layer sharing a buffer cannot be one, so the loader
     reads an FP8 base dequantized when it places each layer (`place_layer`)."""

@@ -183,7 +183,7 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     w = weight.float()
     out_dim, in_dim = w.shape[-2:]
     rows, cols = math.ceil(out_dim / block[0]), math.ceil(in_dim / block[1])
-    padded = torch.zeros(*w.shape[:-2], rows * block[0], cols * block[1])
+    padded = torch.zeros(*w.shape[:-2], rows * block[0], cols * block[1], device=w.device)
     padded[..., :out_dim, :in_dim] = w
     blocks = padded.reshape(*w.shape[:-2], rows, block[0], cols, block[1])
     amax = blocks.abs().amax(dim=(-3, -1))

@@ -23,6 +23,7 @@ import torch
 from occamy_mtp import files
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model import quantized as q
+from occamy_mtp.model.fp8_weights import keep_layer
 
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|"
                      r"out_proj|gate_proj|up_proj|down_proj)\.weight$")
@@ -75,6 +76,27 @@ def _input_amax(source: Path, calibration: list[list[int]]) -> dict[str, float]:
     for handle in handles:
         handle.remove()
     return amax
+
+
+def keep_in_fp8(base: torch.nn.Module, block: tuple[int, int] = (128, 128)) -> torch.nn.Module:
+    """`base`, an in-memory base, with its decoder layers' weights quantized as `write_quantized_copy`
+    quantizes a checkpoint's (gate's and up's rows of a fused gate_up_proj each in their own blocks, as
+    they are stored per expert) and kept in FP8 (`fp8_weights.keep_layer`), a layer at a time: for the
+    benches at full size, where the bf16 base is built on the card and no checkpoint is written."""
+    dtype = next(base.parameters()).dtype
+    buffers: dict = {}
+    for layer in base.model.layers:
+        held = {}
+        for name, param in list(layer.named_parameters()):
+            if name.endswith("experts.gate_up_proj"):
+                half = param.shape[-2] // 2
+                (gate, gate_scale), (up, up_scale) = (q.quantize_fp8(part, block) for part in param.split(half, dim=-2))
+                held[name] = (torch.cat([gate, up], dim=-2), (half, half), (gate_scale, up_scale))
+            elif name.endswith("experts.down_proj") or _quantizes(f"{ckpt_io.LAYERS_PREFIX}0.{name}", tuple(param.shape), q.FP8):
+                codes, scale = q.quantize_fp8(param, block)
+                held[name] = (codes, (param.shape[-2],), (scale,))
+        keep_layer(layer, held, block, dtype, buffers)
+    return base
 
 
 def write_quantized_copy(source: Path, target: Path, scheme: str, *, block: tuple[int, int] = (128, 128),
