@@ -207,23 +207,49 @@ def test_reports_mixed_expert_layouts(donor, tiny_checkpoint, tmp_path, capsys):
     assert any("mixes fused and per-expert" in p and "mtp.layers.0.mlp.experts.down_proj" in p for p in report["problems"])
 
 
-def test_reports_a_quantized_base(tiny_checkpoint, tmp_path, capsys):
+def test_reports_a_quantized_base_and_what_it_takes_in_memory(tiny_checkpoint, tmp_path, capsys):
+    """An FP8 and an NVFP4 copy inspect clean, with their scheme and the memory the base takes: for FP8
+    kept in FP8, what the loaded base holds (`memory.held_bytes`, the rotary tables aside). A scale of
+    the wrong shape, and an unsupported scheme in a bare config, are problems."""
+    from occamy_mtp.memory import held_bytes
+    from occamy_mtp.testing.quantize import write_quantized_copy
+
     written = tiny_checkpoint(QWEN3_5, PER_EXPERT, True)
-    quantized = tmp_path / "quantized"
-    shutil.copytree(written.path, quantized)
-    raw = json.loads((quantized / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}
-    (quantized / "config.json").write_text(json.dumps(raw))
-    code, report = run_json(capsys, quantized)
-    assert code == 1
-    assert report["quantization"] == {"quant_method": "modelopt", "quant_algo": "NVFP4"}
-    assert len(report["problems"]) == 1 and "quantized base" in report["problems"][0]
-    assert "NVFP4" in report["problems"][0]
-    # A bare text-only config with a quantization_config is reported the same way.
+    for scheme in ("fp8", "nvfp4"):
+        quantized = write_quantized_copy(written.path, tmp_path / scheme, scheme, block=(16, 16))
+        code, report = run_json(capsys, quantized)
+        assert code == 0, report["problems"]
+        assert report["quantization"]["scheme"] == scheme and any(f"quantized base ({scheme}" in n for n in report["notes"])
+        memory = report["base_memory"]
+        loaded = ckpt_io.load_base(quantized, fp8_weights="fp8")
+        tables = sum(b.untyped_storage().nbytes() for n, b in loaded.named_buffers() if "rotary" in n)
+        measured = (held_bytes(loaded) - tables) / 2**30
+        if scheme == "fp8":
+            assert memory["kept_in_fp8_gib"] == pytest.approx(measured, rel=1e-12)
+            assert memory["dequantized_gib"] == pytest.approx(
+                (held_bytes(ckpt_io.load_base(quantized, fp8_weights="dequantized")) - tables) / 2**30, rel=1e-12)
+        else:
+            assert "kept_in_fp8_gib" not in memory and memory["dequantized_gib"] == pytest.approx(measured, rel=1e-12)
+    capsys.readouterr()
+    assert main([str(tmp_path / "fp8")]) == 0 and "with its layers kept in FP8" in capsys.readouterr().out
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "fp8", broken)
+    ckpt = ckpt_io.SafetensorsCheckpoint(broken)
+    key = next(k for k in ckpt.keys() if k.endswith(".weight_scale_inv"))
+    tensors = {k: ckpt.get(k) for k in ckpt.keys()}
+    tensors[key] = tensors[key][..., :0]
+    for f in ckpt.files():
+        f.unlink()
+    (broken / ckpt_io.INDEX_NAME).unlink()
+    ckpt_io.save_sharded(broken, tensors, max_shard_bytes=400_000)
+    code, report = run_json(capsys, broken)
+    assert code == 1 and any(key in p and "expected" in p for p in report["problems"])
+
     config = write_config(tmp_path / "config.json", QWEN3_5_35B_A3B, multimodal=False,
-                          quantization_config={"quant_method": "fp8"})
+                          quantization_config={"quant_method": "gptq"})
     code, report = run_json(capsys, config)
-    assert code == 1 and "quantized base" in report["problems"][0]
+    assert code == 1 and "'gptq' (known, not supported)" in report["problems"][0]
     assert report["head_parameters"] == 844_640_768
 
 

@@ -4,7 +4,8 @@ PATH is a checkpoint directory or a bare config.json. The report gives the
 architecture and dimensions, whether `mtp.*` tensors are present and in which expert
 layout, the head's total and trainable parameter counts, and every problem found:
 missing, unexpected or mis-shaped tensors (base and head), a head whose hidden size is
-not the base's, mixed expert layouts, a quantized base, an unreadable index or shard.
+not the base's, mixed expert layouts, a quantized base's missing or misshapen scales, an unreadable
+index or shard; and what the base takes in memory (for an FP8 base, kept in FP8 too).
 
 No weight is read: shapes come from the safetensors headers, and the head (and the
 base, to check its tensor shapes) is built on the meta device, so a real-size
@@ -15,6 +16,7 @@ Exit status: 0 when no problem was found, 1 otherwise (the report is printed eit
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model.head import MTPHead, count_parameters, set_trainable
+from occamy_mtp.model.quantized import FP8, QuantizationError, scheme_of
 
 # Per kind of tensor problem (missing, unexpected, mis-shaped), how many to list by
 # name: a head with all 512 experts missing would otherwise print 1,536 lines.
@@ -29,6 +32,7 @@ MAX_LISTED_PER_KIND = 20
 # safetensors dtypes a bf16 head can be read from without dequantisation.
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 BF16_BYTES = 2
+GIB = 2**30
 
 
 def _listed(problems: list[str], kind: str) -> list[str]:
@@ -160,13 +164,6 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
         "dimensions": dimensions(text_config),
         "quantization": _quantization(config.quantization_config),
     })
-    if config.quantization_config:
-        q = report["quantization"]
-        problems.append(
-            f"quantized base (quant_method {q['quant_method']!r}, quant_algo {q['quant_algo']!r}): the head "
-            "must stay bf16, so assembly must add the head's modules to the quantization exclusions; "
-            "base tensor shapes are not checked"
-        )
 
     with torch.device("meta"):
         head = MTPHead(text_config)
@@ -184,6 +181,10 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
     report["mtp"] = {"present": None, "expert_layout": None, "tensors": 0, "dtypes": {}}
     if report["source"] == "config":
         notes.append("config only: no tensors were checked")
+        try:
+            scheme_of(path.parent, config.quantization_config)
+        except QuantizationError as err:
+            problems.append(str(err))
         return
     try:
         ckpt = ckpt_io.SafetensorsCheckpoint(path)
@@ -201,13 +202,50 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
     }
     report["mtp"], head_problems = _check_head(ckpt, head, text_config.hidden_size)
     problems += head_problems
-    if not config.quantization_config:
-        problems += _check_base(ckpt, base)
+    try:  # a quantized base as the library reads it: every scale checked, the weights' shapes dequantized
+        readable = ckpt_io.dequantized(ckpt, config.quantization_config)
+    except QuantizationError as err:
+        problems.append(str(err))
+    else:
+        scheme = getattr(readable, "scheme", None)
+        if scheme is not None:
+            report["quantization"]["scheme"] = scheme.kind
+            notes.append(f"quantized base ({scheme.kind}{' in blocks of %d x %d' % scheme.block if scheme.kind == FP8 else ''}): "
+                         "read as the frozen base; assembly keeps the head out of the quantization")
+        problems += _check_base(readable, base)
+        report["base_memory"] = base_memory(readable, text_config)
     declared = report["dimensions"]["mtp_num_hidden_layers"]
     if not report["mtp"]["present"]:
         notes.append("no mtp.* tensors: a donor head must be given (its mtp.* tensors) to train")
         if declared:
             notes.append(f"config declares mtp_num_hidden_layers={declared} but the checkpoint has no mtp.* tensors")
+
+
+def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
+    """GiB the base's text weights take in memory in bf16, from the headers: dequantized, and for an
+    FP8 base with its decoder layers kept in FP8 (`model.fp8_weights`, the default on a GPU): their
+    quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer each layer
+    kind's weights are written into (the largest layer of the kind)."""
+    prefix = ckpt_io.base_text_prefix(ckpt)
+    keys = [k for k in ckpt.keys() if k == "lm_head.weight" or (
+        k.startswith(prefix) and not k.startswith((ckpt_io.VISION_PREFIX, ckpt_io.HEAD_PREFIX)))]
+    elements = {k: math.prod(ckpt.shape(k)) for k in keys}
+    memory = {"dequantized_gib": sum(elements.values()) * dtype_bytes / GIB}
+    if getattr(ckpt, "scheme", None) is None or ckpt.scheme.kind != FP8:
+        return memory
+    layers = prefix + "layers."
+    kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k)]
+    per_layer = Counter()
+    for key in kept:
+        per_layer[int(key[len(layers):].split(".")[0])] += elements[key]
+    kinds = list(getattr(text_config, "layer_types", None) or ["layer"] * text_config.num_hidden_layers)
+    buffers = {}
+    for index, count in per_layer.items():
+        buffers[kinds[index]] = max(buffers.get(kinds[index], 0), count)
+    held = (sum(ckpt.stored_bytes(k) for k in kept) + (sum(elements.values()) - sum(elements[k] for k in kept)) * dtype_bytes
+            + sum(buffers.values()) * dtype_bytes)
+    memory["kept_in_fp8_gib"] = held / GIB
+    return memory
 
 
 def _count(n: int | None) -> str:
@@ -240,6 +278,11 @@ def format_report(report: dict) -> str:
     if ckpt:
         row("checkpoint", f"{ckpt['files']} files, {ckpt['bytes'] / 2**20:,.1f} MiB, {ckpt['tensors']:,} tensors "
             f"({ckpt['text_prefix']}*; {ckpt['vision_tensors']} vision tensors, not loaded)")
+    memory = report.get("base_memory")
+    if memory:
+        row("base in memory", f"{memory['dequantized_gib']:,.2f} GiB in bf16" + (
+            f"; {memory['kept_in_fp8_gib']:,.2f} GiB with its layers kept in FP8 (model.fp8_weights)"
+            if "kept_in_fp8_gib" in memory else ""))
     mtp = report.get("mtp")
     if mtp and mtp["present"] is not None:
         row("mtp head", (f"present, {mtp['expert_layout'] or 'unknown'} expert layout, {mtp['tensors']:,} tensors "

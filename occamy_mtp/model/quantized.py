@@ -45,6 +45,8 @@ _KNOWN_OTHERS = ("gptq", "awq", "gguf", "mxfp4", "bitsandbytes", "compressed-ten
                  "eetq", "torchao", "fbgemm_fp8", "quanto", "exl2", "marlin", "bitnet", "vptq", "higgs", "spqr")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale_2", ".weight_scale", ".input_scale")
 _KV_CACHE_SCALES = (".k_scale", ".v_scale")
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2,
+                     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class QuantizationError(OccamyError, ValueError):
@@ -302,6 +304,12 @@ class DequantizedCheckpoint:
 
     def dtype(self, key: str) -> str:
         return "F32" if key in self._quantized else self._ckpt.dtype(key)
+
+    def stored_bytes(self, key: str) -> int:
+        """The bytes `key` takes as stored, with its scales when it is quantized (from the headers)."""
+        quantized = self._quantized.get(key)
+        keys = [key, *(quantized.scales.values() if quantized else ())]
+        return sum(math.prod(self._ckpt.shape(k)) * SAFETENSORS_BYTES[self._ckpt.dtype(k)] for k in keys)
 
     def is_fp8(self, key: str) -> bool:
         """Whether `key` is an FP8 weight (`fp8_codes` reads it as stored)."""
