@@ -18,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from occamy_mtp.base import decode_kernels  # noqa: E402
 from occamy_mtp.base import moe_kernels  # noqa: E402
+from occamy_mtp.model import fp8_weights  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 # Qwen3.5-35B-A3B's widths: 16 key heads and 32 value heads of 128 in the Gated DeltaNet (conv
@@ -68,6 +69,13 @@ def expert_gemm(gate_up: bool, m_tiles: int):
                                                         "block_m": moe_kernels.EXPERT_BLOCK_M, "block_n": block_n, "block_k": block_k}
 
 
+def fp8_dequantize(out: str):
+    signature = {"codes": "*fp8e4nv", "scale": "*fp32", "out": out, "total": "i64", "rows": "i32", "cols": "i32",
+                 "c_stack": "i64", "c_row": "i32", "s_stack": "i32", "s_row": "i32", "o_stack": "i64", "o_row": "i32"}
+    return fp8_weights._dequantize_kernel, signature, {"block_rows": 128, "block_cols": 128, "bf16_bits": out == "*u16",
+                                                       "elements": fp8_weights._KERNEL_BLOCK}
+
+
 CASES = {
     "conv, one token": conv_steps(1), "conv, a span of 4": conv_steps(4),
     "rule, one token": gated_delta(1), "rule, a span of 4": gated_delta(4),
@@ -76,6 +84,7 @@ CASES = {
     "route": route(), "silu_mul": silu_mul(), "combine": combine(),
     "expert gate_up, one token": expert_gemm(True, 1), "expert gate_up, 160 tokens": expert_gemm(True, 10),
     "expert down, 160 tokens": expert_gemm(False, 10),
+    "fp8 weights into bf16": fp8_dequantize("*u16"), "fp8 weights into float32": fp8_dequantize("*fp32"),
 }
 
 
