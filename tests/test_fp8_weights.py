@@ -18,6 +18,7 @@ from occamy_mtp.model import fp8_weights
 from occamy_mtp.model import quantized as q
 from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
 from occamy_mtp.testing.quantize import write_quantized_copy
+from test_end_to_end import without_timings
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 BLOCK = (16, 16)
@@ -218,16 +219,8 @@ def test_the_recipe_on_the_base_kept_in_fp8_trains_the_head_the_dequantized_base
         assert ("keep their weights in FP8" in capsys.readouterr().err) == (mode == "fp8")
         record = export(plan_of(config), allow_worse=True, log=lambda m: None)
         head = (tmp_path / mode / ckpt_io.HEAD_FILE).read_bytes()
-        records[mode] = (hashlib.sha256(head).hexdigest(), json.dumps(_without_timings(record["metrics"]), sort_keys=True))
+        records[mode] = (hashlib.sha256(head).hexdigest(), json.dumps(without_timings(record["metrics"]), sort_keys=True))
     assert records["fp8"] == records["dequantized"]
-
-
-def _without_timings(value):
-    if isinstance(value, dict):
-        return {k: _without_timings(v) for k, v in value.items() if not k.endswith("seconds")}
-    if isinstance(value, list):
-        return [_without_timings(v) for v in value]
-    return value
 
 
 # ----------------------------------------------------------------------------------
