@@ -82,6 +82,22 @@ def test_the_kernel_writes_the_reference_s_weights_bit_for_bit(interpreted, dtyp
     assert bool((fused[:, :24] == 7.0).all())
 
 
+@pytest.mark.parametrize("where", ["kernel", "reference"])
+def test_only_the_routed_experts_are_written(interpreted, where):
+    """With `used`, a stack's slices it marks are written, the others keep what they held (and the
+    kernel reads none of their codes: a masked load)."""
+    codes, scale = _codes((5, 24, 40), seed=3)
+    used = torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32)
+    out = torch.full((5, 24, 40), float("nan"), dtype=torch.bfloat16)
+    if where == "kernel":
+        interpreted.dequantize_into(out, codes, scale, BLOCK, used)
+    else:
+        fp8_weights.dequantize_into(out, codes, scale, BLOCK, used)
+    reference = fp8_weights.dequantize_reference(codes, scale, BLOCK, torch.bfloat16)
+    assert torch.equal(out[[0, 3]], reference[[0, 3]])
+    assert bool(out[[1, 2, 4]].isnan().all())
+
+
 def test_the_reference_writes_an_expert_stack_a_slice_at_a_time(monkeypatch):
     codes, scale = _codes((5, 20, 33), seed=4)
     monkeypatch.setattr(fp8_weights, "REFERENCE_CHUNK_ELEMENTS", 1000)  # two experts a slice, and a last one alone
@@ -153,22 +169,40 @@ def test_the_layers_of_a_kind_share_one_buffer_and_the_base_holds_what_is_counte
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_base_kept_in_fp8_computes_what_the_dequantized_base_computes(bases, dtype):
     """transformers' forward (the pre-hooks), greedy decoding, and the packed fast pass (which writes
-    each layer itself): equal outputs, every layer's weights written after another layer's."""
+    each layer itself): equal outputs, every layer's weights written after another layer's, from
+    buffers filled with NaN, so that a weight read before it is written would show."""
     from occamy_mtp.base.fastbase import FastBasePass, torch_kernels
+    from occamy_mtp.base.fastdecode import fast_greedy_generate
     from occamy_mtp.base.generate import greedy_generate
 
     kept, dequantized = _both(bases, dtype)
+    buffers = {id(layer.occamy_fp8_weights.buffer): layer.occamy_fp8_weights.buffer for layer in kept.model.layers}
+
+    def poisoned():  # whatever a forward reads that it did not write is NaN, and shows in its outputs
+        for buffer in buffers.values():
+            buffer.fill_(float("nan"))
+        return kept
+
     ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
-        assert torch.equal(kept(input_ids=ids).logits, dequantized(input_ids=ids).logits)
+        assert torch.equal(poisoned()(input_ids=ids).logits, dequantized(input_ids=ids).logits)
+        one_token = poisoned()(input_ids=ids[:1, :1]).logits
+        assert torch.equal(one_token, dequantized(input_ids=ids[:1, :1]).logits)
+    unwritten = [bool(w.module.get_parameter(w.name).isnan().any()) for w in kept.model.layers[-1].occamy_fp8_weights.weights
+                 if w.routed]
+    assert unwritten and all(unwritten)  # one token routes to a few experts: the others were not written
     prompts = [ids[0, :9].tolist(), ids[1, :14].tolist()]
-    decoded = [greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids={-1}, batch_size=2) for m in (kept, dequantized)]
+    decoded = [greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids={-1}, batch_size=2) for m in (poisoned(), dequantized)]
     assert decoded[0] == decoded[1]
-    windows = [ids[0].tolist(), ids[1, :21].tolist()]
-    passes = [FastBasePass(m, max_tokens_per_batch=64, kernels=torch_kernels(grouped_moe=True))(windows)
-              for m in (kept, dequantized)]
-    for a, b in zip(*passes):
-        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
+    static = [fast_greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2)
+              for m in (poisoned(), dequantized)]  # the static decoder, its layers unrolled
+    assert static[0] == static[1]
+    windows = [ids[0].tolist(), ids[1, :21].tolist(), ids[1, :2].tolist()]
+    for grouped in (True, False):  # the grouped experts write the routed ones; the module's forward, its pre-hook
+        passes = [FastBasePass(m, max_tokens_per_batch=64, kernels=torch_kernels(grouped_moe=grouped))(windows)
+                  for m in (poisoned(), dequantized)]
+        for a, b in zip(*passes):
+            assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
 
 
 def test_a_base_built_in_memory_kept_in_fp8_computes_what_its_fp8_checkpoint_computes(bases):

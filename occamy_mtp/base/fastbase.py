@@ -19,7 +19,7 @@ from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.families import fast_paths
-from occamy_mtp.model.fp8_weights import materialize
+from occamy_mtp.model.fp8_weights import materialize, materialize_experts
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
@@ -304,6 +304,7 @@ def grouped_experts(
 
     if (shared is None) != (shared_gate is None):
         raise ValueError("grouped_experts: pass both shared and shared_gate, or neither")
+    materialize_experts(experts, top_k_index)  # a layer kept in FP8 writes the routed experts' weights now
     tokens, top_k = top_k_index.shape
     num_experts = experts.gate_up_proj.shape[0]
     if fused_glue and moe_kernels.available(x) and tokens * top_k <= moe_kernels.ALIGN_MAX_PAIRS:
@@ -433,8 +434,9 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, ke
     token mixer, on the normed input) -> residual -> post-attention norm -> `moe` (the MoE block).
     Returns the MoE block's output and the residual stream, which the next layer (or the final
     norm, `residual_norm`) adds. A layer that keeps its weights in FP8 writes them first
-    (`fp8_weights.materialize`), as its forward pre-hook does for transformers' forward."""
-    materialize(layer)
+    (`fp8_weights.materialize`), its routed experts' once routed (`grouped_experts`, or the experts
+    module's pre-hook), as its forward pre-hooks do for transformers' forward."""
+    materialize(layer, experts=False)
     normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
     hidden = mix(normed)
     normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)

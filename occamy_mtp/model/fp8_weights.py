@@ -35,6 +35,7 @@ except ImportError:  # CPU-only installs: the reference below still works
 ATTRIBUTE = "occamy_fp8_weights"
 """A decoder layer holding its weights in FP8 carries its `Fp8Layer` under this name."""
 MODES = ("auto", "fp8", "dequantized")
+EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a fused experts module's (E, rows, cols) parameters
 REFERENCE_CHUNK_ELEMENTS = 2**24  # the reference dequantizes an expert stack this many elements at a time (64 MiB of fp32)
 
 
@@ -52,11 +53,17 @@ class Fp8Weight:
     scales: tuple[torch.Tensor, ...]  # each part's (..., ceil(part rows / block[0]), ceil(cols / block[1])) float32
     block: tuple[int, int]
 
-    def write(self) -> None:
+    @property
+    def routed(self) -> bool:
+        """A routed experts' stack (E, rows, cols): written only for the experts a forward routes to."""
+        return self.codes.dim() == 3 and self.name in EXPERT_STACKS
+
+    def write(self, used: torch.Tensor | None = None) -> None:
+        """Write the weight; of a stack, only the experts `used` marks ((E,) int32, nonzero: write), when given."""
         out = getattr(self.module, self.name)
         start = 0
         for count, scale in zip(self.rows, self.scales):
-            dequantize_into(out[..., start:start + count, :], self.codes[..., start:start + count, :], scale, self.block)
+            dequantize_into(out[..., start:start + count, :], self.codes[..., start:start + count, :], scale, self.block, used)
             start += count
 
 
@@ -66,17 +73,44 @@ class Fp8Layer:
     def __init__(self, weights: list[Fp8Weight], buffer: torch.Tensor):
         self.weights, self.buffer = weights, buffer
 
-    def materialize(self) -> None:
+    def materialize(self, experts: bool = True) -> None:
+        """Write every weight; with `experts` False, all but the routed experts' stacks (`materialize_experts`
+        writes those once the router has chosen)."""
         with torch.no_grad():
             for weight in self.weights:
-                weight.write()
+                if experts or not weight.routed:
+                    weight.write()
+
+    def materialize_experts(self, top_k_index: torch.Tensor) -> None:
+        """Write the routed experts' stacks for the experts `top_k_index` (N, k) names, and no other: a
+        decode step of a few rows touches a few dozen of 256 experts. Indices past the last expert (the
+        padding of expert parallelism) are ignored. The mask is made on the device, without a sync, so
+        that a CUDA graph captures it."""
+        stacks = [w for w in self.weights if w.routed]
+        if not stacks:
+            return
+        experts = stacks[0].codes.shape[0]
+        with torch.no_grad():
+            used = torch.zeros(experts + 1, dtype=torch.int32, device=top_k_index.device)
+            used[top_k_index.reshape(-1).clamp(max=experts)] = 1
+            for weight in stacks:
+                weight.write(used[:experts])
 
 
-def materialize(layer: torch.nn.Module) -> None:
-    """Write `layer`'s weights from its FP8 codes, when it holds them (a no-op otherwise)."""
+def materialize(layer: torch.nn.Module, experts: bool = True) -> None:
+    """Write `layer`'s weights from its FP8 codes, when it holds them (a no-op otherwise); with `experts`
+    False, all but the routed experts' (`materialize_experts`)."""
     held = getattr(layer, ATTRIBUTE, None)
     if held is not None:
-        held.materialize()
+        held.materialize(experts)
+
+
+def materialize_experts(experts: torch.nn.Module, top_k_index: torch.Tensor) -> None:
+    """Write the routed experts' weights for the experts `top_k_index` names, when `experts` (a fused
+    experts module) belongs to a layer kept in FP8 (a no-op otherwise)."""
+    held = getattr(experts, ATTRIBUTE, None)
+    if held is not None:
+        held.materialize_experts(top_k_index)
 
 
 def keeps_fp8(mode: str, device) -> bool:
@@ -115,7 +149,12 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
             layer.register_buffer(f"fp8_scales_{number}_{part}", scale, persistent=False)
     kept = Fp8Layer(weights, buffer)
     setattr(layer, ATTRIBUTE, kept)
-    layer.register_forward_pre_hook(lambda module, args: kept.materialize())
+    # transformers' forward: the layer's weights when it starts, its experts' once routed (the experts
+    # module's inputs are the hidden states, top_k_index and top_k_weights).
+    layer.register_forward_pre_hook(lambda module, args: kept.materialize(experts=False))
+    for owner in {id(w.module): w.module for w in weights if w.routed}.values():
+        setattr(owner, ATTRIBUTE, kept)
+        owner.register_forward_pre_hook(lambda module, args: kept.materialize_experts(args[1]))
     return kept
 
 
@@ -132,19 +171,22 @@ def dequantize_reference(codes: torch.Tensor, scale: torch.Tensor, block: tuple[
     return dequantize_fp8(codes, scale, block).to(dtype)
 
 
-def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                    used: torch.Tensor | None = None) -> None:
     """Write `dequantize_reference(codes, scale, block, out.dtype)` into `out` (a view of the same shape,
-    any strides): the Triton kernel on CUDA, else the reference a leading slice at a time."""
+    any strides): the Triton kernel on CUDA, else the reference a leading slice at a time. `used` ((E,)
+    int32, a stack of E): only the slices it marks nonzero are written; the others keep what they held."""
     if _kernel_runs(out):
-        _dequantize_triton(out, codes, scale, block)
+        _dequantize_triton(out, codes, scale, block, used)
         return
     if codes.dim() == 2:
         out.copy_(dequantize_reference(codes, scale, block, out.dtype))
         return
+    chosen = torch.arange(codes.shape[0], device=codes.device) if used is None else used.nonzero().flatten().to(codes.device)
     step = max(1, REFERENCE_CHUNK_ELEMENTS // max(1, codes[0].numel()))
-    for first in range(0, codes.shape[0], step):
-        part = slice(first, first + step)
-        out[part].copy_(dequantize_reference(codes[part], scale[part], block, out.dtype))
+    for first in range(0, len(chosen), step):
+        part = chosen[first:first + step]
+        out.index_copy_(0, part.to(out.device), dequantize_reference(codes[part], scale[part], block, out.dtype).to(out.device))
 
 
 def _kernel_runs(tensor: torch.Tensor) -> bool:
@@ -158,17 +200,20 @@ _KERNEL_BLOCK = 1024  # elements a program
 if triton is not None:
 
     @triton.jit
-    def _dequantize_kernel(codes, scale, out, total, rows, cols,
+    def _dequantize_kernel(codes, scale, out, used, rows, cols,
                            c_stack, c_row, s_stack, s_row, o_stack, o_row,
                            block_rows: tl.constexpr, block_cols: tl.constexpr, bf16_bits: tl.constexpr,
-                           elements: tl.constexpr):
-        # One program: `elements` consecutive elements of the (stack, rows, cols) weight, in row-major
-        # order; each the code times its block's multiplier in fp32, rounded once to the output's dtype.
+                           routed: tl.constexpr, elements: tl.constexpr):
+        # Program (c, s): the c-th `elements` consecutive elements, in row-major order, of slice s of the
+        # (stack, rows, cols) weight; each the code times its block's multiplier in fp32, rounded once
+        # to the output's dtype. With `routed`, a slice `used` does not mark is neither read nor written.
+        stack = tl.program_id(1).to(tl.int64)
         index = tl.program_id(0).to(tl.int64) * elements + tl.arange(0, elements)
-        inside = index < total
+        inside = index < rows * cols
+        if routed:  # the slice's mark, loaded for every element (one address, so one read)
+            inside = inside & (tl.load(used + stack + 0 * index, mask=inside, other=0) != 0)
         col = index % cols
-        row = (index // cols) % rows
-        stack = index // (cols * rows)
+        row = index // cols
         code = tl.load(codes + stack * c_stack + row * c_row + col, mask=inside, other=0.0).to(tl.float32)
         multiplier = tl.load(scale + stack * s_stack + (row // block_rows) * s_row + col // block_cols, mask=inside, other=0.0)
         value = code * multiplier
@@ -180,7 +225,8 @@ if triton is not None:
         tl.store(out + stack * o_stack + row * o_row + col, value.to(out.dtype.element_ty), mask=inside)
 
 
-def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                       used: torch.Tensor | None = None) -> None:
     # As a (stack, rows, cols) weight whose last dimension is contiguous (a row part of a fused
     # experts tensor is strided in its rows only).
     out3, codes3, scale3 = (t if t.dim() == 3 else t.unsqueeze(0) for t in (out, codes, scale))
@@ -188,10 +234,10 @@ def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
         if t.stride(-1) != 1:
             raise ValueError(f"FP8 dequantization: the {what}' last dimension must be contiguous")
     stack, rows, cols = codes3.shape
-    total = stack * rows * cols
     bf16 = out3.dtype == torch.bfloat16
-    grid = (triton.cdiv(total, _KERNEL_BLOCK),)
-    _dequantize_kernel[grid](codes3, scale3.float(), out3.view(torch.uint16) if bf16 else out3, total, rows, cols,
+    grid = (triton.cdiv(rows * cols, _KERNEL_BLOCK), stack)  # the stack second: at most 65,535 slices
+    _dequantize_kernel[grid](codes3, scale3.float(), out3.view(torch.uint16) if bf16 else out3,
+                             codes3 if used is None else used, rows, cols,
                              codes3.stride(0), codes3.stride(1), scale3.stride(0), scale3.stride(1),
                              out3.stride(0), out3.stride(1), block_rows=block[0], block_cols=block[1],
-                             bf16_bits=bf16, elements=_KERNEL_BLOCK)
+                             bf16_bits=bf16, routed=used is not None, elements=_KERNEL_BLOCK)
