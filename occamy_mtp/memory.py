@@ -71,7 +71,7 @@ def expandable_segments() -> bool:
 
 def held_bytes(model: torch.nn.Module) -> int:
     """The bytes `model`'s parameters and buffers hold, each storage once (the layers of an FP8 base
-    kept in FP8 share one buffer of weights a layer kind, `model.fp8_weights`)."""
+    kept in FP8 share one buffer of weights, `model.fp8_weights`)."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()

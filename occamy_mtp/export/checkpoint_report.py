@@ -224,8 +224,8 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
 def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     """GiB the base's text weights take in memory in bf16, from the headers: dequantized, and for an
     FP8 base with its decoder layers kept in FP8 (`model.fp8_weights`, the default on a GPU): their
-    quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer each layer
-    kind's weights are written into (the largest layer of the kind)."""
+    quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer the layers'
+    weights are written into (the largest layer's)."""
     prefix = ckpt_io.base_text_prefix(ckpt)
     keys = [k for k in ckpt.keys() if k == "lm_head.weight" or (
         k.startswith(prefix) and not k.startswith((ckpt_io.VISION_PREFIX, ckpt_io.HEAD_PREFIX)))]
@@ -238,12 +238,8 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     per_layer = Counter()
     for key in kept:
         per_layer[int(key[len(layers):].split(".")[0])] += elements[key]
-    kinds = list(getattr(text_config, "layer_types", None) or ["layer"] * text_config.num_hidden_layers)
-    buffers = {}
-    for index, count in per_layer.items():
-        buffers[kinds[index]] = max(buffers.get(kinds[index], 0), count)
     held = (sum(ckpt.stored_bytes(k) for k in kept) + (sum(elements.values()) - sum(elements[k] for k in kept)) * dtype_bytes
-            + sum(buffers.values()) * dtype_bytes)
+            + max(per_layer.values(), default=0) * dtype_bytes)
     memory["kept_in_fp8_gib"] = held / GIB
     return memory
 

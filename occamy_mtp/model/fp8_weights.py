@@ -4,9 +4,9 @@ A block-wise FP8 base (`model.quantized`, the family's layout) read dequantized 
 in `model.dtype`: 64.6 GiB in bf16 at real size. Kept in FP8, its decoder layers' quantized weights
 stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight), and the
 weights a layer computes with are written into one buffer in `model.dtype` just before the layer
-runs: the layer's parameters are views of that buffer, which every layer of the same shapes shares.
-A base then holds about half its bf16 bytes plus one layer's weights in `model.dtype` a layer kind
-(1.6 GiB at real size).
+runs (its routed experts' once the router has chosen, and only those it chose): the layer's
+parameters are views of that buffer, which every layer shares. A base then holds about half its
+bf16 bytes plus its largest layer's weights in `model.dtype` (1.6 GiB at real size).
 
 The weights computed are the ones the dequantizing load computes, bit for bit: each is the code
 times its block's multiplier in float32, rounded once to `model.dtype` (`quantized.dequantize_fp8`,
@@ -41,7 +41,7 @@ REFERENCE_CHUNK_ELEMENTS = 2**24  # the reference dequantizes an expert stack th
 
 @dataclass
 class Fp8Weight:
-    """One parameter of a decoder layer held as FP8 codes: `module.name` (a view of the layer kind's
+    """One parameter of a decoder layer held as FP8 codes: `module.name` (a view of the layers' shared
     buffer) is written from `codes` (float8_e4m3fn, the parameter's shape) and `scales`, one float32
     multiplier per (block[0] x block[1]) block of each row part. A fused experts' gate_up_proj has two
     row parts (gate's rows, then up's), each with its own blocks, as its checkpoint stores them."""
@@ -125,29 +125,31 @@ def keeps_fp8(mode: str, device) -> bool:
 def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[torch.Tensor, ...]]],
                block: tuple[int, int], dtype: torch.dtype, buffers: dict) -> Fp8Layer:
     """Make `layer`'s parameters named in `held` (dotted names within the layer -> (codes, row parts,
-    their multipliers)) views of one `dtype` buffer, shared through `buffers` by every layer with the
-    same names and shapes, and attach the `Fp8Layer` that writes them (`materialize`), with a forward
-    pre-hook for transformers' forward. The buffer starts as zeros: nothing is computed before a write."""
+    their multipliers)) views of one `dtype` buffer, shared through `buffers` by every layer kept so far
+    (the layers run one at a time, so one layer's weights are all that is ever written at once), and
+    attach the `Fp8Layer` that writes them (`materialize`), with forward pre-hooks for transformers'
+    forward. A layer larger than the buffer gets a larger one, and the layers before it move to it.
+    The buffer starts as zeros: nothing is computed before a write."""
     codes = {name: value[0] for name, value in held.items()}
     device = next(iter(codes.values())).device
-    kind = (dtype, str(device), tuple((name, tuple(c.shape)) for name, c in sorted(codes.items())))
-    if kind not in buffers:
-        buffers[kind] = torch.zeros(sum(c.numel() for c in codes.values()), dtype=dtype, device=device)
-    buffer = buffers[kind]
-    weights, offset = [], 0
+    need = sum(c.numel() for c in codes.values())
+    shared = buffers.setdefault((dtype, str(device)), {"buffer": torch.zeros(0, dtype=dtype, device=device), "layers": []})
+    if shared["buffer"].numel() < need:
+        shared["buffer"] = torch.zeros(need, dtype=dtype, device=device)
+        for earlier in shared["layers"]:
+            _view_into(earlier, shared["buffer"])
+    weights = []
     for name in sorted(held):
         weight_codes, rows, scales = held[name]
         owner_name, _, attribute = name.rpartition(".")
-        owner = layer.get_submodule(owner_name)
-        view = buffer[offset:offset + weight_codes.numel()].view(weight_codes.shape)
-        owner._parameters[attribute] = torch.nn.Parameter(view, requires_grad=False)
-        weights.append(Fp8Weight(owner, attribute, weight_codes, rows, scales, block))
-        offset += weight_codes.numel()
+        weights.append(Fp8Weight(layer.get_submodule(owner_name), attribute, weight_codes, rows, scales, block))
+    kept = Fp8Layer(weights, shared["buffer"])
+    _view_into(kept, shared["buffer"])
+    shared["layers"].append(kept)
     for number, weight in enumerate(weights):  # the layer's buffers too, so that what it holds is counted (`memory.held_bytes`)
         layer.register_buffer(f"fp8_codes_{number}", weight.codes, persistent=False)
         for part, scale in enumerate(weight.scales):
             layer.register_buffer(f"fp8_scales_{number}_{part}", scale, persistent=False)
-    kept = Fp8Layer(weights, buffer)
     setattr(layer, ATTRIBUTE, kept)
     # transformers' forward: the layer's weights when it starts, its experts' once routed (the experts
     # module's inputs are the hidden states, top_k_index and top_k_weights).
@@ -156,6 +158,16 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
         setattr(owner, ATTRIBUTE, kept)
         owner.register_forward_pre_hook(lambda module, args: kept.materialize_experts(args[1]))
     return kept
+
+
+def _view_into(kept: Fp8Layer, buffer: torch.Tensor) -> None:
+    """Point `kept`'s parameters at consecutive views of `buffer`, from its start."""
+    offset = 0
+    for weight in kept.weights:
+        view = buffer[offset:offset + weight.codes.numel()].view(weight.codes.shape)
+        weight.module._parameters[weight.name] = torch.nn.Parameter(view, requires_grad=False)
+        offset += weight.codes.numel()
+    kept.buffer = buffer
 
 
 # ----------------------------------------------------------------------------------
