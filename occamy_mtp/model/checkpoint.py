@@ -695,7 +695,7 @@ def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, de
         name = renamed[disk][0]
         layer = name.split(".")[2] if name.startswith(LAYERS_PREFIX) else None
         parts.setdefault(None if layer is None else int(layer), {})[name] = source
-    buffers: dict = {}  # kept in FP8, the layers of one kind share one buffer (`fp8_weights.keep_layer`)
+    buffers: dict = {}  # kept in FP8, the layers share one buffer (`fp8_weights.keep_layer`)
     for index in sorted(parts, key=lambda i: -1 if i is None else i):
         fp8 = {}
         if keep_fp8 and index is not None:
