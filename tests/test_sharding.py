@@ -236,3 +236,29 @@ def test_the_loader_shards_each_layer_before_it_reads_the_next(single_thread, on
     ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(0))
     a, b = base_outputs(whole, ids), base_outputs(sharded, ids)
     assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "nvfp4"])
+def test_a_quantized_base_sharded_computes_what_it_computes_whole(single_thread, one_process_group, tmp_path,
+                                                                   sample_tokenizer_dir, scheme):
+    """A quantized base placed a layer at a time: FP8 read dequantized (even when asked to keep FP8:
+    FSDP2 shards a layer's own tensors), NVFP4 with its inputs still fake-quantized (the hooks run inside
+    the sharded layers' forwards), the same outputs as the base loaded whole."""
+    from occamy_mtp.model import checkpoint as ckpt_io
+    from occamy_mtp.model.fp8_weights import ATTRIBUTE
+    from occamy_mtp.model.sharding import shard, shard_layer
+    from occamy_mtp.targets.base import base_outputs
+    from occamy_mtp.testing.checkpoints import build_tiny_checkpoint
+    from occamy_mtp.testing.quantize import write_quantized_copy
+
+    built = build_tiny_checkpoint(tmp_path / "base", layout="per_expert", multimodal=True, seed=4,
+                                  tokenizer_dir=sample_tokenizer_dir)
+    path = write_quantized_copy(built.path, tmp_path / scheme, scheme, block=(16, 16))
+    whole = ckpt_io.load_base(path, dtype=torch.float32, fp8_weights="dequantized")
+    loaded = ckpt_io.load_base(path, dtype=torch.float32, fp8_weights="fp8",
+                               place_layer=lambda layer: shard_layer(layer, Sharding(), torch.device("cpu")))
+    assert not any(hasattr(layer, ATTRIBUTE) for layer in loaded.model.layers)
+    sharded = shard(loaded, Sharding(), torch.device("cpu"))
+    ids = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(1))
+    a, b = base_outputs(whole, ids), base_outputs(sharded, ids)
+    assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
