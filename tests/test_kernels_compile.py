@@ -72,7 +72,7 @@ def expert_gemm(gate_up: bool, m_tiles: int):
 def fp8_dequantize(out: str, routed: bool = False):
     signature = {"codes": "*fp8e4nv", "scale": "*fp32", "out": out, "used": "*i32", "rows": "i32", "cols": "i32",
                  "c_stack": "i64", "c_row": "i32", "s_stack": "i32", "s_row": "i32", "o_stack": "i64", "o_row": "i32"}
-    return fp8_weights._dequantize_kernel, signature, {"block_rows": 128, "block_cols": 128, "bf16_bits": out == "*u16",
+    return fp8_weights._dequantize_kernel, signature, {"block_rows": 128, "block_cols": 128, "bf16_bits": out == "*bf16",
                                                        "routed": routed, "elements": fp8_weights._KERNEL_BLOCK}
 
 
@@ -84,8 +84,8 @@ CASES = {
     "route": route(), "silu_mul": silu_mul(), "combine": combine(),
     "expert gate_up, one token": expert_gemm(True, 1), "expert gate_up, 160 tokens": expert_gemm(True, 10),
     "expert down, 160 tokens": expert_gemm(False, 10),
-    "fp8 weights into bf16": fp8_dequantize("*u16"), "fp8 weights into float32": fp8_dequantize("*fp32"),
-    "fp8 routed experts into bf16": fp8_dequantize("*u16", routed=True),
+    "fp8 weights into bf16": fp8_dequantize("*bf16"), "fp8 weights into float32": fp8_dequantize("*fp32"),
+    "fp8 routed experts into bf16": fp8_dequantize("*bf16", routed=True),
 }
 
 

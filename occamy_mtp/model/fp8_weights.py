@@ -230,10 +230,10 @@ if triton is not None:
         multiplier = tl.load(scale + stack * s_stack + (row // block_rows) * s_row + col // block_cols, mask=inside, other=0.0)
         value = code * multiplier
         if bf16_bits:
-            # bf16 written as its bits (`out` viewed as uint16), rounded to nearest, ties to even, by
-            # hand: what the cast computes on the GPU, and what Triton's interpreter (which truncates) does not.
+            # Rounded to bf16 by hand, to nearest, ties to even: what the cast computes on the GPU, and
+            # what Triton's interpreter (which truncates) does not. The bits then read as bf16.
             bits = value.to(tl.uint32, bitcast=True)
-            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16)
+            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         tl.store(out + stack * o_stack + row * o_row + col, value.to(out.dtype.element_ty), mask=inside)
 
 
@@ -248,7 +248,7 @@ def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     stack, rows, cols = codes3.shape
     bf16 = out3.dtype == torch.bfloat16
     grid = (triton.cdiv(rows * cols, _KERNEL_BLOCK), stack)  # the stack second: at most 65,535 slices
-    _dequantize_kernel[grid](codes3, scale3.float(), out3.view(torch.uint16) if bf16 else out3,
+    _dequantize_kernel[grid](codes3, scale3.float(), out3,
                              codes3 if used is None else used, rows, cols,
                              codes3.stride(0), codes3.stride(1), scale3.stride(0), scale3.stride(1),
                              out3.stride(0), out3.stride(1), block_rows=block[0], block_cols=block[1],
