@@ -1,6 +1,6 @@
 """An FP8 base's weights kept in FP8 in memory, each decoder layer's dequantized for its forward.
 
-A block-wise FP8 base (`model.quantized`, the family's layout) read dequantized holds every weight
+A block-wise FP8 base (`occamy_mtp.model.quantized`, the family's layout) read dequantized holds every weight
 in `model.dtype`: 64.6 GiB in bf16 at real size. Kept in FP8, its decoder layers' quantized weights
 stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight), and the
 weights a layer computes with are written into one buffer in `model.dtype` just before the layer
@@ -13,9 +13,12 @@ times its block's multiplier in float32, rounded once to `model.dtype` (`quantiz
 then the load's cast). So everything the base computes is unchanged; only memory and time differ
 (tests/test_fp8_weights.py; bench/RESULTS.md, "An FP8 base kept in FP8").
 
-`materialize(layer)` writes a layer's weights. A forward pre-hook calls it for transformers' own
-forward; the fast paths, which unroll the decoder layer, call it themselves (`fastbase.decoder_layer`).
-The write is a fixed sequence of kernels on fixed buffers, so a CUDA graph captures it with the layer.
+`materialize(layer, experts=False)` writes a layer's weights but its routed experts', when the layer
+starts; `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
+router chose, once it has. Forward pre-hooks on the layer and its experts module call them for
+transformers' own forward; the fast paths, which unroll the layer, call them themselves
+(`fastbase.decoder_layer`, `fastbase.grouped_experts`). The write is a fixed sequence of kernels on
+fixed buffers, its mask of experts made on the device, so a CUDA graph captures it with the layer.
 On CUDA it is one Triton kernel a weight part (`_dequantize_kernel`), elsewhere the plain reference.
 """
 
