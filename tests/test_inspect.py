@@ -232,6 +232,13 @@ def test_reports_a_quantized_base_and_what_it_takes_in_memory(tiny_checkpoint, t
             assert "kept_in_fp8_gib" not in memory and memory["dequantized_gib"] == pytest.approx(measured, rel=1e-12)
     capsys.readouterr()
     assert main([str(tmp_path / "fp8")]) == 0 and "with its layers kept in FP8" in capsys.readouterr().out
+    # ModelOpt's scheme declared in hf_quant_config.json alone, config.json without a quantization_config
+    raw = json.loads((tmp_path / "nvfp4" / "config.json").read_text())
+    del raw["quantization_config"]
+    (tmp_path / "nvfp4" / "config.json").write_text(json.dumps(raw))
+    code, report = run_json(capsys, tmp_path / "nvfp4")
+    assert code == 0 and report["quantization"]["scheme"] == "nvfp4"
+    assert report["quantization"]["declared_in"].endswith("hf_quant_config.json")
 
     broken = tmp_path / "broken"
     shutil.copytree(tmp_path / "fp8", broken)

@@ -208,8 +208,9 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
         problems.append(str(err))
     else:
         scheme = getattr(readable, "scheme", None)
-        if scheme is not None:
-            report["quantization"]["scheme"] = scheme.kind
+        if scheme is not None:  # declared in config.json, or in ModelOpt's hf_quant_config.json alone
+            declared = report["quantization"] or {"quant_method": None, "quant_algo": None}
+            report["quantization"] = {**declared, "scheme": scheme.kind, "declared_in": scheme.source}
             notes.append(f"quantized base ({scheme.kind}{' in blocks of %d x %d' % scheme.block if scheme.kind == FP8 else ''}): "
                          "read as the frozen base; assembly keeps the head out of the quantization")
         problems += _check_base(readable, base)
@@ -266,7 +267,7 @@ def format_report(report: dict) -> str:
         row("experts", f"{d['num_experts']} routed, top-{d['num_experts_per_tok']}, intermediate "
             f"{d['moe_intermediate_size']}; shared expert {d['shared_expert_intermediate_size']}")
         q = report["quantization"]
-        row("quantization", "none" if q is None else f"{q['quant_method']} {q['quant_algo'] or ''}".rstrip())
+        row("quantization", "none" if q is None else q.get("scheme") or f"{q['quant_method']} {q['quant_algo'] or ''}".rstrip())
         row("base parameters", _count(report["base_parameters"]))
         row("head parameters", f"{_count(report['head_parameters'])} "
             f"({report['head_bytes_bf16'] / 2**20:,.1f} MiB in bf16), trainable {_count(report['trainable_parameters'])}")
