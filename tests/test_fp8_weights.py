@@ -287,9 +287,22 @@ def test_the_compiled_kernel_writes_the_reference_s_weights_on_the_gpu(dtype):
 
 @pytest.mark.gpu
 def test_the_base_kept_in_fp8_on_the_gpu_computes_what_the_dequantized_base_computes(bases):
+    """On the card: transformers' forward, the static decoder (its steps captured in a CUDA graph, the
+    writes and the experts' mask inside) and the packed pass, against the base read dequantized."""
+    from occamy_mtp.base.fastbase import FastBasePass
+    from occamy_mtp.base.fastdecode import fast_greedy_generate
+
     kept = ckpt_io.load_base(bases["fp8"], dtype=torch.bfloat16, device="cuda")  # auto: kept in FP8 on CUDA
     dequantized = ckpt_io.load_base(bases["fp8"], dtype=torch.bfloat16, device="cuda", fp8_weights="dequantized")
     assert all(hasattr(layer, fp8_weights.ATTRIBUTE) for layer in kept.model.layers)
     ids = torch.randint(0, 1024, (2, 30), generator=torch.Generator().manual_seed(8)).cuda()
     with torch.no_grad():
         assert torch.equal(kept(input_ids=ids).logits, dequantized(input_ids=ids).logits)
+    prompts = [ids[0, :9].tolist(), ids[1, :14].tolist()]
+    decoded = [fast_greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2, cuda_graph=True)
+               for m in (kept, dequantized)]
+    assert decoded[0] == decoded[1]
+    windows = [ids[0].tolist(), ids[1, :21].tolist()]
+    passes = [FastBasePass(m, max_tokens_per_batch=64)(windows) for m in (kept, dequantized)]
+    for a, b in zip(*passes):
+        assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)

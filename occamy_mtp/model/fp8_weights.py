@@ -95,7 +95,7 @@ class Fp8Layer:
         experts = stacks[0].codes.shape[0]
         with torch.no_grad():
             used = torch.zeros(experts + 1, dtype=torch.int32, device=top_k_index.device)
-            used[top_k_index.reshape(-1).clamp(max=experts)] = 1
+            used.scatter_(0, top_k_index.reshape(-1).long().clamp(max=experts), 1)  # a scatter: no sync, captured
             for weight in stacks:
                 weight.write(used[:experts])
 
