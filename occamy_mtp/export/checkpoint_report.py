@@ -223,7 +223,7 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
 
 
 def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
-    """GiB the base's text weights take in memory in bf16, from the headers: dequantized, and for an
+    """Bytes the base's text weights take in memory in bf16, from the headers: dequantized, and for an
     FP8 base with its decoder layers kept in FP8 (`model.fp8_weights`, the default on a GPU): their
     quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer the layers'
     weights are written into (the largest layer's)."""
@@ -231,7 +231,7 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     keys = [k for k in ckpt.keys() if k == "lm_head.weight" or (
         k.startswith(prefix) and not k.startswith((ckpt_io.VISION_PREFIX, ckpt_io.HEAD_PREFIX)))]
     elements = {k: math.prod(ckpt.shape(k)) for k in keys}
-    memory = {"dequantized_gib": sum(elements.values()) * dtype_bytes / GIB}
+    memory = {"dequantized_bytes": sum(elements.values()) * dtype_bytes}
     if getattr(ckpt, "scheme", None) is None or ckpt.scheme.kind != FP8:
         return memory
     layers = prefix + "layers."
@@ -241,8 +241,12 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
         per_layer[int(key[len(layers):].split(".")[0])] += elements[key]
     held = (sum(ckpt.stored_bytes(k) for k in kept) + (sum(elements.values()) - sum(elements[k] for k in kept)) * dtype_bytes
             + max(per_layer.values(), default=0) * dtype_bytes)
-    memory["kept_in_fp8_gib"] = held / GIB
+    memory["kept_in_fp8_bytes"] = held
     return memory
+
+
+def _size(count: int) -> str:
+    return f"{count / GIB:,.2f} GiB" if count >= GIB else f"{count / 2**20:,.2f} MiB"
 
 
 def _count(n: int | None) -> str:
@@ -277,9 +281,9 @@ def format_report(report: dict) -> str:
             f"({ckpt['text_prefix']}*; {ckpt['vision_tensors']} vision tensors, not loaded)")
     memory = report.get("base_memory")
     if memory:
-        row("base in memory", f"{memory['dequantized_gib']:,.2f} GiB in bf16" + (
-            f"; {memory['kept_in_fp8_gib']:,.2f} GiB with its layers kept in FP8 (model.fp8_weights)"
-            if "kept_in_fp8_gib" in memory else ""))
+        row("base in memory", f"{_size(memory['dequantized_bytes'])} in bf16" + (
+            f"; {_size(memory['kept_in_fp8_bytes'])} with its layers kept in FP8 (model.fp8_weights)"
+            if "kept_in_fp8_bytes" in memory else ""))
     mtp = report.get("mtp")
     if mtp and mtp["present"] is not None:
         row("mtp head", (f"present, {mtp['expert_layout'] or 'unknown'} expert layout, {mtp['tensors']:,} tensors "
