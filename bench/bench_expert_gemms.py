@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import copy_bandwidth  # noqa: E402
 
 from occamy_mtp.base import moe_kernels  # noqa: E402
+from report import write_report
 
 
 def grouped_mm_mlp(x, rows, offsets, gate_up_proj, down_proj):
@@ -120,9 +121,7 @@ def main() -> int:
         for blocks in parse_blocks(args.down_blocks):
             run(f"expert_mlp down={blocks}", lambda *a, b=blocks: moe_kernels.expert_mlp(*a, down_blocks=b))
         result["rows"].append(row)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_report(result, args.out, printed=False)
     return 0
 
 

@@ -22,6 +22,7 @@ import torch
 
 from occamy_mtp.model.fp8_weights import dequantize_into
 from occamy_mtp.model.quantized import FP8_MAX
+from report import write_report
 
 
 def main() -> int:
@@ -78,10 +79,7 @@ def main() -> int:
                  "bound_ms": moved / (args.bandwidth_gbs * 1e9) * 1e3, "achieved_gbs": moved / median / 1e9}
         result["writes"].append(entry)
         print(json.dumps(entry), flush=True)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_report(result, args.out)
     return 0
 
 

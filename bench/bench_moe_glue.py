@@ -26,6 +26,7 @@ import torch
 
 from occamy_mtp.base import fastbase
 from occamy_mtp.base import moe_kernels
+from report import write_report
 
 
 def block_of_real_width(device):
@@ -102,10 +103,7 @@ def main() -> int:
         torch.randn(8, 1).bfloat16())]
     result["combine_launch_ms"] = launch_ms(lambda: moe_kernels.combine(*tiny), calls=200)
     result["torch_add_launch_ms"] = launch_ms(lambda: tiny[3] + tiny[3], calls=200)
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_report(result, args.out, indent=1)
     return 0
 
 

@@ -46,6 +46,7 @@ from occamy_mtp.model.sharding import Sharding, placement, shard
 from occamy_mtp.targets.base import OnlineTargets
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train.loop import as_served, head_autocast, train_step
+from report import write_report
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 GIB = 2**30
@@ -179,10 +180,7 @@ def main() -> int:
         peaks = [result["train_step"]["peak_gib"], result["selection"]["peak_gib"], *[d["peak_gib"] for d in result["decode"]]]
         result["peak_gib"] = max(peaks)
         result["peak_under_cap"] = result["peak_gib"] < args.memory_cap_gib
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_report(result, args.out)
     return 0
 
 

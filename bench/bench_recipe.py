@@ -84,6 +84,7 @@ from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.testing.quantize import keep_in_fp8
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
+from report import write_report
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
@@ -476,10 +477,7 @@ def main() -> int:
         result["memory_cap_gib"] = args.memory_cap_gib or None
         result["peak_under_cap"] = None if not args.memory_cap_gib else result["whole_peak_gib"] < args.memory_cap_gib
     result["workdir"] = str(workdir)
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_report(result, args.out)
     return 0
 
 

@@ -40,6 +40,7 @@ from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.base import fastdecode
 from occamy_mtp.selfgen.store import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
+from report import write_report
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 
@@ -158,9 +159,7 @@ def main() -> int:
                     "pieces": timers.report(), "base_forwards": forwards,
                     "ms_per_base_forward": 1e3 * timers.seconds.get("base_runner.forward", 0.0) / max(forwards, 1)}
                 print(f"{name}: {json.dumps(result[name])}", flush=True)
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_report(result, args.out, printed=False)
     return 0
 
 
