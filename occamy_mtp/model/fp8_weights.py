@@ -39,6 +39,7 @@ ATTRIBUTE = "occamy_fp8_weights"
 """A decoder layer holding its weights in FP8 carries its `Fp8Layer` under this name."""
 MODES = ("auto", "fp8", "dequantized")
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a fused experts module's (E, rows, cols) parameters
+ALIGN_ELEMENTS = 64  # each weight's view starts at a multiple of this many elements of the buffer (128 bytes in bf16)
 REFERENCE_CHUNK_ELEMENTS = 2**24  # the reference dequantizes an expert stack this many elements at a time (64 MiB of fp32)
 
 
@@ -135,7 +136,7 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
     The buffer starts as zeros: nothing is computed before a write."""
     codes = {name: value[0] for name, value in held.items()}
     device = next(iter(codes.values())).device
-    need = sum(c.numel() for c in codes.values())
+    need = _aligned_size([c.numel() for name, c in sorted(codes.items())])
     shared = buffers.setdefault((dtype, str(device)), {"buffer": torch.zeros(0, dtype=dtype, device=device), "layers": []})
     if shared["buffer"].numel() < need:
         shared["buffer"] = torch.zeros(need, dtype=dtype, device=device)
@@ -163,10 +164,21 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
     return kept
 
 
+def _aligned_size(sizes: list[int]) -> int:
+    """Elements a layer's weights of `sizes` take laid out one after another, each from a multiple of
+    `ALIGN_ELEMENTS` (the grouped GEMMs want their operands 16-byte aligned; every weight here has the
+    hidden size as a dimension, so at real sizes nothing is padded)."""
+    end = 0
+    for size in sizes:
+        end = -(-end // ALIGN_ELEMENTS) * ALIGN_ELEMENTS + size
+    return end
+
+
 def _view_into(kept: Fp8Layer, buffer: torch.Tensor) -> None:
-    """Point `kept`'s parameters at consecutive views of `buffer`, from its start."""
+    """Point `kept`'s parameters at consecutive views of `buffer`, from its start, each aligned."""
     offset = 0
     for weight in kept.weights:
+        offset = -(-offset // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
         view = buffer[offset:offset + weight.codes.numel()].view(weight.codes.shape)
         weight.module._parameters[weight.name] = torch.nn.Parameter(view, requires_grad=False)
         offset += weight.codes.numel()
