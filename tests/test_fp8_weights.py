@@ -83,22 +83,22 @@ def test_the_kernel_writes_the_reference_s_weights_bit_for_bit(interpreted, dtyp
 
 
 @pytest.mark.parametrize("where", ["kernel", "reference"])
-def test_only_the_routed_experts_are_written(interpreted, where):
+def test_only_the_routed_experts_are_written(request, where):
     """With `used`, a stack's slices it marks are written, the others keep what they held (and the
-    kernel reads none of their codes: a masked load)."""
+    kernel reads none of their codes: a masked load); the reference runs where the kernel cannot."""
+    module = request.getfixturevalue("interpreted") if where == "kernel" else fp8_weights
+    assert module._kernel_runs(torch.empty(0)) == (where == "kernel")
     codes, scale = _codes((5, 24, 40), seed=3)
     used = torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32)
     out = torch.full((5, 24, 40), float("nan"), dtype=torch.bfloat16)
-    if where == "kernel":
-        interpreted.dequantize_into(out, codes, scale, BLOCK, used)
-    else:
-        fp8_weights.dequantize_into(out, codes, scale, BLOCK, used)
-    reference = fp8_weights.dequantize_reference(codes, scale, BLOCK, torch.bfloat16)
+    module.dequantize_into(out, codes, scale, BLOCK, used)
+    reference = module.dequantize_reference(codes, scale, BLOCK, torch.bfloat16)
     assert torch.equal(out[[0, 3]], reference[[0, 3]])
     assert bool(out[[1, 2, 4]].isnan().all())
 
 
 def test_the_reference_writes_an_expert_stack_a_slice_at_a_time(monkeypatch):
+    assert not fp8_weights._kernel_runs(torch.empty(0))  # on the CPU without the interpreter: the reference
     codes, scale = _codes((5, 20, 33), seed=4)
     monkeypatch.setattr(fp8_weights, "REFERENCE_CHUNK_ELEMENTS", 1000)  # two experts a slice, and a last one alone
     out = torch.empty(5, 20, 33, dtype=torch.bfloat16)
