@@ -133,6 +133,7 @@ class DataSettings:
 
 TURN_CHOICES = ("last", "first", "every")
 THINKING_CHOICES = ("auto", "on", "off")
+FP8_WEIGHTS_CHOICES = ("auto", "fp8", "dequantized")  # model.fp8_weights (`model.fp8_weights.keeps_fp8`)
 # Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
 _SWITCHES = ("data.thinking",)
 
@@ -553,7 +554,8 @@ def check(config: RunConfig) -> None:
     checks = [
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
-        (config.model.fp8_weights in ("auto", "fp8", "dequantized"), "model.fp8_weights", "auto, fp8 or dequantized"),
+        (config.model.fp8_weights in FP8_WEIGHTS_CHOICES, "model.fp8_weights", ", ".join(FP8_WEIGHTS_CHOICES[:-1]) + " or "
+         + FP8_WEIGHTS_CHOICES[-1]),
         (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
         (config.data.thinking in THINKING_CHOICES, "data.thinking", ", ".join(THINKING_CHOICES[:-1]) + " or "
          + THINKING_CHOICES[-1]),

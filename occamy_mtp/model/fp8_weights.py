@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from occamy_mtp.config import FP8_WEIGHTS_CHOICES as MODES
+
 try:
     import triton
     import triton.language as tl
@@ -37,7 +39,6 @@ except ImportError:  # CPU-only installs: the reference below still works
 
 ATTRIBUTE = "occamy_fp8_weights"
 """A decoder layer holding its weights in FP8 carries its `Fp8Layer` under this name."""
-MODES = ("auto", "fp8", "dequantized")
 EXPERT_STACKS = ("gate_up_proj", "down_proj")  # a fused experts module's (E, rows, cols) parameters
 ALIGN_ELEMENTS = 64  # each weight's view starts at a multiple of this many elements of the buffer (128 bytes in bf16)
 REFERENCE_CHUNK_ELEMENTS = 2**24  # the reference dequantizes an expert stack this many elements at a time (64 MiB of fp32)
