@@ -1,4 +1,5 @@
-"""The frozen base sharded over a launch's processes (FSDP2, `occamy_mtp.model.sharding`).
+"""The frozen base sharded over a launch's processes (FSDP2 or DeepSpeed ZeRO-3,
+`occamy_mtp.model.sharding`).
 
 What `accelerate launch --config_file` writes into the environment is read once, by the
 command, and a setting that conflicts with the recipe is one line with exit status 2 before
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from occamy_mtp.config import ConfigError
-from occamy_mtp.model.sharding import Sharding, from_launch
+from occamy_mtp.model.sharding import FSDP2 as FSDP2_ENGINE
+from occamy_mtp.model.sharding import ZERO3, Sharding, from_launch
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
@@ -26,18 +28,32 @@ ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
 def launch_environment(config_file: Path) -> tuple[dict, int]:
     """The environment `accelerate launch --config_file FILE` gives its processes, and their number."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_multi_gpu_env
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(["--config_file", str(config_file), "train.py"])
-    args, _, _ = _validate_launch_command(args)
+    args, defaults, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command sets it
+        return prepare_deepspeed_cmd_env(args)[1], args.num_processes
     return prepare_multi_gpu_env(args), args.num_processes
 
 
-@pytest.mark.parametrize("name, offload, processes", [("fsdp2.yaml", False, 2), ("fsdp2-offload.yaml", True, 1)])
-def test_the_shipped_accelerate_configs_ask_for_what_the_docs_say(name, offload, processes):
+@pytest.mark.parametrize("name, sharding, processes", [
+    ("fsdp2.yaml", Sharding(), 2),
+    ("fsdp2-offload.yaml", Sharding(offload=True), 1),
+    ("deepspeed-zero3.yaml", Sharding(engine=ZERO3), 2),
+    ("deepspeed-zero3-offload.yaml", Sharding(offload=True, engine=ZERO3), 1),
+    ("deepspeed-zero2.yaml", None, 2),  # ZeRO-2 partitions optimizer states and gradients: the base has none
+])
+def test_the_shipped_accelerate_configs_ask_for_what_the_docs_say(name, sharding, processes):
     environ, launched = launch_environment(ACCELERATE_CONFIGS / name)
-    assert from_launch(environ) == Sharding(offload=offload)
+    assert from_launch(environ) == sharding
     assert launched == processes
+
+
+def test_every_shipped_accelerate_config_is_checked():
+    tested = {"fsdp2.yaml", "fsdp2-offload.yaml", "deepspeed-zero3.yaml", "deepspeed-zero3-offload.yaml", "deepspeed-zero2.yaml"}
+    assert {path.name for path in ACCELERATE_CONFIGS.glob("*.yaml")} == tested
 
 
 def test_a_plain_launch_leaves_the_base_whole():
@@ -46,14 +62,55 @@ def test_a_plain_launch_leaves_the_base_whole():
 
 
 FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+DEEPSPEED = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
 CONFLICTS = [
-    ({"ACCELERATE_USE_DEEPSPEED": "true"}, r"distributed_type DEEPSPEED is not supported: .*fsdp2.yaml"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
+     r"deepspeed_config.offload_optimizer_device is cpu; .*compiled cpu_adam op. Set it to none"),
     ({**FSDP2, "FSDP_VERSION": "1"}, r"fsdp_config.fsdp_version is 1; .*set fsdp_version: 2"),
     ({**FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "false"}, r"fsdp_reshard_after_forward is false, .*the whole base in every process"),
     ({**FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"}, r"fsdp_activation_checkpointing is true, .*Set it to false"),
     ({**FSDP2, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"}, r"gradient_accumulation_steps is 4; .*train.windows_per_step"),
     ({"ACCELERATE_MIXED_PRECISION": "bf16"}, r"mixed_precision is bf16; .*model.dtype .*train.dtype"),
+    ({**DEEPSPEED, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}, r"gradient_accumulation_steps is 2; "),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"}, r"deepspeed_config.zero_stage is 4; expected 0, 1, 2 or 3"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"},
+     r"offload_param_device is nvme; .*compiled async_io op"),
+    ({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu"},
+     r"offload_param_device is cpu with zero_stage 2; .*only at stage 3"),
+    ({**DEEPSPEED, "ACCELERATE_GRADIENT_CLIPPING": "1.0"}, r"gradient_clipping is 1.0; .*train.grad_clip_norm"),
 ]
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, r"offload_optimizer_device is cpu"),
+    ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, r"bf16.enabled is True; the run config sets the dtypes"),
+    ({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 8}, r"gradient_accumulation_steps is 8"),
+    ({"zero_optimization": {"stage": 3}, "gradient_clipping": 0.5}, r"gradient_clipping is 0.5"),
+    ({"zero_optimization": "three"}, r"zero_optimization is 'three'; expected an object"),
+    ("[1, 2]", r"expected a JSON object of DeepSpeed settings"),
+    ("{\n  \"zero_optimization\": {\n}}}", r"line 3: not JSON"),
+])
+def test_a_deepspeed_config_file_that_conflicts_with_the_recipe_is_named(tmp_path, settings, message):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(settings if isinstance(settings, str) else json.dumps(settings))
+    with pytest.raises(ConfigError, match=rf"^{path}: .*{message}"):
+        from_launch({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)})
+
+
+def test_a_deepspeed_config_file_is_read_for_the_stage_and_the_offload(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    environ = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)}
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}}))
+    assert from_launch(environ) == Sharding(offload=True, engine=ZERO3)
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    assert from_launch(environ) is None
+    with pytest.raises(ConfigError, match=f"deepspeed_config_file {tmp_path / 'missing.json'} cannot be read"):
+        from_launch({**environ, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "missing.json")})
 
 
 @pytest.mark.parametrize("environ, message", CONFLICTS)
@@ -62,7 +119,7 @@ def test_a_launch_that_conflicts_with_the_recipe_is_named(environ, message):
         from_launch(environ)
 
 
-@pytest.mark.parametrize("environ, message", CONFLICTS[:2])
+@pytest.mark.parametrize("environ, message", [CONFLICTS[0], CONFLICTS[1], CONFLICTS[-1]])
 def test_the_train_command_refuses_a_conflicting_launch_at_once_and_writes_nothing(monkeypatch, tmp_path, capsys,
                                                                                     environ, message):
     from occamy_mtp.commands.train import main
@@ -107,7 +164,8 @@ def one_process_group():
         dist.destroy_process_group()
 
 
-def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(single_thread, one_process_group):
+@pytest.mark.parametrize("engine", [FSDP2_ENGINE, ZERO3])
+def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(single_thread, one_process_group, engine):
     import copy
 
     from occamy_mtp.base.generate import greedy_generate
@@ -120,11 +178,18 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
 
     whole, _ = random_models(tiny_text_config(), seed=3)
     whole = whole.float().eval().requires_grad_(False)
-    sharded = shard(copy.deepcopy(whole), Sharding(offload=True), torch.device("cpu"))  # offload: nothing to do on a CPU
-    assert all(isinstance(p, DTensor) for layer in sharded.model.layers for p in layer.parameters())
-    assert not isinstance(sharded.lm_head.weight, DTensor) and not isinstance(sharded.model.embed_tokens.weight, DTensor)
-    assert placement(sharded) == {"sharded_over": 1, "offload": False} and placement(whole) == {"sharded_over": 0, "offload": False}
-    assert described(sharded) == "its decoder layers sharded over 1 process (FSDP2), on cpu"  # offload means nothing here
+    sharded = shard(copy.deepcopy(whole), Sharding(offload=True, engine=engine), torch.device("cpu"))  # offload: nothing to do on a CPU
+    if engine == FSDP2_ENGINE:
+        assert all(isinstance(p, DTensor) for layer in sharded.model.layers for p in layer.parameters())
+        assert not isinstance(sharded.lm_head.weight, DTensor) and not isinstance(sharded.model.embed_tokens.weight, DTensor)
+    else:  # partitioned: between forwards a layer's parameters hold nothing, their partitions all of it (one process)
+        assert all(p.numel() == 0 and p.ds_tensor.numel() >= p.ds_numel for p in sharded.model.layers.parameters())
+        assert [p.ds_tensor.dtype for p in sharded.model.layers.parameters()] == [p.dtype for p in whole.model.layers.parameters()]
+        assert not hasattr(sharded.lm_head.weight, "ds_tensor") and sharded.lm_head.weight.numel() > 0
+    assert placement(sharded) == {"sharded_over": 1, "offload": False, "engine": engine}
+    assert placement(whole) == {"sharded_over": 0, "offload": False, "engine": None}
+    name = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}[engine]
+    assert described(sharded) == f"its decoder layers sharded over 1 process ({name}), on cpu"  # offload means nothing here
     assert fast_paths(whole.config) and not fast_paths(sharded.config)
 
     generator = torch.Generator().manual_seed(0)

@@ -109,17 +109,17 @@ def train(plan: Plan, resume: bool = False, sharding: Sharding | None = None) ->
 
 @contextlib.contextmanager
 def head_only():
-    """accelerate for the head alone, whatever the launch: an FSDP launch shards the frozen base
-    (`model.sharding`, read by the command from the same environment), while the head (8.4M
-    trainable parameters) stays whole under DDP, so that its checkpoints are plain tensors that
-    load without FSDP. accelerate reads ACCELERATE_USE_FSDP when its state is first made, so it is
-    hidden for that moment."""
-    hidden = os.environ.pop("ACCELERATE_USE_FSDP", None)
+    """accelerate for the head alone, whatever the launch: an FSDP or DeepSpeed launch shards the
+    frozen base (`model.sharding`, read by the command from the same environment), while the head
+    (8.4M trainable parameters) stays whole under DDP, so that its checkpoints are plain tensors
+    that load without FSDP or DeepSpeed. accelerate reads ACCELERATE_USE_FSDP and
+    ACCELERATE_USE_DEEPSPEED when its state is first made, so they are hidden for that moment."""
+    hidden = {name: os.environ.pop(name) for name in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+              if name in os.environ}
     try:
         yield
     finally:
-        if hidden is not None:
-            os.environ["ACCELERATE_USE_FSDP"] = hidden
+        os.environ.update(hidden)
 
 
 def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict | None = None,
