@@ -2,11 +2,13 @@
 
     PYTHONPATH=/tmp/site:. python3 bench/bench_offload.py --placement offload --memory-cap-gib 40 --out $OUT/offload-40.json
     PYTHONPATH=/tmp/site:. python3 bench/bench_offload.py --placement resident --out $OUT/resident.json
+    PYTHONPATH=/tmp/site:. python3 bench/bench_offload.py --placement offload --engine deepspeed-zero3 --out $OUT/zero3.json
     PYTHONPATH=. python3 bench/bench_offload.py --tiny --device cpu --placement offload      # a smoke run of the same code
 
 A random-weight Qwen3.5-35B-A3B-shaped base (64.6 GiB in bf16) and head are built on the GPU
 (values do not change speed or memory). With `--placement offload` the base is then placed as
-`configs/accelerate/fsdp2-offload.yaml` places it (`model.sharding.shard`, one process): its
+`configs/accelerate/fsdp2-offload.yaml` places it (`model.sharding.shard`, one process; with
+`--engine deepspeed-zero3`, as `deepspeed-zero3-offload.yaml` does): its
 decoder layers' weights move to pinned host memory and each is copied to the card for its
 forward; the embedding, final norm and lm_head stay on the card. Only then is the memory cap set
 (`--memory-cap-gib`, `torch.cuda.set_per_process_memory_fraction`), and the peaks reset: a run
@@ -42,7 +44,7 @@ from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.evaluate import served_acceptance
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
-from occamy_mtp.model.sharding import Sharding, placement, shard
+from occamy_mtp.model.sharding import FSDP2, ZERO3, Sharding, placement, shard
 from occamy_mtp.targets.base import OnlineTargets
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train.loop import as_served, head_autocast, train_step
@@ -77,6 +79,9 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--placement", choices=("offload", "resident"), default="offload")
+    parser.add_argument("--engine", choices=(FSDP2, ZERO3), default=FSDP2,
+                        help="what holds the offloaded layers: FSDP2 (fsdp2-offload.yaml) or DeepSpeed ZeRO-3 "
+                             "(deepspeed-zero3-offload.yaml)")
     parser.add_argument("--memory-cap-gib", type=float, default=0.0, help="set after the base is placed (offload only)")
     parser.add_argument("--windows-per-step", type=int, default=1, help="train.windows_per_step (the recipe's: 1)")
     parser.add_argument("--steps", type=int, default=3)
@@ -102,7 +107,7 @@ def main() -> int:
     build_seconds = time.perf_counter() - started
     started = time.perf_counter()
     if args.placement == "offload":
-        shard(base, Sharding(offload=True), device)
+        shard(base, Sharding(offload=True, engine=args.engine), device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     sync(device)

@@ -15,7 +15,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         .venv/bin/pip install -q torch==2.13.0
     fi
 fi
-needs="occamy_mtp, transformers, accelerate, pytest, xdist"
+needs="occamy_mtp, transformers, accelerate, pytest, xdist, deepspeed"
 if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then needs="$needs, triton"; fi
 if ! .venv/bin/python -c "import $needs" 2>/dev/null; then
     .venv/bin/pip install -q -e ".[test]"

@@ -236,8 +236,8 @@ def launch(args: list[str], launcher: list[str], background: bool = False):
 
 
 PLAIN_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-FSDP2 = ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp2.yaml")]
-FSDP2_OFFLOAD = ["--config_file", str(REPO / "configs" / "accelerate" / "fsdp2-offload.yaml")]
+def accelerate_config(name: str) -> list[str]:
+    return ["--config_file", str(REPO / "configs" / "accelerate" / name)]
 
 
 @pytest.fixture(scope="module")
@@ -254,22 +254,25 @@ def test_two_process_cpu_run(two_processes):
     summary = json.loads((two_processes / "train-summary.json").read_text())
     assert summary["processes"] == 2
     assert summary["steps"] == 24  # 12 windows, 2 a step (one on each process), 4 epochs
-    assert summary["base_placement"] == {"sharded_over": 0, "offload": False}
+    assert summary["base_placement"] == {"sharded_over": 0, "offload": False, "engine": None}
     tensors = load_file(two_processes / "trained-tensors.safetensors")
     assert set(tensors) == {k[len("mtp."):] for k in TRAINED}
 
 
-def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(models, two_processes, tmp_path):
-    """configs/accelerate/fsdp2.yaml over 2 processes, killed after its first checkpoint and resumed, then
-    exported by one process through fsdp2-offload.yaml: the plain 2-process run's head, continuations
-    and metrics."""
+@pytest.mark.parametrize("engine, sharded, exported", [("fsdp2", "fsdp2.yaml", "fsdp2-offload.yaml"),
+                                                        ("deepspeed-zero3", "deepspeed-zero3.yaml", "deepspeed-zero3-offload.yaml")])
+def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(models, two_processes, tmp_path, engine, sharded,
+                                                                           exported):
+    """configs/accelerate/fsdp2.yaml (or deepspeed-zero3.yaml) over 2 processes, killed after its first
+    checkpoint and resumed, then exported by one process through fsdp2-offload.yaml (deepspeed-zero3-offload.yaml):
+    the plain 2-process run's head, continuations and metrics."""
     config = write_config(tmp_path / "fsdp.yaml", models, tmp_path / "fsdp", data=TWO_PROCESS_DATA, **TWO_PROCESS_STEPS)
-    process = launch(["train.py", "--config", str(config)], FSDP2, background=True)
+    process = launch(["train.py", "--config", str(config)], accelerate_config(sharded), background=True)
     kill_after_first_checkpoint(process, tmp_path / "fsdp")
-    ok(launch(["train.py", "--config", str(config), "--resume"], FSDP2))
+    ok(launch(["train.py", "--config", str(config), "--resume"], accelerate_config(sharded)))
 
     summary = json.loads((tmp_path / "fsdp" / "train-summary.json").read_text())
-    assert summary["processes"] == 2 and summary["base_placement"] == {"sharded_over": 2, "offload": False}
+    assert summary["processes"] == 2 and summary["base_placement"] == {"sharded_over": 2, "offload": False, "engine": engine}
     plain = json.loads((two_processes / "train-summary.json").read_text())
     assert [s["score"] for s in summary["selection"]["history"]] == [s["score"] for s in plain["selection"]["history"]]
     for store in sorted((two_processes / "self-generated").rglob("self-generated.jsonl")):
@@ -281,10 +284,22 @@ def test_a_sharded_base_trains_resumes_and_exports_what_the_whole_one_does(model
     for key in a:  # the same arithmetic in the same order: equal, not merely close
         assert torch.equal(a[key], b[key]), f"{key} differs from the plain run's"
 
-    ok(launch(["export.py", "--config", str(config), "--allow-worse"], FSDP2_OFFLOAD))
+    ok(launch(["export.py", "--config", str(config), "--allow-worse"], accelerate_config(exported)))
     mine = json.loads((tmp_path / "fsdp" / "TRAINING.json").read_text())["metrics"]
     theirs = json.loads((two_processes / "TRAINING.json").read_text())["metrics"]
     assert without_timings(mine) == without_timings(theirs)
+
+
+def test_a_zero2_launch_trains_what_the_plain_one_does(models, two_processes, tmp_path):
+    """configs/accelerate/deepspeed-zero2.yaml: ZeRO-2 partitions optimizer states and gradients, which the
+    frozen base has none of, so the base stays whole in each process and the run is the plain one."""
+    config = write_config(tmp_path / "zero2.yaml", models, tmp_path / "zero2", data=TWO_PROCESS_DATA, **TWO_PROCESS_STEPS)
+    ok(launch(["train.py", "--config", str(config)], accelerate_config("deepspeed-zero2.yaml")))
+    summary = json.loads((tmp_path / "zero2" / "train-summary.json").read_text())
+    assert summary["processes"] == 2 and summary["base_placement"] == {"sharded_over": 0, "offload": False, "engine": None}
+    a = load_file(two_processes / "trained-tensors.safetensors")
+    b = load_file(tmp_path / "zero2" / "trained-tensors.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[key], b[key]) for key in a)
 
 
 def without_timings(value):
