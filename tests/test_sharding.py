@@ -246,9 +246,11 @@ def test_the_processes_of_a_sharded_base_agree_and_an_unsharded_one_decides_alon
 
 
 @pytest.mark.gpu
-def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_computes(one_process_group):
-    """fsdp2-offload.yaml's placement on one card: the decoder layers' weights in pinned host memory,
-    each copied to the card for its forward; the copy is exact, so are the outputs."""
+@pytest.mark.parametrize("engine", [FSDP2_ENGINE, ZERO3])
+def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_computes(one_process_group, engine):
+    """fsdp2-offload.yaml's (deepspeed-zero3-offload.yaml's) placement on one card: the decoder layers'
+    weights in pinned host memory, each copied to the card for its forward; the copy is exact, so are
+    the outputs."""
     import copy
 
     from occamy_mtp.base.generate import greedy_generate
@@ -259,11 +261,13 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     cuda = torch.device("cuda")
     whole, _ = random_models(tiny_text_config(), seed=3)
     whole = whole.eval().requires_grad_(False)  # bf16, as a run holds it
-    held = shard(copy.deepcopy(whole), Sharding(offload=True), cuda)
+    held = shard(copy.deepcopy(whole), Sharding(offload=True, engine=engine), cuda)
     whole = whole.to(cuda)
-    assert placement(held) == {"sharded_over": 1, "offload": True}
-    assert described(held) == "its decoder layers sharded over 1 process (FSDP2), in host memory, a layer copied to the card for its forward"
-    assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in held.model.layers.parameters())
+    assert placement(held) == {"sharded_over": 1, "offload": True, "engine": engine}
+    name = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}[engine]
+    assert described(held) == f"its decoder layers sharded over 1 process ({name}), in host memory, a layer copied to the card for its forward"
+    local = [p.ds_tensor if engine == ZERO3 else p.to_local() for p in held.model.layers.parameters()]
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in local)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (3, 33), generator=generator).to(cuda)
     a, b = base_outputs(whole, ids), base_outputs(held, ids)
