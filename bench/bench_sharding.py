@@ -90,7 +90,8 @@ def main() -> None:
     config = text_config_from_dict(fields, source=f"bench {args.size}")
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    built = base_model_class(config)._from_config(config, dtype=torch.bfloat16).requires_grad_(False).eval()
+    with torch.device(device):  # on the card where there is one: building full-size layers on a CPU is slow
+        built = base_model_class(config)._from_config(config, dtype=torch.bfloat16).requires_grad_(False).eval()
     ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
 

@@ -186,6 +186,9 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
         assert all(p.numel() == 0 and p.ds_tensor.numel() >= p.ds_numel for p in sharded.model.layers.parameters())
         assert [p.ds_tensor.dtype for p in sharded.model.layers.parameters()] == [p.dtype for p in whole.model.layers.parameters()]
         assert not hasattr(sharded.lm_head.weight, "ds_tensor") and sharded.lm_head.weight.numel() > 0
+        from deepspeed.comm import comm
+
+        assert comm.cdb.shm_comm_op is None  # no compiled op: gloo's collectives, as FSDP2's
     assert placement(sharded) == {"sharded_over": 1, "offload": False, "engine": engine}
     assert placement(whole) == {"sharded_over": 0, "offload": False, "engine": None}
     name = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}[engine]

@@ -212,6 +212,13 @@ def _partition_layer(layer, sharding: Sharding, device: torch.device) -> None:
 
     import deepspeed
 
+    if device.type == "cpu":
+        # Without a GPU, DeepSpeed's communication would compile its shared-memory collective (a C++
+        # op, about 25 s, into ~/.cache) when it starts; marked unavailable, it uses gloo's, as FSDP2
+        # does. DeepSpeed probes its ops' availability once a process and keeps the answer in this dict.
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     process_group(device)
     offload = sharding.offload and device.type == "cuda"
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
