@@ -48,6 +48,11 @@ class ModelSettings:
     each layer's written in `dtype` into one shared buffer just before it runs: about half the
     memory, the same results bit for bit), dequantized (in `dtype`, as they load) or auto (fp8 on a
     CUDA device, dequantized elsewhere). Other bases ignore it; a sharded base is read dequantized."""
+    fp8_activations: str = "bf16"
+    """What a block-wise FP8 base's linear layers take as input: bf16 (the activations as computed:
+    W8A16, the fast paths on) or fp8 (each input quantized per token, per 128 features, as an FP8
+    engine's W8A8 path quantizes it: the served base's arithmetic; transformers' forward, slower).
+    Other bases ignore it."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class DataSettings:
 TURN_CHOICES = ("last", "first", "every")
 THINKING_CHOICES = ("auto", "on", "off")
 FP8_WEIGHTS_CHOICES = ("auto", "fp8", "dequantized")  # model.fp8_weights (`model.fp8_weights.keeps_fp8`)
+FP8_ACTIVATIONS_CHOICES = ("bf16", "fp8")  # model.fp8_activations (`model.quantized.emulate_fp8_activations`)
 # Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
 _SWITCHES = ("data.thinking",)
 
@@ -390,10 +396,10 @@ class RunConfig:
 
 # (section, setting) pairs and serving settings that came after runs were fingerprinted: at their
 # defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
-_LATER_SETTINGS = (("data", "thinking"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
+_LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
                    ("data", "self_generate_repetition_penalty"))
 _LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
-_DEFAULTS = {"data": DataSettings()}
+_DEFAULTS = {"model": ModelSettings(), "data": DataSettings()}
 
 
 def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
@@ -556,6 +562,7 @@ def check(config: RunConfig) -> None:
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
         (config.model.fp8_weights in FP8_WEIGHTS_CHOICES, "model.fp8_weights", ", ".join(FP8_WEIGHTS_CHOICES[:-1]) + " or "
          + FP8_WEIGHTS_CHOICES[-1]),
+        (config.model.fp8_activations in FP8_ACTIVATIONS_CHOICES, "model.fp8_activations", " or ".join(FP8_ACTIVATIONS_CHOICES)),
         (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
         (config.data.thinking in THINKING_CHOICES, "data.thinking", ", ".join(THINKING_CHOICES[:-1]) + " or "
          + THINKING_CHOICES[-1]),

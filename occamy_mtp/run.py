@@ -438,7 +438,7 @@ def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None 
     place_layer = None if sharding is None else functools.partial(shard_layer, sharding=sharding, device=torch.device(device))
     base = ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,
                              attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer,
-                             fp8_weights=model.fp8_weights)
+                             fp8_weights=model.fp8_weights, fp8_activations=model.fp8_activations)
     kept = sum(hasattr(layer, FP8_KEPT) for layer in base.model.layers)
     if kept:
         log(f"base: {kept} decoder layers keep their weights in FP8 (model.fp8_weights {model.fp8_weights}), "

@@ -156,3 +156,14 @@ def test_a_command_line_takes_the_run_config_then_the_overrides(tmp_path):
     config.write_text("data:\n  max_record_bytes: 0\n")
     with pytest.raises(ConfigError, match="data.max_record_bytes"):
         parse(cli, ["--config", str(config)])
+
+
+def test_fp8_activations_change_the_targets_so_the_fingerprint_but_the_default_leaves_it_as_it_was():
+    """model.fp8_activations fp8 changes what the base computes (a resume must refuse it); bf16, the
+    default, leaves the fingerprint of runs trained before the setting existed unchanged."""
+    default = load_config(None)
+    assert "fp8_activations" not in default.fingerprinted()["model"]
+    assert default.fingerprint() == load_config(None, ["model.fp8_activations=bf16"]).fingerprint()
+    assert default.fingerprint() != load_config(None, ["model.fp8_activations=fp8"]).fingerprint()
+    with pytest.raises(ConfigError, match="model.fp8_activations"):
+        load_config(None, ["model.fp8_activations=int8"])

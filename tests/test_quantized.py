@@ -168,9 +168,127 @@ def test_the_emulated_experts_route_and_weigh_as_transformers_does(bases, monkey
     index = torch.stack([torch.randperm(count)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2)
     expected = experts(hidden, index, weights)
-    monkeypatch.setattr(q, "fake_quantize_nvfp4", lambda x, scale: x)
-    emulated = q._emulated_experts(experts, torch.ones(count), torch.ones(count))
+    emulated = q._emulated_experts(experts, [None] * count, [None] * count, lambda x, scale: x)
     assert torch.allclose(emulated(hidden, index, weights), expected, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------
+# FP8 activations (W8A8), emulated: against a plain element-by-element reference
+# ----------------------------------------------------------------------------------
+
+
+def e4m3_round(values: torch.Tensor) -> torch.Tensor:
+    """float64 `values` (|v| <= 448) rounded to the nearest float8_e4m3fn value, ties to the even code,
+    by search in the table of every finite code: the reference, independent of torch's cast."""
+    codes = torch.arange(128, dtype=torch.uint8)  # the non-negative codes; 127 is NaN
+    table = codes.view(torch.float8_e4m3fn).double()[:127]
+    magnitude = values.abs()
+    above = torch.searchsorted(table, magnitude).clamp(max=126)
+    below = (above - 1).clamp(min=0)
+    down, up = table[below], table[above]
+    pick_up = (up - magnitude < magnitude - down) | ((up - magnitude == magnitude - down) & (above % 2 == 0))
+    return torch.where(pick_up, up, down).copysign(values)
+
+
+def reference_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The W8A8 input quantization, one group at a time: scale = max(amax, 1e-10) / 448 (float32),
+    each element x / scale rounded to e4m3 (`e4m3_round`), times the scale."""
+    out = torch.empty_like(x)
+    rows = x.float().reshape(-1, x.shape[-1])
+    flat = out.reshape(-1, x.shape[-1])
+    for r in range(rows.shape[0]):
+        for start in range(0, rows.shape[1], group):
+            part = rows[r, start:start + group]
+            scale = torch.clamp(part.abs().max(), min=1e-10) / 448.0
+            scaled = (part / scale).double()
+            flat[r, start:start + group] = (e4m3_round(scaled).float() * scale).to(x.dtype)
+    return out
+
+
+def test_fp8_activations_quantize_a_group_as_computed_by_hand():
+    # One row of two groups of 4. Group 1: amax 2.0, scale 2/448; 1.0 -> 224 (exact), 0.3 -> 67.2 -> 64
+    # (e4m3 steps by 8 between 64 and 128), -2.0 -> -448. Group 2: all zero -> stays zero.
+    x = torch.tensor([[1.0, 0.3, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    scale = torch.tensor(2.0) / 448.0
+    expected = torch.tensor([[224.0, 64.0, -448.0, 0.0, 0.0, 0.0, 0.0, 0.0]]) * scale
+    assert torch.equal(q.fake_quantize_fp8_groups(x, 4), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_activations_quantize_as_the_element_by_element_reference(dtype):
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 64, generator=generator) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+    x[2, 16:32] = 0.0  # an all-zero group
+    x[3, 5] = 1e4  # a group whose other elements fall to subnormals or zero
+    ties = torch.tensor([1.0, 8.5, 9.5, 448.0])  # with amax 448 the scale is 1: 8.5 and 9.5 are ties (steps of 1 up to 16)
+    x[4, :4] = ties.to(dtype)
+    got = q.fake_quantize_fp8_groups(x, 16)
+    assert torch.equal(got, reference_fp8_groups(x, 16))
+    if dtype == torch.float32:
+        assert got[4, :4].tolist() == [1.0, 8.0, 10.0, 448.0]  # ties to the even code
+
+
+def test_an_fp8_base_quantizes_each_fp8_linear_s_input_as_the_engine_does(bases, monkeypatch):
+    """model.fp8_activations fp8: every FP8 linear's input, and every expert's input and activation,
+    quantized per token in groups of weight_block_size[1] (16 here); the layers the checkpoint keeps in
+    bf16 (routers, norms, lm_head) untouched; the fast paths stand aside."""
+    from occamy_mtp.families import fast_paths
+
+    plain = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32)
+    base = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32, fp8_activations="fp8")
+    assert fast_paths(plain.config) and not fast_paths(base.config)
+    fp8_modules = {name for name, m in base.named_modules() if isinstance(m, torch.nn.Linear) and m._forward_pre_hooks}
+    assert fp8_modules and not any("router" in n or "gate" == n.rsplit(".", 1)[-1] or "lm_head" in n for n in fp8_modules)
+    seen: dict[str, list] = {}
+
+    def capture(name, stage):
+        def hook(module, args):
+            seen.setdefault(name, []).append((stage, args[0].clone()))
+        return hook
+
+    for name in fp8_modules:
+        module = dict(base.named_modules())[name]
+        module.register_forward_pre_hook(capture(name, "raw"), prepend=True)
+        module.register_forward_pre_hook(capture(name, "quantized"))
+    quantized_inside_experts = []
+    real = q.fake_quantize_fp8_groups
+
+    def spy(x, group):
+        out = real(x, group)
+        quantized_inside_experts.append((x.clone(), out, group))
+        return out
+
+    monkeypatch.setattr(q, "fake_quantize_fp8_groups", spy)
+    ids = torch.randint(0, 1024, (2, 19), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        emulated, unquantized = base(input_ids=ids).logits, plain(input_ids=ids).logits
+    for name in fp8_modules:
+        (stage_a, raw), (stage_b, quantized) = seen[name]
+        assert (stage_a, stage_b) == ("raw", "quantized")
+        assert torch.equal(quantized, reference_fp8_groups(raw, 16)), name
+    experts = [m for m in base.modules() if hasattr(m, "gate_up_proj") and getattr(m.gate_up_proj, "dim", lambda: 0)() == 3]
+    assert len(quantized_inside_experts) > len(fp8_modules)  # the experts' inputs and activations too
+    for x, out, group in quantized_inside_experts:
+        assert group == 16 and torch.equal(out, reference_fp8_groups(x, 16))
+    assert experts and not torch.equal(emulated, unquantized)
+
+
+def test_fp8_activations_are_the_same_with_the_weights_kept_in_fp8(bases):
+    """model.fp8_weights fp8 writes each layer's weights before it runs, the quantized inputs' hooks run
+    inside: the same logits bit for bit as the dequantized base with the same emulation."""
+    ids = torch.randint(0, 1024, (2, 17), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        kept = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32, fp8_weights="fp8", fp8_activations="fp8")(input_ids=ids).logits
+        read = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32, fp8_weights="dequantized",
+                                 fp8_activations="fp8")(input_ids=ids).logits
+    assert torch.equal(kept, read)
+
+
+def test_fp8_activations_need_whole_groups(bases, tmp_path):
+    """A linear whose input is not a whole number of the engine's groups is refused, naming the weight."""
+    path = write_quantized_copy(bases["bf16"], tmp_path / "fp8-wide", q.FP8, block=(16, 48))
+    with pytest.raises(q.QuantizationError, match=r"\.weight: its input has 64 features, not a multiple of the 48-feature"):
+        ckpt_io.load_base(path, dtype=torch.float32, fp8_activations="fp8")
 
 
 @pytest.mark.parametrize("scheme", [q.FP8, q.NVFP4])

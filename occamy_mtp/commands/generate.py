@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = windows.load_tokenizer(config.model)
     identity = checkpoint_fingerprint(config.model.base)
     base = ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=args.device,
-                             attn_implementation=config.model.attn_implementation, fp8_weights=config.model.fp8_weights)
+                             attn_implementation=config.model.attn_implementation, fp8_weights=config.model.fp8_weights,
+                             fp8_activations=config.model.fp8_activations)
     report = regenerate_answers(
         data.files,
         tokenizer,

@@ -32,7 +32,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
 from occamy_mtp.model.fp8_weights import keep_layer, keeps_fp8
-from occamy_mtp.model.quantized import FP8, dequantized, emulate_activations
+from occamy_mtp.model.quantized import FP8, dequantized, emulate_activations, emulate_fp8_activations
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -639,7 +639,7 @@ def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="c
 
 
 def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
-              config=None, place_layer=None, fp8_weights: str = "auto"):
+              config=None, place_layer=None, fp8_weights: str = "auto", fp8_activations: str = "bf16"):
     """Load the frozen base text model from a checkpoint directory.
 
     Tensors are read one at a time straight into the module (no second copy of a
@@ -652,6 +652,8 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
     `fp8_weights` (`model.fp8_weights`): whether an FP8 base's decoder layers keep their weights
     in FP8 (`fp8_weights.keeps_fp8`), each layer's written in `dtype` for its forward; a sharded
     base (`place_layer`) is read dequantized, its shards being what saves the memory there.
+    `fp8_activations` (`model.fp8_activations`): "fp8" quantizes an FP8 base's linear inputs as the
+    engine's W8A8 path does (`quantized.emulate_fp8_activations`); "bf16" leaves them as computed.
     """
     config = config or read_config(directory)
     ckpt = dequantized(SafetensorsCheckpoint(directory), config.quantization_config)
@@ -661,6 +663,8 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
     load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer, keep_fp8=keep_fp8)
     if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
         emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
+    if fp8_activations == "fp8" and getattr(ckpt, "scheme", None) is not None and ckpt.scheme.kind == FP8:
+        emulate_fp8_activations(model, ckpt.fp8_weights(), ckpt.scheme.block[1], base_text_prefix(ckpt), TEXT_PREFIX)
     return model
 
 

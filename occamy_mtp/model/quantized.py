@@ -13,6 +13,11 @@ one scale per 16 elements; `X.weight_scale_2` and `X.input_scale` float32 scalar
 * weight_scale * weight_scale_2. The engine's W4A4 path quantizes each such linear's input the same
 way, per 16 elements, with the global scale `input_scale` (`fake_quantize_nvfp4`).
 
+An engine serving the FP8 layout runs W8A8: each FP8 linear's input is quantized to float8_e4m3fn
+per token, per group of `weight_block_size[1]` (128) features, at the group's absolute maximum over
+448 (`fake_quantize_fp8_groups`). `model.fp8_activations` fp8 emulates that; bf16 (the default)
+leaves the inputs as they are (W8A16).
+
 `dequantized` gives a checkpoint whose tensors read dequantized, in float32, so that every path that
 loads the base (training, self-generation, evaluation, the cache pass) reads a quantized base as
 it reads a bf16 one. Each quantized weight's scales are checked, by name and shape, before any is
@@ -179,6 +184,20 @@ def fake_quantize_nvfp4(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Ten
     return (values * (scale.float() * global_scale)[..., None]).reshape(x.shape).to(x.dtype)
 
 
+FP8_GROUP_EPS = 1e-10  # the engines' floor under a group's absolute maximum (an all-zero group)
+
+
+def fake_quantize_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`x` as an FP8 engine's W8A8 path sees it: per row, per `group` consecutive features (the last
+    dimension a multiple of `group`), scale = max(amax, 1e-10) / 448 in float32, the elements
+    x / scale rounded to float8_e4m3fn (round to nearest even, saturating at 448), multiplied back;
+    in `x`'s dtype."""
+    groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=FP8_GROUP_EPS) / FP8_MAX
+    codes = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (codes.float() * scale).reshape(x.shape).to(x.dtype)
+
+
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 multipliers) of a (..., out, in) weight, one multiplier per
     block: its absolute maximum over 448, so that the block's largest element is representable."""
@@ -311,6 +330,10 @@ class DequantizedCheckpoint:
         keys = [key, *(quantized.scales.values() if quantized else ())]
         return sum(math.prod(self._ckpt.shape(k)) * SAFETENSORS_BYTES[self._ckpt.dtype(k)] for k in keys)
 
+    def fp8_weights(self) -> list[str]:
+        """The keys of the FP8 weights (float8_e4m3fn with their multipliers); none for NVFP4."""
+        return sorted(self._quantized) if self.scheme.kind == FP8 else []
+
     def is_fp8(self, key: str) -> bool:
         """Whether `key` is an FP8 weight (`fp8_codes` reads it as stored)."""
         return self.scheme.kind == FP8 and key in self._quantized
@@ -340,7 +363,7 @@ def dequantized(ckpt, quantization: dict | None):
 
 
 # ----------------------------------------------------------------------------------
-# NVFP4 activations, emulated
+# Activations, emulated: NVFP4's (W4A4) and FP8's (W8A8)
 # ----------------------------------------------------------------------------------
 
 _EXPERT_KEY = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
@@ -350,53 +373,88 @@ def emulate_activations(model: torch.nn.Module, input_scales: dict[str, torch.Te
                         module_prefix: str = "model.") -> int:
     """Fake-quantize the input of every NVFP4 linear of the loaded `model` as the engine's W4A4 path
     quantizes it (`fake_quantize_nvfp4`), with its checkpoint's `input_scale`; returns how many
-    modules were hooked. Linear modules take a forward pre-hook; a fused experts module (3-D
-    gate_up_proj / down_proj) runs `_emulated_experts`, each expert's input and its activation
-    quantized with that expert's scales. The model's config is marked (`families.EMULATED`), so that
-    the fast paths, which read the weights directly, leave it to transformers' forward."""
+    modules were hooked (`_hook_inputs`)."""
+    return _hook_inputs(model, input_scales, disk_prefix, module_prefix, NVFP4, fake_quantize_nvfp4)
+
+
+def emulate_fp8_activations(model: torch.nn.Module, weight_keys: list[str], group: int, disk_prefix: str,
+                            module_prefix: str = "model.") -> int:
+    """Fake-quantize the input of every FP8 linear of the loaded `model` (`weight_keys`, the
+    checkpoint's float8_e4m3fn weights) as the engine's W8A8 path quantizes it
+    (`fake_quantize_fp8_groups`, groups of `group` features); returns how many modules were hooked
+    (`_hook_inputs`). A linear whose input is not a whole number of groups is a QuantizationError
+    (the engine's kernel takes none)."""
+    weight_keys = [k for k in weight_keys if k.startswith(disk_prefix)]  # the text model's (the base loads no other)
     modules = dict(model.named_modules())
-    linear_scales: dict[str, torch.Tensor] = {}
-    expert_scales: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for key in weight_keys:
+        name = _module_name(key, disk_prefix, module_prefix)
+        expert = _EXPERT_KEY.match(name)
+        module = modules.get(expert["stem"] if expert else name)
+        if module is None:
+            continue  # named by `_hook_inputs`
+        features = (module.in_features if isinstance(module, torch.nn.Linear)
+                    else module.down_proj.shape[-1] if expert and expert["proj"] == "down_proj" else module.gate_up_proj.shape[-1])
+        if features % group:
+            raise QuantizationError(f"{key}: its input has {features} features, not a multiple of the {group}-feature "
+                                    "groups the engine's FP8 activations are quantized in (weight_block_size)")
+    quantize = lambda x, _scale: fake_quantize_fp8_groups(x, group)  # noqa: E731
+    return _hook_inputs(model, dict.fromkeys(weight_keys), disk_prefix, module_prefix, FP8, quantize)
+
+
+def _module_name(key: str, disk_prefix: str, module_prefix: str) -> str:
+    name = key[: -len(".weight")]
+    return module_prefix + name[len(disk_prefix):] if name.startswith(disk_prefix) else name
+
+
+def _hook_inputs(model: torch.nn.Module, input_scales: dict[str, torch.Tensor | None], disk_prefix: str,
+                 module_prefix: str, kind: str, quantize) -> int:
+    """Run `quantize(input, scale)` on the input of the module of each weight key of `input_scales`
+    (its scale, or None where the quantization is dynamic). Linear modules take a forward pre-hook;
+    a fused experts module (3-D gate_up_proj / down_proj) runs `_emulated_experts`, each expert's
+    input and its activation quantized with that expert's scales. The model's config is marked
+    (`families.EMULATED`), so that the fast paths, which read the weights directly, leave it to
+    transformers' forward. Returns how many modules were hooked."""
+    modules = dict(model.named_modules())
+    linear_scales: dict[str, torch.Tensor | None] = {}
+    expert_scales: dict[str, dict[str, dict[int, torch.Tensor | None]]] = {}
     for key, scale in input_scales.items():
-        name = key[: -len(".weight")]
-        if name.startswith(disk_prefix):
-            name = module_prefix + name[len(disk_prefix):]
+        name = _module_name(key, disk_prefix, module_prefix)
         expert = _EXPERT_KEY.match(name)
         if name in modules and isinstance(modules[name], torch.nn.Linear):
             linear_scales[name] = scale
         elif expert and expert["stem"] in modules:
-            kind = "down" if expert["proj"] == "down_proj" else "gate_up"
-            expert_scales.setdefault(expert["stem"], {}).setdefault(kind, {})[int(expert["expert"])] = scale
+            part = "down" if expert["proj"] == "down_proj" else "gate_up"
+            expert_scales.setdefault(expert["stem"], {}).setdefault(part, {})[int(expert["expert"])] = scale
         else:
-            raise QuantizationError(f"{key}: an NVFP4 weight whose module the base does not have ({name})")
+            raise QuantizationError(f"{key}: an {kind.upper()} weight whose module the base does not have ({name})")
     for name, scale in linear_scales.items():
-        modules[name].register_forward_pre_hook(lambda module, args, s=scale: (fake_quantize_nvfp4(args[0], s), *args[1:]))
+        modules[name].register_forward_pre_hook(lambda module, args, s=scale: (quantize(args[0], s), *args[1:]))
     if linear_scales or expert_scales:
-        setattr(model.config, EMULATED, NVFP4)  # the fast paths would read the weights and skip the hooks
+        setattr(model.config, EMULATED, kind)  # the fast paths would read the weights and skip the hooks
     for name, scales in expert_scales.items():
         module = modules[name]
         count = module.gate_up_proj.shape[0]
-        for kind in ("gate_up", "down"):
-            if sorted(scales.get(kind, {})) != list(range(count)):
-                raise QuantizationError(f"{name}: NVFP4 input scales for {kind} of {len(scales.get(kind, {}))} of {count} experts")
-        gate_up = torch.stack([scales["gate_up"][e].reshape(()) for e in range(count)])
-        down = torch.stack([scales["down"][e].reshape(()) for e in range(count)])
-        module.forward = _emulated_experts(module, gate_up, down)
+        for part in ("gate_up", "down"):
+            if sorted(scales.get(part, {})) != list(range(count)):
+                raise QuantizationError(f"{name}: {kind.upper()} input scales for {part} of {len(scales.get(part, {}))} "
+                                        f"of {count} experts")
+        module.forward = _emulated_experts(module, [scales["gate_up"][e] for e in range(count)],
+                                           [scales["down"][e] for e in range(count)], quantize)
     return len(linear_scales) + len(expert_scales)
 
 
-def _emulated_experts(module, gate_up_scales: torch.Tensor, down_scales: torch.Tensor):
+def _emulated_experts(module, gate_up_scales: list, down_scales: list, quantize):
     """The fused experts' forward (hidden (N, D), top_k_index (N, k), top_k_weights (N, k)) one
-    expert at a time, its input and its activation fake-quantized with the expert's scales: the
-    plain reference the W4A4 engine's grouped kernel computes."""
+    expert at a time, its input and its activation fake-quantized (`quantize(x, scale)`) with the
+    expert's scales: the plain reference the quantized engine's grouped kernel computes."""
 
     def forward(hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         for expert in top_k_index.unique().tolist():
             rows, slot = (top_k_index == expert).nonzero(as_tuple=True)
-            x = fake_quantize_nvfp4(hidden_states[rows], gate_up_scales[expert])
+            x = quantize(hidden_states[rows], gate_up_scales[expert])
             gate, up = torch.nn.functional.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
-            h = fake_quantize_nvfp4(module.act_fn(gate) * up, down_scales[expert])
+            h = quantize(module.act_fn(gate) * up, down_scales[expert])
             y = torch.nn.functional.linear(h, module.down_proj[expert])
             out.index_add_(0, rows, (y * top_k_weights[rows, slot, None]).to(out.dtype))
         return out
