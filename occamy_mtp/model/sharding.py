@@ -134,9 +134,10 @@ def _deepspeed_file(path: str, stage: str, param_device: str, optimizer_device: 
     deepspeed_config_file); what the file leaves out keeps the launch's value. Its batch sizes
     ("auto" or numbers) are not read: the run config sets the windows of a step."""
     import json
+    from pathlib import Path
 
     try:
-        config = json.loads(open(path, encoding="utf-8").read())
+        config = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as err:
         raise ConfigError(f"accelerate config: deepspeed_config_file {path} cannot be read: {err.strerror}") from None
     except json.JSONDecodeError as err:
