@@ -219,7 +219,9 @@ def _partition_layer(layer, sharding: Sharding, device: torch.device) -> None:
         # does. DeepSpeed probes its ops' availability once a process and keeps the answer in this dict.
         import deepspeed.ops
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+        if isinstance(compatible, dict):
+            compatible["deepspeed_shm_comm"] = False
     process_group(device)
     offload = sharding.offload and device.type == "cuda"
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
