@@ -20,8 +20,8 @@ from occamy_mtp import files
 from occamy_mtp.config import ConfigError
 from occamy_mtp.families import fast_paths
 from occamy_mtp.run import (
-    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, load_frozen_base,
-    load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
+    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, emulated_activations,
+    load_frozen_base, load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
 )
 from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.data.windows import stop_token_ids
@@ -128,7 +128,8 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
     if lacking and not setup.selfgen.endpoints:
         base = _load_base(model, facts, sharding, log)  # it writes the continuations (servers write them when named)
     windows = run_windows(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, base), log).all()
-    identity = cache_identity(facts.fingerprint, windows, data.settings, model.dtype, model.attn_implementation)
+    identity = cache_identity(facts.fingerprint, windows, data.settings, model.dtype, model.attn_implementation,
+                              emulated_activations(model, facts))
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)
         if manifest.get("key") == identity.key and manifest.get("complete"):

@@ -34,6 +34,7 @@ from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.memory import held_bytes
 from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT
+from occamy_mtp.model.quantized import FP8
 from occamy_mtp.model.sharding import Sharding, barrier, described, is_sharded, shard, shard_layer
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
@@ -230,6 +231,14 @@ def check_split(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) -> None:
             )
 
 
+def emulated_activations(model, facts: BaseFacts) -> str | None:
+    """How the base's activations are rounded where the library emulates it beyond its weights:
+    "fp8" for an FP8 base under `model.fp8_activations` fp8 (W8A8), else None. The stores and the
+    target cache record it, since it changes what the base computes."""
+    scheme = facts.quantization
+    return "fp8" if model.fp8_activations == "fp8" and scheme is not None and scheme.kind == FP8 else None
+
+
 def open_store(setup: Setup, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
     """The run's store of continuations written under `sampling` (refused when written for another
     base, other settings or by another writer)."""
@@ -242,6 +251,7 @@ def open_store(setup: Setup, base: BaseFacts, stop_ids: set[int], sampling: Text
         stop_token_ids=stop_ids,
         writer=ENGINE if setup.selfgen.endpoints else EMBEDDED,
         sampling=sampling,
+        activations=emulated_activations(setup.model, base),
     )
     return SelfGeneratedStore.open(setup.store_dir(sampling), identity)
 
@@ -496,7 +506,8 @@ def open_targets(setup: Setup, facts: BaseFacts, windows: list[Window], window_s
         if base is None:
             raise ValueError("no target cache configured, so the base itself is needed for the online path")
         return OnlineTargets(base)
-    identity = cache_identity(facts.fingerprint, windows, window_settings, setup.model.dtype, setup.model.attn_implementation)
+    identity = cache_identity(facts.fingerprint, windows, window_settings, setup.model.dtype, setup.model.attn_implementation,
+                              emulated_activations(setup.model, facts))
     return TargetCache.open(Path(setup.data.target_cache), identity)
 
 

@@ -427,6 +427,30 @@ def test_the_nvfp4_base_self_generates_and_evaluates(bases, tmp_path):
     assert set(report["heads"]) == {"donor", "trained"} and "greedy" in printed
 
 
+def test_text_written_without_the_fp8_activations_is_not_taken_for_text_written_with_them(bases, tmp_path):
+    """An FP8 base with its activations emulated computes other text and targets: a store the base wrote
+    without the emulation is refused by name, and the target cache's identity differs; a bf16 base, which
+    the setting leaves alone, keeps its identities, and so does an FP8 base without it (stores from
+    before the setting open as they did)."""
+    from occamy_mtp.evaluation.evaluate import evaluate_run
+    from occamy_mtp.run import BaseFacts, emulated_activations
+    from occamy_mtp.selfgen.store import SelfGenError
+    from occamy_mtp.settings import plan_of
+    from occamy_mtp.targets.cache import cache_identity
+
+    plain = _run_config(bases, bases[q.FP8], tmp_path / "run")
+    evaluate_run(plan_of(plain), bases["bf16"], tmp_path / "eval", torch.device("cpu"))
+    emulated = _run_config(bases, bases[q.FP8], tmp_path / "run", "model.fp8_activations=fp8")
+    with pytest.raises(SelfGenError, match=r"written under other settings \(activations: None in the store, 'fp8' now\)"):
+        evaluate_run(plan_of(emulated), bases["bf16"], tmp_path / "eval-fp8", torch.device("cpu"))
+    fp8, bf16 = BaseFacts(bases[q.FP8]), BaseFacts(bases["bf16"])
+    assert emulated_activations(emulated.model, fp8) == "fp8"
+    assert emulated_activations(plain.model, fp8) is None and emulated_activations(emulated.model, bf16) is None
+    identity = [cache_identity(fp8.fingerprint, [], {}, "float32", "sdpa", emulated_activations(c.model, fp8)).key
+                for c in (plain, emulated)]
+    assert identity[0] == cache_identity(fp8.fingerprint, [], {}, "float32", "sdpa").key != identity[1]
+
+
 def test_a_head_is_scored_on_the_base_it_is_served_on_beside_the_one_it_was_trained_on(bases, tmp_path):
     """`evaluate --served-base`: the served base writes its own text into its own store, every served
     figure is given on both bases with its difference, and the report warns that the head was trained

@@ -32,10 +32,11 @@ STORE_FORMAT = 2  # 2: every line carries its store's identity digest and a dige
 SYNC_SECONDS = 1.0  # lines written since the last fsync at most this old: a kill loses about this much
 # What the continuations are a function of: a store that differs in any is refused.
 COMPARED_FIELDS = ("format", "base_config_sha256", "base_weights_sample_sha256", "vocab_size", "dtype",
-                   "attn_implementation", "max_new_tokens", "stop_token_ids", "writer", "sampling")
+                   "attn_implementation", "max_new_tokens", "stop_token_ids", "writer", "sampling", "activations")
 # Fields a store holds only when they are set: a greedy store has no "sampling", as before
-# sampling existed, so that its identity and its lines' digests stay what they were.
-OPTIONAL_FIELDS = ("sampling",)
+# sampling existed, and a base whose activations are not emulated no "activations", so that
+# their identity and their lines' digests stay what they were.
+OPTIONAL_FIELDS = ("sampling", "activations")
 EMBEDDED = "embedded"  # the base in this process (`EmbeddedWriter`)
 ENGINE = "engine"  # serving engines (`engine_generate.EngineWriter`)
 
@@ -209,12 +210,16 @@ class EmbeddedWriter:
 
 
 def store_identity(base_fingerprint: dict, vocab_size: int, dtype: str, attn_implementation: str, max_new_tokens: int,
-                   stop_token_ids: Collection[int], writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT) -> dict:
+                   stop_token_ids: Collection[int], writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT,
+                   activations: str | None = None) -> dict:
     """What a store's continuations are a function of (the fields of COMPARED_FIELDS): the base
     (`checkpoint.checkpoint_fingerprint` and its vocabulary) and the settings; `writer` is who
     writes them (EMBEDDED or ENGINE): a store is never extended by the other one; `sampling`
-    how (greedy, or sampled with its settings and seed)."""
+    how (greedy, or sampled with its settings and seed); `activations` how a quantized base's
+    activations are rounded where that is emulated (`run.emulated_activations`; None: not)."""
     optional = {} if sampling.greedy else {"sampling": sampling.to_dict()}
+    if activations is not None:
+        optional["activations"] = activations
     return {
         "format": STORE_FORMAT,
         "base_config_sha256": base_fingerprint["config_sha256"],

@@ -122,9 +122,11 @@ def _short(value) -> str:
 
 
 def cache_identity(base_fingerprint: dict, windows: Sequence[Window], window_settings: dict, dtype: str,
-                   attn_implementation: str) -> CacheIdentity:
+                   attn_implementation: str, activations: str | None = None) -> CacheIdentity:
     """The identity a run with this base (its `checkpoint.checkpoint_fingerprint`), these windows
-    (built with `window_settings`, `PreparedData.settings`) and these settings expects."""
+    (built with `window_settings`, `PreparedData.settings`) and these settings expects.
+    `activations`: how a quantized base's activations are rounded where that is emulated
+    (`run.emulated_activations`); None, and left out, where they are not (every cache before it)."""
     if dtype not in ckpt_io.DTYPES:
         raise ValueError(f"dtype must be one of {sorted(ckpt_io.DTYPES)}, got {dtype!r}")
     settings = {
@@ -133,6 +135,8 @@ def cache_identity(base_fingerprint: dict, windows: Sequence[Window], window_set
         "attn_implementation": attn_implementation,
         "windows": dict(window_settings),
     }
+    if activations is not None:
+        settings["activations"] = activations
     return CacheIdentity(base_part(base_fingerprint), data_fingerprint(windows), settings)
 
 
