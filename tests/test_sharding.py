@@ -113,6 +113,15 @@ def test_a_deepspeed_config_file_is_read_for_the_stage_and_the_offload(tmp_path)
         from_launch({**environ, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "missing.json")})
 
 
+def test_a_deepspeed_launch_without_deepspeed_installed_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"DEEPSPEED, but DeepSpeed is not installed: pip install 'occamy-mtp\[deepspeed\]'"):
+        from_launch(DEEPSPEED)
+
+
 @pytest.mark.parametrize("environ, message", CONFLICTS)
 def test_a_launch_that_conflicts_with_the_recipe_is_named(environ, message):
     with pytest.raises(ConfigError, match=message):
