@@ -34,7 +34,7 @@ from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
 from occamy_mtp.memory import held_bytes
 from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT
-from occamy_mtp.model.quantized import FP8
+from occamy_mtp.model import quantized
 from occamy_mtp.model.sharding import Sharding, barrier, described, is_sharded, shard, shard_layer
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
@@ -232,11 +232,10 @@ def check_split(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) -> None:
 
 
 def emulated_activations(model, facts: BaseFacts) -> str | None:
-    """How the base's activations are rounded where the library emulates it beyond its weights:
-    "fp8" for an FP8 base under `model.fp8_activations` fp8 (W8A8), else None. The stores and the
-    target cache record it, since it changes what the base computes."""
-    scheme = facts.quantization
-    return "fp8" if model.fp8_activations == "fp8" and scheme is not None and scheme.kind == FP8 else None
+    """How the base's activations are rounded where the library emulates it beyond its weights
+    (`quantized.emulated_activations`). The stores and the target cache record it, since it changes
+    what the base computes."""
+    return quantized.emulated_activations(model.fp8_activations, facts.quantization)
 
 
 def open_store(setup: Setup, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:

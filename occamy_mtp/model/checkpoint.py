@@ -32,7 +32,8 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
 from occamy_mtp.model.fp8_weights import keep_layer, keeps_fp8
-from occamy_mtp.model.quantized import FP8, dequantized, emulate_activations, emulate_fp8_activations
+from occamy_mtp.model.quantized import (FP8, dequantized, emulate_activations, emulate_fp8_activations,
+                                        emulated_activations)
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -663,8 +664,8 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
     load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer, keep_fp8=keep_fp8)
     if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
         emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
-    if fp8_activations == "fp8" and getattr(ckpt, "scheme", None) is not None and ckpt.scheme.kind == FP8:
-        emulate_fp8_activations(model, ckpt.fp8_weights(), ckpt.scheme.block[1], base_text_prefix(ckpt), TEXT_PREFIX)
+    if emulated_activations(fp8_activations, getattr(ckpt, "scheme", None)):
+        emulate_fp8_activations(model, ckpt.fp8_input_features(), ckpt.scheme.block[1], base_text_prefix(ckpt), TEXT_PREFIX)
     return model
 
 

@@ -330,9 +330,10 @@ class DequantizedCheckpoint:
         keys = [key, *(quantized.scales.values() if quantized else ())]
         return sum(math.prod(self._ckpt.shape(k)) * SAFETENSORS_BYTES[self._ckpt.dtype(k)] for k in keys)
 
-    def fp8_weights(self) -> list[str]:
-        """The keys of the FP8 weights (float8_e4m3fn with their multipliers); none for NVFP4."""
-        return sorted(self._quantized) if self.scheme.kind == FP8 else []
+    def fp8_input_features(self) -> dict[str, int]:
+        """The FP8 weights (float8_e4m3fn with their multipliers) by key -> the features each takes in
+        (its last dimension); none for NVFP4."""
+        return {k: self._ckpt.shape(k)[-1] for k in sorted(self._quantized)} if self.scheme.kind == FP8 else {}
 
     def is_fp8(self, key: str) -> bool:
         """Whether `key` is an FP8 weight (`fp8_codes` reads it as stored)."""
@@ -377,28 +378,27 @@ def emulate_activations(model: torch.nn.Module, input_scales: dict[str, torch.Te
     return _hook_inputs(model, input_scales, disk_prefix, module_prefix, NVFP4, fake_quantize_nvfp4)
 
 
-def emulate_fp8_activations(model: torch.nn.Module, weight_keys: list[str], group: int, disk_prefix: str,
+def emulated_activations(fp8_activations: str, scheme: "Scheme | None") -> str | None:
+    """How a base stored in `scheme` rounds its activations beyond its weights' format where the library
+    emulates it: "fp8" for an FP8 base under `model.fp8_activations` fp8 (W8A8), else None (NVFP4's are
+    emulated always, as part of reading the base)."""
+    return "fp8" if fp8_activations == "fp8" and scheme is not None and scheme.kind == FP8 else None
+
+
+def emulate_fp8_activations(model: torch.nn.Module, input_features: dict[str, int], group: int, disk_prefix: str,
                             module_prefix: str = "model.") -> int:
-    """Fake-quantize the input of every FP8 linear of the loaded `model` (`weight_keys`, the
-    checkpoint's float8_e4m3fn weights) as the engine's W8A8 path quantizes it
-    (`fake_quantize_fp8_groups`, groups of `group` features); returns how many modules were hooked
-    (`_hook_inputs`). A linear whose input is not a whole number of groups is a QuantizationError
-    (the engine's kernel takes none)."""
-    weight_keys = [k for k in weight_keys if k.startswith(disk_prefix)]  # the text model's (the base loads no other)
-    modules = dict(model.named_modules())
-    for key in weight_keys:
-        name = _module_name(key, disk_prefix, module_prefix)
-        expert = _EXPERT_KEY.match(name)
-        module = modules.get(expert["stem"] if expert else name)
-        if module is None:
-            continue  # named by `_hook_inputs`
-        features = (module.in_features if isinstance(module, torch.nn.Linear)
-                    else module.down_proj.shape[-1] if expert and expert["proj"] == "down_proj" else module.gate_up_proj.shape[-1])
-        if features % group:
-            raise QuantizationError(f"{key}: its input has {features} features, not a multiple of the {group}-feature "
+    """Fake-quantize the input of every FP8 linear of the loaded `model` (`input_features`: the
+    checkpoint's float8_e4m3fn weight keys -> the features each takes in, its last dimension) as the
+    engine's W8A8 path quantizes it (`fake_quantize_fp8_groups`, groups of `group` features); returns how
+    many modules were hooked (`_hook_inputs`). A weight whose input is not a whole number of groups is a
+    QuantizationError (the engine's kernel takes none)."""
+    keys = [k for k in input_features if k.startswith(disk_prefix)]  # the text model's (the base loads no other)
+    for key in keys:
+        if input_features[key] % group:
+            raise QuantizationError(f"{key}: its input has {input_features[key]} features, not a multiple of the {group}-feature "
                                     "groups the engine's FP8 activations are quantized in (weight_block_size)")
     quantize = lambda x, _scale: fake_quantize_fp8_groups(x, group)  # noqa: E731
-    return _hook_inputs(model, dict.fromkeys(weight_keys), disk_prefix, module_prefix, FP8, quantize)
+    return _hook_inputs(model, dict.fromkeys(keys), disk_prefix, module_prefix, FP8, quantize)
 
 
 def _module_name(key: str, disk_prefix: str, module_prefix: str) -> str:
