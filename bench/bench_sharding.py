@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
-from occamy_mtp.model.sharding import FSDP2, ZERO3, Sharding, placement, shard
+from occamy_mtp.model.sharding import FSDP2, ZERO3, Sharding, local_part, placement, shard
 from occamy_mtp.targets.base import base_outputs
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, TINY_QWEN3_5
 from report import write_report
@@ -48,11 +48,7 @@ def sync(device: torch.device) -> None:
 
 def layer_bytes(base) -> int:
     """The bytes of decoder-layer weights this process holds between forwards."""
-    total = 0
-    for param in base.model.layers.parameters():
-        local = param.ds_tensor if hasattr(param, "ds_tensor") else (param.to_local() if hasattr(param, "to_local") else param)
-        total += local.numel() * local.element_size()
-    return total
+    return sum(local_part(p).numel() * local_part(p).element_size() for p in base.model.layers.parameters())
 
 
 def timed(base, ids: torch.Tensor, repeats: int, device: torch.device) -> tuple[float, list[float], object]:

@@ -265,9 +265,12 @@ def _is_sharded_layer(layer) -> bool:
     return isinstance(layer, FSDPModule) or any(_is_partitioned(p) for p in layer.parameters())
 
 
-def _local_shard(param) -> torch.Tensor:
-    """This process's part of a sharded layer's parameter (FSDP2's DTensor or ZeRO-3's partition)."""
-    return param.ds_tensor if _is_partitioned(param) else param.to_local()
+def local_part(param) -> torch.Tensor:
+    """What this process holds of `param`: ZeRO-3's partition, FSDP2's local shard, or the whole
+    parameter where it is not sharded."""
+    if _is_partitioned(param):
+        return param.ds_tensor
+    return param.to_local() if hasattr(param, "to_local") else param
 
 
 def shard(base, sharding: Sharding, device: torch.device):
@@ -306,7 +309,7 @@ def placement(model) -> dict:
     if not processes:
         return {"sharded_over": 0, "offload": False, "engine": None}
     first = next(model.model.layers[0].parameters())
-    local = _local_shard(first)
+    local = local_part(first)
     return {"sharded_over": processes, "offload": local.device.type == "cpu" and model.lm_head.weight.device.type != "cpu",
             "engine": ZERO3 if _is_partitioned(first) else FSDP2}
 
