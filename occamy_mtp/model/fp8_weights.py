@@ -171,15 +171,20 @@ def _aligned_size(sizes: list[int]) -> int:
     hidden size as a dimension, so at real sizes nothing is padded)."""
     end = 0
     for size in sizes:
-        end = -(-end // ALIGN_ELEMENTS) * ALIGN_ELEMENTS + size
+        end = _aligned(end) + size
     return end
+
+
+def _aligned(offset: int) -> int:
+    """`offset` rounded up to a multiple of `ALIGN_ELEMENTS`."""
+    return -(-offset // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
 def _view_into(kept: Fp8Layer, buffer: torch.Tensor) -> None:
     """Point `kept`'s parameters at consecutive views of `buffer`, from its start, each aligned."""
     offset = 0
     for weight in kept.weights:
-        offset = -(-offset // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        offset = _aligned(offset)
         view = buffer[offset:offset + weight.codes.numel()].view(weight.codes.shape)
         weight.module._parameters[weight.name] = torch.nn.Parameter(view, requires_grad=False)
         offset += weight.codes.numel()
