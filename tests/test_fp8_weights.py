@@ -164,7 +164,7 @@ def test_the_layers_share_one_buffer_and_the_base_holds_what_is_counted(bases):
     assert len(buffers) == 1 and pointers == buffers
     offsets = [w.module.get_parameter(w.name).storage_offset() for layer in layers for w in layer.occamy_fp8_weights.weights]
     assert all(offset % fp8_weights.ALIGN_ELEMENTS == 0 for offset in offsets)  # the grouped GEMMs' alignment
-    assert fp8_weights._aligned_size([10, 64, 3]) == 64 + 64 + 3  # a weight of 10 is followed by padding
+    assert fp8_weights.aligned_size([10, 64, 3]) == 64 + 64 + 3  # a weight of 10 is followed by padding
     assert layers[0].occamy_fp8_weights.buffer.numel() == max(sizes)
     weights = [w for layer in layers for w in layer.occamy_fp8_weights.weights]
     dense = sum(w.codes.numel() * 2 for w in weights)

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model.checkpoint import FUSED, PER_EXPERT, SafetensorsCheckpoint
 from occamy_mtp.commands.inspect import main
-from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config
+from occamy_mtp.model import fp8_weights
+from occamy_mtp.testing.checkpoints import config_json, random_models, tiny_text_config, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -229,6 +230,17 @@ def test_reports_a_quantized_base_and_what_it_takes_in_memory(tiny_checkpoint, t
             assert memory["dequantized_bytes"] == held_bytes(ckpt_io.load_base(quantized, fp8_weights="dequantized")) - tables
         else:
             assert "kept_in_fp8_bytes" not in memory and memory["dequantized_bytes"] == measured
+    # hidden 50 and a shared expert of 20: weights that are not whole multiples of the buffer's
+    # alignment, laid out with padding in every layer, the largest (which sizes the buffer) too
+    odd_config = tiny_text_config(hidden_size=50, shared_expert_intermediate_size=20)
+    odd = write_checkpoint(tmp_path / "odd", odd_config, random_models(odd_config, 0)[0], None, multimodal=False)
+    quantized = write_quantized_copy(odd.path, tmp_path / "odd-fp8", "fp8", block=(16, 16))
+    code, report = run_json(capsys, quantized)
+    loaded = ckpt_io.load_base(quantized, fp8_weights="fp8")
+    sizes = [[w.codes.numel() for w in layer.occamy_fp8_weights.weights] for layer in loaded.model.layers]
+    assert max(map(fp8_weights.aligned_size, sizes)) > max(map(sum, sizes))  # padded: the count has to know it
+    tables = sum(b.untyped_storage().nbytes() for n, b in loaded.named_buffers() if "rotary" in n)
+    assert code == 0 and report["base_memory"]["kept_in_fp8_bytes"] == held_bytes(loaded) - tables
     capsys.readouterr()
     assert main([str(tmp_path / "fp8")]) == 0 and "with its layers kept in FP8" in capsys.readouterr().out
     # ModelOpt's scheme declared in hf_quant_config.json alone, config.json without a quantization_config

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.model import fp8_weights
 from occamy_mtp.model.head import MTPHead, count_parameters, set_trainable
 from occamy_mtp.model.quantized import FP8, QuantizationError, scheme_of
 
@@ -226,7 +227,8 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     """Bytes the base's text weights take in memory in bf16, from the headers: dequantized, and for an
     FP8 base with its decoder layers kept in FP8 (`model.fp8_weights`, the default on a GPU): their
     quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer the layers'
-    weights are written into (the largest layer's)."""
+    weights are written into (the largest layer's, each weight laid out from an aligned offset as
+    `fp8_weights.keep_layer` lays it out)."""
     prefix = ckpt_io.base_text_prefix(ckpt)
     keys = [k for k in ckpt.keys() if k == "lm_head.weight" or (
         k.startswith(prefix) and not k.startswith((ckpt_io.VISION_PREFIX, ckpt_io.HEAD_PREFIX)))]
@@ -236,11 +238,13 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
         return memory
     layers = prefix + "layers."
     kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k)]
-    per_layer = Counter()
+    per_layer: dict[int, Counter] = {}  # layer -> its module tensors' elements (experts stacked as loaded)
     for key in kept:
-        per_layer[int(key[len(layers):].split(".")[0])] += elements[key]
+        number = int(key[len(layers):].split(".")[0])
+        per_layer.setdefault(number, Counter())[ckpt_io.module_tensor_name(key)] += elements[key]
+    buffer = max((fp8_weights.aligned_size([sizes[name] for name in sorted(sizes)]) for sizes in per_layer.values()), default=0)
     held = (sum(ckpt.stored_bytes(k) for k in kept) + (sum(elements.values()) - sum(elements[k] for k in kept)) * dtype_bytes
-            + max(per_layer.values(), default=0) * dtype_bytes)
+            + buffer * dtype_bytes)
     memory["kept_in_fp8_bytes"] = held
     return memory
 

@@ -62,6 +62,15 @@ _PER_EXPERT_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<expert>\d+)\.(?P
 _FUSED_KEY = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
+def module_tensor_name(key: str) -> str:
+    """The module tensor a checkpoint key is read into: a per-expert key's fused stack
+    (`...mlp.experts.gate_up_proj` or `...down_proj`), any other key itself."""
+    per_expert = _PER_EXPERT_KEY.match(key)
+    if per_expert is None:
+        return key
+    return f"{per_expert['stem']}.{'down_proj' if per_expert['proj'] == 'down_proj' else 'gate_up_proj'}"
+
+
 class CheckpointError(OccamyError, ValueError):
     """A checkpoint that is not what it claims to be: names the file and tensor."""
 

@@ -137,7 +137,7 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
     The buffer starts as zeros: nothing is computed before a write."""
     codes = {name: value[0] for name, value in held.items()}
     device = next(iter(codes.values())).device
-    need = _aligned_size([c.numel() for name, c in sorted(codes.items())])
+    need = aligned_size([c.numel() for name, c in sorted(codes.items())])
     shared = buffers.setdefault((dtype, str(device)), {"buffer": torch.zeros(0, dtype=dtype, device=device), "layers": []})
     if shared["buffer"].numel() < need:
         shared["buffer"] = torch.zeros(need, dtype=dtype, device=device)
@@ -165,7 +165,7 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
     return kept
 
 
-def _aligned_size(sizes: list[int]) -> int:
+def aligned_size(sizes: list[int]) -> int:
     """Elements a layer's weights of `sizes` take laid out one after another, each from a multiple of
     `ALIGN_ELEMENTS` (the grouped GEMMs want their operands 16-byte aligned; every weight here has the
     hidden size as a dimension, so at real sizes nothing is padded)."""
