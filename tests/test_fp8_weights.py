@@ -84,13 +84,16 @@ def test_the_kernel_writes_the_reference_s_weights_bit_for_bit(interpreted, dtyp
 
 @pytest.mark.parametrize("where", ["kernel", "reference"])
 def test_only_the_routed_experts_are_written(request, where):
-    """With `used`, a stack's slices it marks are written, the others keep what they held (and the
-    kernel reads none of their codes: a masked load); the reference runs where the kernel cannot."""
+    """With `used`, a stack's slices it marks are written, the others keep what they held (the
+    kernel's programs of an unmarked slice return before reading anything); slices of more than one
+    program, the last one partial; the reference runs where the kernel cannot."""
     module = request.getfixturevalue("interpreted") if where == "kernel" else fp8_weights
     assert module._kernel_runs(torch.empty(0)) == (where == "kernel")
-    codes, scale = _codes((5, 24, 40), seed=3)
+    shape = (5, 130, 140)
+    assert fp8_weights._KERNEL_BLOCK * fp8_weights._KERNEL_STEPS < 130 * 140 < 2 * fp8_weights._KERNEL_BLOCK * fp8_weights._KERNEL_STEPS
+    codes, scale = _codes(shape, seed=3)
     used = torch.tensor([1, 0, 0, 1, 0], dtype=torch.int32)
-    out = torch.full((5, 24, 40), float("nan"), dtype=torch.bfloat16)
+    out = torch.full(shape, float("nan"), dtype=torch.bfloat16)
     module.dequantize_into(out, codes, scale, BLOCK, used)
     reference = module.dequantize_reference(codes, scale, BLOCK, torch.bfloat16)
     assert torch.equal(out[[0, 3]], reference[[0, 3]])

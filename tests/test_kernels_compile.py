@@ -73,7 +73,8 @@ def fp8_dequantize(out: str, routed: bool = False):
     signature = {"codes": "*fp8e4nv", "scale": "*fp32", "out": out, "used": "*i32", "rows": "i32", "cols": "i32",
                  "c_stack": "i64", "c_row": "i32", "s_stack": "i32", "s_row": "i32", "o_stack": "i64", "o_row": "i32"}
     return fp8_weights._dequantize_kernel, signature, {"block_rows": 128, "block_cols": 128, "bf16_bits": out == "*bf16",
-                                                       "routed": routed, "elements": fp8_weights._KERNEL_BLOCK}
+                                                       "routed": routed, "elements": fp8_weights._KERNEL_BLOCK,
+                                                       "steps": fp8_weights._KERNEL_STEPS}
 
 
 CASES = {

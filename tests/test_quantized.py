@@ -500,7 +500,14 @@ def test_an_emulated_nvfp4_base_is_left_to_transformers_forward(bases):
 def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases, scheme):
     """The dequantized weights and (NVFP4) the inputs' fake quantization run on a GPU as on the CPU,
     in float32: the same logits to float32's rounding of a different summation order, and the fast
-    paths stand aside for NVFP4 there too."""
+    paths stand aside for NVFP4 there too. Both sides run the Gated DeltaNet's plain PyTorch code:
+    with fla installed the GPU's would run fla's chunked kernels, whose other order of summation
+    the NVFP4 input quantizer amplifies (an input moved across an e2m1 boundary changes every later
+    position; on an H100 with fla, 7 of 80 positions stayed within 1e-4), which is not what this
+    test is about."""
+    import types
+
+    from occamy_mtp.compat import plain_forward
     from occamy_mtp.families import fast_paths
 
     ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -510,6 +517,10 @@ def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases,
         with torch.no_grad():
             cpu = ckpt_io.load_base(bases[scheme], dtype=torch.float32)(input_ids=ids).logits
             model = ckpt_io.load_base(bases[scheme], dtype=torch.float32, device="cuda")
+            linear = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+            assert linear
+            for module in linear:
+                module.forward = types.MethodType(plain_forward(type(module).forward), module)
             gpu = model(input_ids=ids.cuda()).logits.cpu()
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32

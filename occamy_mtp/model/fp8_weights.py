@@ -228,7 +228,8 @@ def _kernel_runs(tensor: torch.Tensor) -> bool:
     return triton is not None and (tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
-_KERNEL_BLOCK = 1024  # elements a program
+_KERNEL_BLOCK = 1024  # elements a vector step
+_KERNEL_STEPS = 16  # vector steps a program: a program writes 16,384 consecutive elements
 
 if triton is not None:
 
@@ -236,26 +237,32 @@ if triton is not None:
     def _dequantize_kernel(codes, scale, out, used, rows, cols,
                            c_stack, c_row, s_stack, s_row, o_stack, o_row,
                            block_rows: tl.constexpr, block_cols: tl.constexpr, bf16_bits: tl.constexpr,
-                           routed: tl.constexpr, elements: tl.constexpr):
-        # Program (c, s): the c-th `elements` consecutive elements, in row-major order, of slice s of the
-        # (stack, rows, cols) weight; each the code times its block's multiplier in fp32, rounded once
-        # to the output's dtype. With `routed`, a slice `used` does not mark is neither read nor written.
+                           routed: tl.constexpr, elements: tl.constexpr, steps: tl.constexpr):
+        # Program (c, s): the c-th `steps * elements` consecutive elements, in row-major order, of slice s
+        # of the (stack, rows, cols) weight, `elements` at a time; each the code times its block's
+        # multiplier in fp32, rounded once to the output's dtype. With `routed`, a program of a slice
+        # `used` does not mark returns at once: a decode step's few experts cost little more than
+        # their own bytes (the grid is fixed, so that a CUDA graph captures it).
         stack = tl.program_id(1).to(tl.int64)
-        index = tl.program_id(0).to(tl.int64) * elements + tl.arange(0, elements)
-        inside = index < rows * cols
-        if routed:  # the slice's mark, loaded for every element (one address, so one read)
-            inside = inside & (tl.load(used + stack + 0 * index, mask=inside, other=0) != 0)
-        col = index % cols
-        row = index // cols
-        code = tl.load(codes + stack * c_stack + row * c_row + col, mask=inside, other=0.0).to(tl.float32)
-        multiplier = tl.load(scale + stack * s_stack + (row // block_rows) * s_row + col // block_cols, mask=inside, other=0.0)
-        value = code * multiplier
-        if bf16_bits:
-            # Rounded to bf16 by hand, to nearest, ties to even: what the cast computes on the GPU, and
-            # what Triton's interpreter (which truncates) does not. The bits then read as bf16.
-            bits = value.to(tl.uint32, bitcast=True)
-            value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        tl.store(out + stack * o_stack + row * o_row + col, value.to(out.dtype.element_ty), mask=inside)
+        if routed:
+            if tl.load(used + stack) == 0:
+                return
+        first = tl.program_id(0).to(tl.int64) * (steps * elements)
+        for step in range(steps):
+            index = first + step * elements + tl.arange(0, elements)
+            inside = index < rows * cols
+            col = index % cols
+            row = index // cols
+            code = tl.load(codes + stack * c_stack + row * c_row + col, mask=inside, other=0.0).to(tl.float32)
+            multiplier = tl.load(scale + stack * s_stack + (row // block_rows) * s_row + col // block_cols,
+                                 mask=inside, other=0.0)
+            value = code * multiplier
+            if bf16_bits:
+                # Rounded to bf16 by hand, to nearest, ties to even: what the cast computes on the GPU,
+                # and what Triton's interpreter (which truncates) does not. The bits then read as bf16.
+                bits = value.to(tl.uint32, bitcast=True)
+                value = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            tl.store(out + stack * o_stack + row * o_row + col, value.to(out.dtype.element_ty), mask=inside)
 
 
 def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -268,9 +275,10 @@ def _dequantize_triton(out: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
             raise ValueError(f"FP8 dequantization: the {what}' last dimension must be contiguous")
     stack, rows, cols = codes3.shape
     bf16 = out3.dtype == torch.bfloat16
-    grid = (triton.cdiv(rows * cols, _KERNEL_BLOCK), stack)  # the stack second: at most 65,535 slices
+    grid = (triton.cdiv(rows * cols, _KERNEL_BLOCK * _KERNEL_STEPS), stack)  # the stack second: at most 65,535 slices
     _dequantize_kernel[grid](codes3, scale3.float(), out3,
                              codes3 if used is None else used, rows, cols,
                              codes3.stride(0), codes3.stride(1), scale3.stride(0), scale3.stride(1),
                              out3.stride(0), out3.stride(1), block_rows=block[0], block_cols=block[1],
-                             bf16_bits=bf16, routed=used is not None, elements=_KERNEL_BLOCK)
+                             bf16_bits=bf16, routed=used is not None, elements=_KERNEL_BLOCK,
+                             steps=_KERNEL_STEPS)
