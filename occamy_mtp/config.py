@@ -555,17 +555,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return config
 
 
+def _one_of(choices) -> str:
+    """Choices as a check's message names them: "a, b or c"."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
+
+
 def check(config: RunConfig) -> None:
     """Cross-field checks, each naming the option at fault."""
     checks = [
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
         (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
-        (config.model.fp8_weights in FP8_WEIGHTS_CHOICES, "model.fp8_weights", ", ".join(FP8_WEIGHTS_CHOICES[:-1]) + " or "
-         + FP8_WEIGHTS_CHOICES[-1]),
-        (config.model.fp8_activations in FP8_ACTIVATIONS_CHOICES, "model.fp8_activations", " or ".join(FP8_ACTIVATIONS_CHOICES)),
-        (config.data.turns in TURN_CHOICES, "data.turns", ", ".join(TURN_CHOICES[:-1]) + " or " + TURN_CHOICES[-1]),
-        (config.data.thinking in THINKING_CHOICES, "data.thinking", ", ".join(THINKING_CHOICES[:-1]) + " or "
-         + THINKING_CHOICES[-1]),
+        (config.model.fp8_weights in FP8_WEIGHTS_CHOICES, "model.fp8_weights", _one_of(FP8_WEIGHTS_CHOICES)),
+        (config.model.fp8_activations in FP8_ACTIVATIONS_CHOICES, "model.fp8_activations", _one_of(FP8_ACTIVATIONS_CHOICES)),
+        (config.data.turns in TURN_CHOICES, "data.turns", _one_of(TURN_CHOICES)),
+        (config.data.thinking in THINKING_CHOICES, "data.thinking", _one_of(THINKING_CHOICES)),
         (config.data.context_tokens >= 1, "data.context_tokens", ">= 1"),
         (config.data.answer_tokens >= 2, "data.answer_tokens", ">= 2"),
         (config.data.train_conversations >= 1, "data.train_conversations", ">= 1"),
@@ -628,7 +631,7 @@ def check(config: RunConfig) -> None:
         ),
         (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
-        (config.train.loss in LOSSES, "train.loss", ", ".join(list(LOSSES)[:-1]) + " or " + list(LOSSES)[-1]),
+        (config.train.loss in LOSSES, "train.loss", _one_of(list(LOSSES))),
         (len(config.eval.serving) >= 1, "eval.serving", "one or more serving configurations"),
         (0 <= config.eval.select_serving < max(1, len(config.eval.serving)), "eval.select_serving",
          f"an index into eval.serving, 0 to {len(config.eval.serving) - 1}"),
@@ -644,7 +647,7 @@ def check(config: RunConfig) -> None:
             (0 < top_p <= 1, f"{prefix}top_p", "a number in (0, 1]", top_p),
             (top_k >= 0, f"{prefix}top_k", "0 (every token) or more", top_k),
         ]
-    checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", " or ".join(DRAFT_RULES), s.draft)
+    checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", _one_of(DRAFT_RULES), s.draft)
                for i, s in enumerate(config.eval.serving)]
     penalties = [("data.self_generate_", data.self_generate_temperature, data.self_generate_presence_penalty,
                   data.self_generate_frequency_penalty, data.self_generate_repetition_penalty)]
