@@ -48,13 +48,10 @@ from occamy_mtp.base.fastdecode import BatchDecoder, fast_greedy_generate  # noq
 from occamy_mtp.base.generate import greedy_generate  # noqa: E402
 from occamy_mtp.base import moe_kernels  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
+from timing import sync  # noqa: E402
 
 GIB = 2**30
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(tiny: bool, device):

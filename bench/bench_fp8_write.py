@@ -23,6 +23,7 @@ import torch
 from occamy_mtp.model.fp8_weights import dequantize_into
 from occamy_mtp.model.quantized import FP8_MAX
 from report import write_report
+from timing import sync
 
 
 def main() -> int:
@@ -53,10 +54,6 @@ def main() -> int:
         dequantize_into(gate_up_out[:, inter:], *up, block, used)
         dequantize_into(down_out, *down, block, used)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "experts": experts, "hidden": hidden, "moe_intermediate": inter, "bandwidth_gbs": args.bandwidth_gbs, "writes": []}
     for count in [int(c) for c in args.routed.split(",") if c.strip()]:
@@ -66,10 +63,10 @@ def main() -> int:
         write(used)  # untimed: compiles the kernel
         seconds = []
         for _ in range(args.repeats):
-            sync()
+            sync(device)
             started = time.perf_counter()
             write(used)
-            sync()
+            sync(device)
             seconds.append(time.perf_counter() - started)
         weights = count * 3 * inter * hidden
         scales = sum(s.numel() * 4 for _, s in (gate, up, down)) * count // experts

@@ -44,6 +44,7 @@ from occamy_mtp.base import fastbase
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.model.loss import chain_batch, chain_loss
 from occamy_mtp.targets.base import base_outputs
+from timing import sync
 
 GIB = 1024**3
 
@@ -52,10 +53,6 @@ def parse_shape(text: str) -> tuple[int, int]:
     windows, tokens = text.lower().split("x")
     return int(windows), int(tokens)
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_gib(device) -> float:

@@ -49,14 +49,11 @@ from occamy_mtp.targets.base import OnlineTargets
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.train.loop import as_served, head_autocast, train_step
 from report import write_report
+from timing import sync
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 GIB = 2**30
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_gib(device) -> float | None:

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import build, sync  # noqa: E402
+from bench_decode import build  # noqa: E402
+from timing import sync  # noqa: E402
 
 from occamy_mtp.base import fastdecode  # noqa: E402
 from occamy_mtp.base.fastdecode import BatchDecoder  # noqa: E402

@@ -85,16 +85,13 @@ from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.testing.quantize import keep_in_fp8
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
 from report import write_report
+from timing import sync
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
 SELECT_EVERY_STEPS, SERVED_STEPS = 64, (1, 3)
 FAST_TOKENS_PER_FORWARD = 65536
 
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class Phases:

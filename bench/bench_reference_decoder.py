@@ -41,13 +41,10 @@ from occamy_mtp.base import fastdecode
 from occamy_mtp.selfgen.store import self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from report import write_report
+from timing import sync
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 
-
-def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class Timers:

@@ -34,16 +34,12 @@ from occamy_mtp.model.sharding import FSDP2, ZERO3, Sharding, local_part, placem
 from occamy_mtp.targets.base import base_outputs
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, TINY_QWEN3_5
 from report import write_report
+from timing import sync
 
 SMALL = {**TINY_QWEN3_5, "vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
          "linear_num_key_heads": 4, "linear_num_value_heads": 8, "num_experts": 32, "num_experts_per_tok": 4,
          "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def layer_bytes(base) -> int:
