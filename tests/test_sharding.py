@@ -19,7 +19,9 @@ import torch
 
 from occamy_mtp.config import ConfigError
 from occamy_mtp.model.sharding import FSDP2 as FSDP2_ENGINE
-from occamy_mtp.model.sharding import ZERO3, Sharding, from_launch
+from occamy_mtp.model.sharding import ZERO3, Sharding, from_launch, local_part
+
+ENGINE_NAMES = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}  # as the run's console names them
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
@@ -200,8 +202,7 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
         assert comm.cdb.shm_comm_op is None  # no compiled op: gloo's collectives, as FSDP2's
     assert placement(sharded) == {"sharded_over": 1, "offload": False, "engine": engine}
     assert placement(whole) == {"sharded_over": 0, "offload": False, "engine": None}
-    name = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}[engine]
-    assert described(sharded) == f"its decoder layers sharded over 1 process ({name}), on cpu"  # offload means nothing here
+    assert described(sharded) == f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), on cpu"  # offload means nothing here
     assert fast_paths(whole.config) and not fast_paths(sharded.config)
 
     generator = torch.Generator().manual_seed(0)
@@ -276,10 +277,9 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     held = shard(copy.deepcopy(whole), Sharding(offload=True, engine=engine), cuda)
     whole = whole.to(cuda)
     assert placement(held) == {"sharded_over": 1, "offload": True, "engine": engine}
-    name = {FSDP2_ENGINE: "FSDP2", ZERO3: "DeepSpeed ZeRO-3"}[engine]
-    assert described(held) == f"its decoder layers sharded over 1 process ({name}), in host memory, a layer copied to the card for its forward"
-    local = [p.ds_tensor if engine == ZERO3 else p.to_local() for p in held.model.layers.parameters()]
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in local)
+    assert described(held) == (f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), in host memory, "
+                               "a layer copied to the card for its forward")
+    assert all(local_part(p).device.type == "cpu" and local_part(p).is_pinned() for p in held.model.layers.parameters())
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (3, 33), generator=generator).to(cuda)
     a, b = base_outputs(whole, ids), base_outputs(held, ids)
