@@ -18,7 +18,7 @@ with the library's own pieces, each with its wall time and peak:
 - `train_step`: `train.loop.train_step` with online targets (the base's plain forward on the
   step's windows, as `train.py` runs without `data.target_cache`), `--windows-per-step` windows of
   128 + 382 tokens, `--steps` steps after one untimed;
-- `selection`: `evaluation.evaluate.served_acceptance` on `--selection-windows` windows at 1 and 3
+- `selection`: `evaluation.served.served_acceptance` on `--selection-windows` windows at 1 and 3
   draft steps (selection and export's evaluation are such passes: one base forward a batch of 4);
 - `decode`: `base.generate.greedy_generate` (the decoder self-generation uses on a sharded base)
   on `--decode-batch` contexts of 128 tokens, `--decode-tokens` new tokens, beside the same with one
@@ -41,7 +41,7 @@ from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 from occamy_mtp.config import Serving, TrainSettings, step_loss_weights
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.evaluate import served_acceptance
+from occamy_mtp.evaluation.served import served_acceptance
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.model.sharding import FSDP2, ZERO3, Sharding, placement, shard

@@ -73,7 +73,9 @@ from occamy_mtp import files
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.decode import decodes_runners
-from occamy_mtp.evaluation.evaluate import evaluate_head, reference_decoder_check, served_acceptance
+from occamy_mtp.evaluation.offline import evaluate_head
+from occamy_mtp.evaluation.served import served_acceptance
+from occamy_mtp.evaluation.decoder_check import reference_decoder_check
 from occamy_mtp.base.fastbase import FastBasePass
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 from occamy_mtp.memory import held_bytes

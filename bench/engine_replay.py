@@ -28,7 +28,7 @@ import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.evaluate import chain_outcomes
+from occamy_mtp.evaluation.offline import chain_outcomes
 from occamy_mtp.model.head import SharedWeights
 from occamy_mtp.evaluation.metrics import decoder_rounds
 from occamy_mtp.targets.base import base_outputs

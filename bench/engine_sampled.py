@@ -38,8 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from occamy_mtp.config import ConfigError, Serving, load_config, serving_preset, window_settings  # noqa: E402
 from occamy_mtp.data.windows import load_tokenizer  # noqa: E402
-from occamy_mtp.evaluation.evaluate import sampled_decoder_check  # noqa: E402
-from occamy_mtp.model import checkpoint as ckpt_io  # noqa: E402
+from occamy_mtp.evaluation.decoder_check import sampled_decoder_check# noqa: E402
 from occamy_mtp.engines.http import server_identity  # noqa: E402
 from occamy_mtp.serve.sampled import (  # noqa: E402
     ask, expectation_models, fidelity, measured_texts, sampled_request, text_statistics,
@@ -120,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     head_path = (config.model.donor_head if args.head == "donor" else args.head) if args.draft_steps else None
-    base, head = expectation_models(config.model.base, head_path, ckpt_io.DTYPES[args.dtype], torch.device("cpu"),
-                                    config.model.attn_implementation)
+    base, head = expectation_models(dataclasses.replace(config.model, dtype=args.dtype), head_path, torch.device("cpu"))
     text_fidelity = fidelity(text_statistics(base, raw, serving))
     check = None
     if head is not None:

@@ -18,10 +18,10 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.config import ConfigError
-from occamy_mtp.families import fast_paths
+from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, FrozenBase, fast_paths
 from occamy_mtp.run import (
-    BaseFacts, check_inputs, check_store_writable, refuse_inside_models, continuation_writer, emulated_activations,
-    load_frozen_base, load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
+    check_inputs, check_store_writable, refuse_inside_models, continuation_writer,
+    load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
 )
 from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.data.windows import stop_token_ids
@@ -51,7 +51,7 @@ def auto_fastbase_tokens(base) -> int:
     """
     from occamy_mtp.base import fastbase
 
-    if base.lm_head.weight.device.type != "cuda" or not fast_paths(base.config):
+    if base.lm_head.weight.device.type != "cuda" or not fast_paths(base):
         return 0
     try:
         fastbase.fla_kernels()
@@ -128,8 +128,7 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
     if lacking and not setup.selfgen.endpoints:
         base = _load_base(model, facts, sharding, log)  # it writes the continuations (servers write them when named)
     windows = run_windows(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stop_ids, base), log).all()
-    identity = cache_identity(facts.fingerprint, windows, data.settings, model.dtype, model.attn_implementation,
-                              emulated_activations(model, facts))
+    identity = cache_identity(BaseIdentity.of(model, facts), windows, data.settings)
     if (directory / MANIFEST_NAME).is_file():
         manifest = read_manifest(directory)
         if manifest.get("key") == identity.key and manifest.get("complete"):
@@ -152,7 +151,7 @@ def build_for_run(setup: Setup, plan: CachePlan, log: Callable[[str], None] = qu
     )
 
 
-def _load_base(model, facts: BaseFacts, sharding: Sharding | None, log):
-    return load_frozen_base(model, facts, torch.device("cuda" if torch.cuda.is_available() else "cpu"), sharding, log)
+def _load_base(model, facts: BaseFacts, sharding: Sharding | None, log) -> FrozenBase:
+    return FrozenBase.open(model, torch.device("cuda" if torch.cuda.is_available() else "cpu"), sharding, facts, log)
 
 

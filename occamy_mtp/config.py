@@ -138,6 +138,7 @@ class DataSettings:
 
 TURN_CHOICES = ("last", "first", "every")
 THINKING_CHOICES = ("auto", "on", "off")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")  # model.attn_implementation
 FP8_WEIGHTS_CHOICES = ("auto", "fp8", "dequantized")  # model.fp8_weights (`model.fp8_weights.keeps_fp8`)
 FP8_ACTIVATIONS_CHOICES = ("bf16", "fp8")  # model.fp8_activations (`model.quantized.emulate_fp8_activations`)
 # Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
@@ -564,7 +565,7 @@ def check(config: RunConfig) -> None:
     """Cross-field checks, each naming the option at fault."""
     checks = [
         (config.model.dtype in ("bfloat16", "float32", "float16"), "model.dtype", "bfloat16, float16 or float32"),
-        (config.model.attn_implementation in ("sdpa", "eager"), "model.attn_implementation", "sdpa or eager"),
+        (config.model.attn_implementation in ATTN_IMPLEMENTATIONS, "model.attn_implementation", _one_of(ATTN_IMPLEMENTATIONS)),
         (config.model.fp8_weights in FP8_WEIGHTS_CHOICES, "model.fp8_weights", _one_of(FP8_WEIGHTS_CHOICES)),
         (config.model.fp8_activations in FP8_ACTIVATIONS_CHOICES, "model.fp8_activations", _one_of(FP8_ACTIVATIONS_CHOICES)),
         (config.data.turns in TURN_CHOICES, "data.turns", _one_of(TURN_CHOICES)),

@@ -80,23 +80,12 @@ def family_of(model_type: str | None) -> Family | None:
     return FAMILIES.get(model_type)
 
 
-EMULATED = "occamy_emulated_quantization"
-"""Set on a base's config when its linears' inputs are fake-quantized in their forwards
-(`model.quantized.emulate_activations`): the fast paths read the weights directly and would skip that."""
-
-
-SHARDED = "occamy_sharded_base"
-"""Set on a base's config (to the number of processes) when its decoder layers are sharded
-(`model.sharding.shard`): the fast paths read the weights directly, and each process holds a shard."""
-
-
 def fast_paths(config) -> bool:
-    """Whether the library's fast paths run a model of this config: its family says so, and its
-    forward is transformers' own (no emulated quantization of the activations, `EMULATED`) over
-    whole weights (not sharded, `SHARDED`)."""
+    """Whether the library's fast paths run a model of this config's family. Whether they run a given
+    base (not where its inputs are fake-quantized, nor where its layers are sharded) is what its
+    opening decided: `base.frozen.FrozenBase.fast_paths`."""
     family = family_of(getattr(config, "model_type", None))
-    return (family is not None and family.fast_paths and not getattr(config, EMULATED, None)
-            and not getattr(config, SHARDED, None))
+    return family is not None and family.fast_paths
 
 
 def draft_architectures() -> dict[str, str]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import sys
 import time
@@ -32,16 +31,13 @@ from occamy_mtp.config import ConfigError, refuse_placeholders
 from occamy_mtp.data.prepare import PreparedData, prepare_windows
 from occamy_mtp.data.windows import Window, load_tokenizer, stop_token_ids
 from occamy_mtp.model.head import MTPHead, SharedWeights, count_parameters, set_trainable
-from occamy_mtp.memory import held_bytes
-from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT
-from occamy_mtp.model import quantized
-from occamy_mtp.model.sharding import Sharding, barrier, described, is_sharded, shard, shard_layer
+from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, FrozenBase
+from occamy_mtp.model.sharding import Sharding, barrier, is_sharded
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
 from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
-from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
 Log = Callable[[str], None]
 
@@ -58,28 +54,6 @@ def quiet(message: str) -> None:
 # ----------------------------------------------------------------------------------
 # The run directory
 # ----------------------------------------------------------------------------------
-
-
-class BaseFacts:
-    """What a run reads about its base, once: its config (`checkpoint.read_config`), its quantization
-    (`checkpoint.quantization_of`, refused here when unsupported) and, when first asked, its
-    fingerprint (`checkpoint.checkpoint_fingerprint`, which samples every weight file)."""
-
-    def __init__(self, directory: str | Path):
-        self.directory = Path(directory)
-        if not self.directory.exists():
-            raise ConfigError(f"model.base: {self.directory}: no such directory (a checkpoint directory holding config.json is expected)")
-        self.config = ckpt_io.read_config(self.directory)
-        self.quantization = ckpt_io.quantization_of(self.directory, self.config)
-        """How the base's weights are stored (`model.quantized.Scheme`; None: unquantized), its scales checked."""
-
-    @property
-    def text_config(self):
-        return self.config.text_config
-
-    @functools.cached_property
-    def fingerprint(self) -> dict:
-        return ckpt_io.checkpoint_fingerprint(self.directory)
 
 
 def measured_windows(stores: "Stores", texts: list[TextSampling], prompts: list[Window]) -> list[Window]:
@@ -231,26 +205,15 @@ def check_split(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) -> None:
             )
 
 
-def emulated_activations(model, facts: BaseFacts) -> str | None:
-    """How the base's activations are rounded where the library emulates it beyond its weights
-    (`quantized.emulated_activations`). The stores and the target cache record it, since it changes
-    what the base computes."""
-    return quantized.emulated_activations(model.fp8_activations, facts.quantization)
-
-
 def open_store(setup: Setup, base: BaseFacts, stop_ids: set[int], sampling: TextSampling = GREEDY_TEXT) -> SelfGeneratedStore:
     """The run's store of continuations written under `sampling` (refused when written for another
     base, other settings or by another writer)."""
     identity = store_identity(
-        base.fingerprint,
-        base.text_config.vocab_size,
-        setup.model.dtype,
-        setup.model.attn_implementation,
+        BaseIdentity.of(setup.model, base),
         max_new_tokens=setup.selfgen.answer_tokens,
         stop_token_ids=stop_ids,
         writer=ENGINE if setup.selfgen.endpoints else EMBEDDED,
         sampling=sampling,
-        activations=emulated_activations(setup.model, base),
     )
     return SelfGeneratedStore.open(setup.store_dir(sampling), identity)
 
@@ -426,7 +389,7 @@ def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer:
 
 @dataclass(frozen=True)
 class Models:
-    base: torch.nn.Module | None
+    base: FrozenBase | None
     """The frozen base; None when the targets come from the cache."""
     head: MTPHead
     """The donor head, trainable tensors as fp32 masters."""
@@ -435,47 +398,19 @@ class Models:
     head_parameters: int
 
 
-def load_frozen_base(model, facts: BaseFacts, device, sharding: Sharding | None = None, log: Log = quiet):
-    """The frozen base of `model` (the model settings) on `device`; with `sharding` (`model.sharding`)
-    read a decoder layer at a time into host memory, each sharded over the processes as soon as it
-    is read (each process keeps its shard, on `device` or in host memory)."""
-    files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
-    size = sum(f.stat().st_size for f in files) / 2**30
-    load_to = "cpu" if sharding is not None else device
-    log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
-    # Sharded, each layer is placed as it is read: no process holds the whole base.
-    place_layer = None if sharding is None else functools.partial(shard_layer, sharding=sharding, device=torch.device(device))
-    base = ckpt_io.load_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,
-                             attn_implementation=model.attn_implementation, config=facts.config, place_layer=place_layer,
-                             fp8_weights=model.fp8_weights, fp8_activations=model.fp8_activations)
-    kept = sum(hasattr(layer, FP8_KEPT) for layer in base.model.layers)
-    if kept:
-        log(f"base: {kept} decoder layers keep their weights in FP8 (model.fp8_weights {model.fp8_weights}), "
-            f"each layer's written in {model.dtype} for its forward; the base holds {held_bytes(base) / 2**30:.2f} GiB")
-    elif sharding is not None and model.fp8_weights == "fp8":
-        log("base: model.fp8_weights fp8 does not apply to a sharded base: its layers are read dequantized, then sharded")
-    if sharding is not None:
-        base = shard(base, sharding, torch.device(device))
-        log(f"base: {described(base)}")
-    tuned = use_tuned_kernel_configs(torch.device(device))
-    if tuned:
-        log(tuned)
-    return base
-
-
 def load_models(model, trainable_names: tuple[str, ...], facts: BaseFacts, device, with_base: bool = True,
                 log: Log = quiet, sharding: Sharding | None = None) -> Models:
     """The frozen base and the donor head of `model` (the model settings) on `device`, the tensors
     `trainable_names` names as fp32 masters.
 
-    Without the base (`with_base=False`, training from the target cache) only the two
+    The base is opened through its one door (`base.frozen.FrozenBase.open`). Without the base (`with_base=False`, training from the target cache) only the two
     tensors the head borrows, `embed_tokens` and `lm_head`, are loaded. `sharding`: the base's
-    placement (`load_frozen_base`).
+    placement (the launch's).
     """
     dtype = ckpt_io.DTYPES[model.dtype]
     started = time.perf_counter()
     if with_base:
-        base = load_frozen_base(model, facts, device, sharding, log)
+        base = FrozenBase.open(model, device, sharding, facts, log)
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
     else:
         log(f"base: loading only embed_tokens and lm_head of {model.base} (the targets are cached)")
@@ -505,8 +440,7 @@ def open_targets(setup: Setup, facts: BaseFacts, windows: list[Window], window_s
         if base is None:
             raise ValueError("no target cache configured, so the base itself is needed for the online path")
         return OnlineTargets(base)
-    identity = cache_identity(facts.fingerprint, windows, window_settings, setup.model.dtype, setup.model.attn_implementation,
-                              emulated_activations(setup.model, facts))
+    identity = cache_identity(BaseIdentity.of(setup.model, facts), windows, window_settings)
     return TargetCache.open(Path(setup.data.target_cache), identity)
 
 

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from occamy_mtp import cache as CP
+from occamy_mtp.base.frozen import BaseIdentity
 from occamy_mtp.targets import base as T
 from occamy_mtp.targets import cache as C
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -89,7 +90,8 @@ def window_ids(data):
 
 
 def identity_of(base_path, data, dtype, attn_implementation):
-    return C.cache_identity(ckpt_io.checkpoint_fingerprint(base_path), windows_of(data), data.settings, dtype, attn_implementation)
+    base = BaseIdentity(ckpt_io.checkpoint_fingerprint(base_path), 0, dtype, attn_implementation)  # the cache records no vocabulary
+    return C.cache_identity(base, windows_of(data), data.settings)
 
 
 def online(base, windows):
@@ -181,7 +183,8 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     bit-identical, and the cached run never loads the base."""
     from occamy_mtp.export import exporter as export_module
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_stores, prepare_data, run_windows, self_generated_needed
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.run import open_stores, prepare_data, run_windows, self_generated_needed
 
     # Everything on the CPU, where the world's cache was built, also on a machine with a GPU.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -200,7 +203,8 @@ def test_training_from_the_cache_gives_the_online_head(world, monkeypatch):
     assert texts == 1 + 4 * cached_config.eval.sampled_continuations
     assert len(windows) == len(data.train) + len(data.validation) + len(data.heldout) * (texts + 1)
     library = world["root"] / "targets-library"  # the CLI built exactly the cache of the library pass
-    C.build_cache(library, C.cache_identity(ckpt_io.checkpoint_fingerprint(world["base_path"]), windows, data.settings, "float32", "sdpa"), C.window_ids(windows),
+    C.build_cache(library, C.cache_identity(BaseIdentity(ckpt_io.checkpoint_fingerprint(world["base_path"]), 0, "float32", "sdpa"),
+                                            windows, data.settings), C.window_ids(windows),
                   T.plain_compute(world["base"]), hidden_size=HIDDEN_SIZE, max_shard_bytes=SHARD_BYTES)
     assert shard_bytes(directory) == shard_bytes(library)
     with monkeypatch.context() as patch:  # a complete cache is confirmed without loading the base
@@ -319,7 +323,8 @@ def test_fastbase_tokens_argument():
 
 
 def test_online_source_is_base_outputs(world):
-    from occamy_mtp.run import BaseFacts, open_targets
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.run import open_targets
 
     config = load_config(None, [f"model.base={world['base_path']}", "model.dtype=float32"])
     source = open_targets(plan_of(config).setup, BaseFacts(config.model.base), windows_of(world["data"]), world["data"].settings, base=world["base"])

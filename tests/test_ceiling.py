@@ -9,7 +9,8 @@ import torch
 from occamy_mtp import sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.evaluate import _ceiling_batch, ceiling_acceptance, share_of_ceiling
+from occamy_mtp.evaluation.served import _ceiling_batch, ceiling_acceptance
+from occamy_mtp.evaluation.report import share_of_ceiling
 from occamy_mtp.evaluation.metrics import replayed_acceptance
 from occamy_mtp.selfgen.store import context_of, self_generate, with_continuation
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config

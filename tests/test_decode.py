@@ -16,7 +16,7 @@ import torch
 from occamy_mtp.data.windows import Window
 from occamy_mtp.base.fastdecode import StaticHeadRunner
 from occamy_mtp.evaluation.decode import BaseRunner, HeadRunner, greedy_decode, speculative_decode
-from occamy_mtp.evaluation.evaluate import SELF_GENERATED, chain_outcomes, evaluate_head
+from occamy_mtp.evaluation.offline import SELF_GENERATED, chain_outcomes, evaluate_head
 from occamy_mtp.evaluation.metrics import counts_from_outcomes
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
@@ -304,7 +304,7 @@ def test_sampled_decoding_converges_to_its_expected_counts(sharp_models, draft):
     """The engines' rejection sampling (seeded) against the library's exact expectation given each
     text it wrote; the same decodes against the expectation of another temperature fail."""
     from occamy_mtp.config import Serving
-    from occamy_mtp.evaluation.evaluate import sampled_decoder_check, sampled_decodes
+    from occamy_mtp.evaluation.decoder_check import sampled_decoder_check, sampled_decodes
 
     base, head = sharp_models
     serving = Serving(temperature=0.5, top_p=0.9, draft=draft)

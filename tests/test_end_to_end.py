@@ -115,10 +115,12 @@ def test_training_record_fits_schema_and_metrics_recompute(trained, models):
 
     from occamy_mtp.config import load_config
     from occamy_mtp.data.prepare import prepare_windows
-    from occamy_mtp.evaluation.evaluate import evaluate_head, served_acceptance
+    from occamy_mtp.evaluation.offline import evaluate_head
+    from occamy_mtp.evaluation.served import served_acceptance
     from occamy_mtp.model.head import SharedWeights
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, open_store
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.run import open_store
 
     record = json.loads((trained["out"] / "TRAINING.json").read_text())
     assert validate_record(record) == []

@@ -25,7 +25,8 @@ import torch
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.selfgen import engine_writer as G
 from occamy_mtp.config import load_config
-from occamy_mtp.run import (BaseFacts, continuation_writer, load_tokenizer, open_stores, prepare_data, run_windows,
+from occamy_mtp.base.frozen import BaseFacts
+from occamy_mtp.run import (continuation_writer, load_tokenizer, open_stores, prepare_data, run_windows,
                             self_generated_needed)
 from occamy_mtp.data.windows import stop_token_ids
 from occamy_mtp.sampling import GREEDY_TEXT

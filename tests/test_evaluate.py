@@ -14,13 +14,8 @@ import torch.nn.functional as F
 
 from occamy_mtp.data.windows import Window
 from occamy_mtp.selfgen.store import context_of, self_generate, with_continuation
-from occamy_mtp.evaluation.evaluate import (
-    SELF_GENERATED,
-    TEACHER_FORCED,
-    chain_outcomes,
-    evaluate_head,
-    format_table,
-)
+from occamy_mtp.evaluation.offline import SELF_GENERATED, TEACHER_FORCED, chain_outcomes, evaluate_head
+from occamy_mtp.evaluation.report import format_table
 from occamy_mtp.commands.evaluate import main
 from occamy_mtp.evaluation.metrics import acceptance_summary, counts_from_outcomes
 from occamy_mtp.evaluation.plot import plot_acceptance

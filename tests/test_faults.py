@@ -1144,7 +1144,8 @@ def store_config(models, store: Path, base: str = "base"):
 def opened_store(config):
     """A run's store and windows as `open_run` has them once its models are loaded."""
     from occamy_mtp.data.windows import stop_token_ids
-    from occamy_mtp.run import BaseFacts, load_tokenizer, open_store, prepare_data, self_generated_needed
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.run import load_tokenizer, open_store, prepare_data, self_generated_needed
     from occamy_mtp.sampling import GREEDY_TEXT
 
     tokenizer = load_tokenizer(config.model)

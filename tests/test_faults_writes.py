@@ -430,13 +430,13 @@ def test_an_oversized_jsonl_line_is_excluded_unparsed(tmp_path, monkeypatch):
 
 def _engine_store(tmp_path):
     """An empty engine-written store for the fake engine's contexts, and windows of those contexts."""
+    from occamy_mtp.base.frozen import BaseIdentity
     from occamy_mtp.data.windows import Window
     from occamy_mtp.selfgen.store import ENGINE, SelfGeneratedStore, store_identity
     from test_engine_generate import CONTEXTS, FakeEngine
 
-    fingerprint = {"config_sha256": "c" * 64, "weights_sample_sha256": "w" * 64}
-    identity = store_identity(fingerprint, 64, "float32", "sdpa", max_new_tokens=6, stop_token_ids={FakeEngine.STOP},
-                              writer=ENGINE)
+    base = BaseIdentity({"config_sha256": "c" * 64, "weights_sample_sha256": "w" * 64}, 64, "float32", "sdpa")
+    identity = store_identity(base, max_new_tokens=6, stop_token_ids={FakeEngine.STOP}, writer=ENGINE)
     windows = [Window(f"conversation-{i}", 1, (*context, 1), len(context)) for i, context in enumerate(CONTEXTS)]
     return SelfGeneratedStore.open(tmp_path / "store", identity), windows, identity
 

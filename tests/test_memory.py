@@ -210,7 +210,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     more than twice it (the figures size the chunks: too small runs out of memory, too large
     wastes the card)."""
     from occamy_mtp.config import Serving
-    from occamy_mtp.evaluation import evaluate
+    from occamy_mtp.evaluation import offline
     from occamy_mtp.model import loss
     from occamy_mtp.base.logits import chunked_greedy, greedy_bytes_per_logit
 
@@ -224,9 +224,9 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     if what == "greedy":
         figure, run = greedy_bytes_per_logit(head.lm_head), lambda: chunked_greedy(hidden, head.lm_head, rows)
     elif what == "figures":
-        figure, run = evaluate.FIGURES_BYTES_PER_LOGIT, lambda: evaluate.figures_of(head, hidden, tokens, tokens)
+        figure, run = offline.FIGURES_BYTES_PER_LOGIT, lambda: offline.figures_of(head, hidden, tokens, tokens)
     elif what == "odds":
-        figure, run = evaluate.ODDS_BYTES_PER_LOGIT, lambda: evaluate.odds_of(head, other, hidden, tokens, serving)
+        figure, run = offline.ODDS_BYTES_PER_LOGIT, lambda: offline.odds_of(head, other, hidden, tokens, serving)
     else:
         chain = hidden[None, None].detach().requires_grad_(True)  # (K=1, B=1, T, D), every pair scored
         objective = loss.Objective("top1" if what == "top1" else "kl", serving)
@@ -243,7 +243,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
 def test_evaluation_batches_keep_the_order_and_shrink_where_long_windows_would_not_fit(monkeypatch):
     """Evaluation's batches (`window_batches`): on a GPU a batch grows only while its padded chain
     fits beside what is allocated; off CUDA they are `eval.windows_per_batch` as before."""
-    from occamy_mtp.evaluation.evaluate import grouped, window_batches
+    from occamy_mtp.evaluation.offline import grouped, window_batches
     from occamy_mtp.model.head import MASK_BYTES_PER_SCORE, MTPHead, SharedWeights
 
     lengths = [3, 5, 9, 2, 2, 2, 2, 7]
@@ -265,7 +265,7 @@ def test_evaluation_batches_keep_the_order_and_shrink_where_long_windows_would_n
 
 
 def evaluate_token_bytes(base) -> int:
-    from occamy_mtp.evaluation.evaluate import _target_token_bytes
+    from occamy_mtp.evaluation.offline import _target_token_bytes
 
     return _target_token_bytes(base)
 

@@ -13,7 +13,7 @@ import pytest
 
 from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation.decode import greedy_decode, speculative_decode
-from occamy_mtp.evaluation.evaluate import chain_outcomes
+from occamy_mtp.evaluation.offline import chain_outcomes
 from occamy_mtp.evaluation.metrics import Round, decoder_rounds, replayed_acceptance
 
 from test_decode import agreeable_models, random_prompt

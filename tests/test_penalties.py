@@ -9,7 +9,8 @@ import torch
 from occamy_mtp import sampling
 from occamy_mtp.config import PRESETS, ConfigError, Serving, load_config
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.evaluate import _ceiling_batch, _run_batch_sampled
+from occamy_mtp.evaluation.offline import _run_batch_sampled
+from occamy_mtp.evaluation.served import _ceiling_batch
 from occamy_mtp.selfgen.store import context_of, context_uniforms, self_generate, with_continuation
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 

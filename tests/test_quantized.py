@@ -232,11 +232,12 @@ def test_an_fp8_base_quantizes_each_fp8_linear_s_input_as_the_engine_does(bases,
     """model.fp8_activations fp8: every FP8 linear's input, and every expert's input and activation,
     quantized per token in groups of weight_block_size[1] (16 here); the layers the checkpoint keeps in
     bf16 (routers, norms, lm_head) untouched; the fast paths stand aside."""
-    from occamy_mtp.families import fast_paths
+    from occamy_mtp.base.frozen import FrozenBase
+    from occamy_mtp.config import ModelSettings
 
-    plain = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32)
-    base = ckpt_io.load_base(bases[q.FP8], dtype=torch.float32, fp8_activations="fp8")
-    assert fast_paths(plain.config) and not fast_paths(base.config)
+    plain = FrozenBase.open(ModelSettings(base=str(bases[q.FP8]), dtype="float32"), "cpu")
+    base = FrozenBase.open(ModelSettings(base=str(bases[q.FP8]), dtype="float32", fp8_activations="fp8"), "cpu")
+    assert plain.fast_paths and not base.fast_paths and (plain.emulated, base.emulated) == (None, q.FP8)
     fp8_modules = {name for name, m in base.named_modules() if isinstance(m, torch.nn.Linear) and m._forward_pre_hooks}
     assert fp8_modules and not any("router" in n or "gate" == n.rsplit(".", 1)[-1] or "lm_head" in n for n in fp8_modules)
     seen: dict[str, list] = {}
@@ -433,7 +434,7 @@ def test_text_written_without_the_fp8_activations_is_not_taken_for_text_written_
     the setting leaves alone, keeps its identities, and so does an FP8 base without it (stores from
     before the setting open as they did)."""
     from occamy_mtp.evaluation.evaluate import evaluate_run
-    from occamy_mtp.run import BaseFacts, emulated_activations
+    from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, emulated_activations
     from occamy_mtp.selfgen.store import SelfGenError
     from occamy_mtp.settings import plan_of
     from occamy_mtp.targets.cache import cache_identity
@@ -446,9 +447,8 @@ def test_text_written_without_the_fp8_activations_is_not_taken_for_text_written_
     fp8, bf16 = BaseFacts(bases[q.FP8]), BaseFacts(bases["bf16"])
     assert emulated_activations(emulated.model, fp8) == "fp8"
     assert emulated_activations(plain.model, fp8) is None and emulated_activations(emulated.model, bf16) is None
-    identity = [cache_identity(fp8.fingerprint, [], {}, "float32", "sdpa", emulated_activations(c.model, fp8)).key
-                for c in (plain, emulated)]
-    assert identity[0] == cache_identity(fp8.fingerprint, [], {}, "float32", "sdpa").key != identity[1]
+    identity = [cache_identity(BaseIdentity.of(c.model, fp8), [], {}).key for c in (plain, emulated)]
+    assert identity[0] == cache_identity(BaseIdentity(fp8.fingerprint, fp8.text_config.vocab_size, "float32", "sdpa"), [], {}).key != identity[1]
 
 
 def test_a_head_is_scored_on_the_base_it_is_served_on_beside_the_one_it_was_trained_on(bases, tmp_path):
@@ -488,11 +488,15 @@ def test_a_head_is_scored_on_the_base_it_is_served_on_beside_the_one_it_was_trai
 
 def test_an_emulated_nvfp4_base_is_left_to_transformers_forward(bases):
     """The fast paths (the packed base pass, the static decoder) read the weights directly and would
-    skip the inputs' quantization: an NVFP4 base is marked so that they stand aside."""
-    from occamy_mtp.families import fast_paths
+    skip the inputs' quantization: an NVFP4 base's opening records the emulation, and they stand aside.
+    Nothing is tagged onto the transformers config."""
+    from occamy_mtp.base.frozen import FrozenBase
+    from occamy_mtp.config import ModelSettings
 
-    assert fast_paths(ckpt_io.load_base(bases[q.FP8]).config)
-    assert not fast_paths(ckpt_io.load_base(bases[q.NVFP4]).config)
+    fp8, nvfp4 = (FrozenBase.open(ModelSettings(base=str(bases[scheme])), "cpu") for scheme in (q.FP8, q.NVFP4))
+    assert fp8.fast_paths and fp8.emulated is None
+    assert not nvfp4.fast_paths and nvfp4.emulated == q.NVFP4
+    assert not [name for base in (fp8, nvfp4) for name in vars(base.config) if name.startswith("occamy")]
 
 
 @pytest.mark.gpu
@@ -507,8 +511,9 @@ def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases,
     test is about."""
     import types
 
+    from occamy_mtp.base.frozen import FrozenBase
     from occamy_mtp.compat import plain_forward
-    from occamy_mtp.families import fast_paths
+    from occamy_mtp.config import ModelSettings
 
     ids = torch.randint(0, 1024, (2, 40), generator=torch.Generator().manual_seed(5))
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
@@ -516,7 +521,7 @@ def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases,
     try:
         with torch.no_grad():
             cpu = ckpt_io.load_base(bases[scheme], dtype=torch.float32)(input_ids=ids).logits
-            model = ckpt_io.load_base(bases[scheme], dtype=torch.float32, device="cuda")
+            model = FrozenBase.open(ModelSettings(base=str(bases[scheme]), dtype="float32"), "cuda")
             linear = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
             assert linear
             for module in linear:
@@ -524,7 +529,7 @@ def test_a_quantized_base_on_the_gpu_computes_what_it_computes_on_the_cpu(bases,
             gpu = model(input_ids=ids.cuda()).logits.cpu()
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert fast_paths(model.config) == (scheme == q.FP8)
+    assert model.fast_paths == (scheme == q.FP8)
     if scheme == q.FP8:
         assert torch.allclose(gpu, cpu, atol=1e-4, rtol=1e-4), float((gpu - cpu).abs().max())
     else:  # an input at an e2m1 rounding boundary may round the other way: a few positions may move, no more

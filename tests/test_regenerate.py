@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.base.frozen import BaseFacts, BaseIdentity
+from occamy_mtp.config import ModelSettings
 from occamy_mtp.base.generate import greedy_generate
 from occamy_mtp.selfgen import regenerate as G
 from occamy_mtp.selfgen import store
@@ -119,9 +121,15 @@ def reference_greedy(base, prompt: list[int], max_new_tokens: int, eos: set[int]
     return ids[len(prompt) :]
 
 
+def sidecar_base(base_dir, **model) -> dict:
+    """The sidecar's base record of the base at `base_dir` read in float32 (as the fixtures read it)."""
+    settings = ModelSettings(base=str(base_dir), **{"dtype": "float32", **model})
+    return G.base_record(BaseIdentity.of(settings, BaseFacts(base_dir)), base_dir)
+
+
 def regenerate(chats, tokenizer, base_dir, base, out, **settings):
     settings = {"max_new_tokens": 5, "batch_size": 2, **settings}
-    return G.regenerate_answers([chats], tokenizer, base, out, base_identity=G.checkpoint_fingerprint(base_dir), **settings)
+    return G.regenerate_answers([chats], tokenizer, base, out, base_identity=sidecar_base(base_dir), **settings)
 
 
 # ---------------------------------------------------------------------------- greedy decoding
@@ -337,7 +345,7 @@ def test_resume_refuses_other_settings_base_or_files(chats, sample_tokenizer, ra
         regenerate(chats, sample_tokenizer, base_dir, base, out, turns="first")
     other = build_tiny_checkpoint(tmp_path / "other_base", seed=1, tokenizer_dir=sample_tokenizer_dir, with_head=False).path
     with pytest.raises(G.GenerateError, match=r"base\.weights_sample_sha256"):
-        G.regenerate_answers([chats], sample_tokenizer, base, out, base_identity=G.checkpoint_fingerprint(other), max_new_tokens=5, batch_size=2)
+        G.regenerate_answers([chats], sample_tokenizer, base, out, base_identity=sidecar_base(other), max_new_tokens=5, batch_size=2)
     with pytest.raises(G.GenerateError, match="resume is off"):
         regenerate(chats, sample_tokenizer, base_dir, base, out, resume=False)
     assert out.read_bytes() == before

@@ -179,9 +179,9 @@ def one_process_group():
 def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(single_thread, one_process_group, engine):
     import copy
 
+    from occamy_mtp.base.frozen import FrozenBase, Placement
     from occamy_mtp.base.generate import greedy_generate
-    from occamy_mtp.families import fast_paths
-    from occamy_mtp.model.sharding import described, placement, shard
+    from occamy_mtp.model.sharding import placement, shard
     from occamy_mtp.sampling import TextSampling
     from occamy_mtp.targets.base import base_outputs
     from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
@@ -202,8 +202,10 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
         assert comm.cdb.shm_comm_op is None  # no compiled op: gloo's collectives, as FSDP2's
     assert placement(sharded) == {"sharded_over": 1, "offload": False, "engine": engine}
     assert placement(whole) == {"sharded_over": 0, "offload": False, "engine": None}
-    assert described(sharded) == f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), on cpu"  # offload means nothing here
-    assert fast_paths(whole.config) and not fast_paths(sharded.config)
+    opened = FrozenBase(sharded, placement=Placement(**placement(sharded)))  # as FrozenBase.open records it
+    assert opened.described() == f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), on cpu"  # offload means nothing here
+    assert FrozenBase.in_memory(whole).fast_paths and not opened.fast_paths
+    assert not [name for name in vars(sharded.config) if name.startswith("occamy")]  # nothing tagged onto the config
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1000, (3, 21), generator=generator)
@@ -225,12 +227,14 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
 AGREEMENT = """
 import sys, torch, torch.distributed as dist
 from occamy_mtp.model.sharding import agreed_min, all_finished, barrier
-from occamy_mtp.families import SHARDED
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 from types import SimpleNamespace
-# what the functions read of a base: its config's mark
-sharded, whole = SimpleNamespace(config=SimpleNamespace(**{SHARDED: 2})), SimpleNamespace(config=SimpleNamespace())
+# what the functions read of a base: whether its first decoder layer is sharded
+layer = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))
+sharded, whole = (SimpleNamespace(model=SimpleNamespace(layers=[module])) for module in (layer, torch.nn.Linear(4, 4)))
 barrier(sharded)
 figures = (rank, agreed_min(10 + 5 * rank, sharded), agreed_min(10 + 5 * rank, whole),
            all_finished(rank == 0, sharded), all_finished(rank == 0, whole), all_finished(True, sharded))
@@ -266,8 +270,9 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     the outputs."""
     import copy
 
+    from occamy_mtp.base.frozen import Placement
     from occamy_mtp.base.generate import greedy_generate
-    from occamy_mtp.model.sharding import described, placement, shard
+    from occamy_mtp.model.sharding import placement, shard
     from occamy_mtp.targets.base import base_outputs
     from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 
@@ -277,7 +282,7 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     held = shard(copy.deepcopy(whole), Sharding(offload=True, engine=engine), cuda)
     whole = whole.to(cuda)
     assert placement(held) == {"sharded_over": 1, "offload": True, "engine": engine}
-    assert described(held) == (f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), in host memory, "
+    assert Placement(**placement(held)).described(cuda) == (f"its decoder layers sharded over 1 process ({ENGINE_NAMES[engine]}), in host memory, "
                                "a layer copied to the card for its forward")
     assert all(local_part(p).device.type == "cpu" and local_part(p).is_pinned() for p in held.model.layers.parameters())
     generator = torch.Generator().manual_seed(0)

@@ -37,7 +37,9 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.families import fast_paths, family_of
+from occamy_mtp.base.frozen import fast_paths
+from occamy_mtp import families
+from occamy_mtp.families import family_of
 from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
@@ -206,9 +208,10 @@ class BatchDecoder:
 
     def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0,
                  sampling: TextSampling = GREEDY_TEXT, prefill: bool = True):
-        if not fast_paths(base.config):
-            raise ValueError(f"BatchDecoder runs the families whose fast_paths are on (`occamy_mtp.families`), not "
-                             f"model_type {base.config.model_type!r}")
+        if not fast_paths(base):
+            raise ValueError(f"BatchDecoder runs a whole base, its inputs not fake-quantized, of a family whose fast_paths "
+                             f"are on (`occamy_mtp.base.frozen.FrozenBase.fast_paths`), not this model_type "
+                             f"{base.config.model_type!r} base")
         config = base.config
         self.base, self.batch, self.positions = base, batch, positions
         self.prefills = prefill  # False: every prompt position is a step (the oracle and the benchmark's baseline)
@@ -847,14 +850,14 @@ def static_head_decoding(head) -> bool:
     paths, on CUDA, whose tensors are all in the base's dtype, as export and serving hold it
     (elsewhere `decode.HeadRunner`, transformers' layer on a growing cache)."""
     lm_head = head.shared.lm_head.weight
-    return (lm_head.device.type == "cuda" and fast_paths(head.config)
+    return (lm_head.device.type == "cuda" and families.fast_paths(head.config)
             and all(p.dtype == lm_head.dtype for p in head.parameters()))
 
 
 def static_decoding(base) -> bool:
     """Whether self-generation decodes `base` with `BatchDecoder`: a base of a family with fast paths,
     on CUDA (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
-    return base.lm_head.weight.device.type == "cuda" and fast_paths(base.config)
+    return base.lm_head.weight.device.type == "cuda" and fast_paths(base)
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],

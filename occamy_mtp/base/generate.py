@@ -56,7 +56,7 @@ def greedy_generate(
     sampled `sampling`, the j-th new token of prompt r is `sampling.draw(p, uniforms[r][j])`, p the
     base's processed distribution there, so a continuation depends on its own stream only.
 
-    `base` is a transformers Qwen3.5-MoE / Qwen3-Next causal LM (`checkpoint.load_base`)
+    `base` is a transformers Qwen3.5-MoE / Qwen3-Next causal LM, or the `base.frozen.FrozenBase` holding one
     on any device. Returns, per prompt and in order, the generated token ids: up to
     `max_new_tokens` of them, ending with the first token in `eos_token_ids` when one is
     generated (it is included; a continuation is finished iff its last id is in the set).

@@ -14,8 +14,8 @@ from occamy_mtp.cli import command, parse, parser as command_line
 from occamy_mtp.config import ConfigError
 from occamy_mtp.data import reader, windows
 from occamy_mtp.files import inside_any
-from occamy_mtp.model import checkpoint as ckpt_io
-from occamy_mtp.selfgen.regenerate import checkpoint_fingerprint, GenerateReport, regenerate_answers, sidecar_path
+from occamy_mtp.base.frozen import FrozenBase
+from occamy_mtp.selfgen.regenerate import base_record, GenerateReport, regenerate_answers, sidecar_path
 
 
 def _format_report(report: GenerateReport) -> str:
@@ -64,16 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:  # an output never lands in the base (an atomic rename could replace one of its files)
         raise ConfigError(refusal)
     tokenizer = windows.load_tokenizer(config.model)
-    identity = checkpoint_fingerprint(config.model.base)
-    base = ckpt_io.load_base(config.model.base, dtype=ckpt_io.DTYPES[config.model.dtype], device=args.device,
-                             attn_implementation=config.model.attn_implementation, fp8_weights=config.model.fp8_weights,
-                             fp8_activations=config.model.fp8_activations)
+    base = FrozenBase.open(config.model, args.device)  # every model.* setting, as train, export and the cache read it
     report = regenerate_answers(
         data.files,
         tokenizer,
         base,
         args.out,
-        base_identity=identity,
+        base_identity=base_record(base.identity, config.model.base),
         turns=data.turns,
         max_new_tokens=data.answer_tokens,
         batch_size=data.self_generate_batch_size,

@@ -9,7 +9,8 @@ import argparse
 from pathlib import Path
 
 from occamy_mtp.cli import command
-from occamy_mtp.config import DRAFT_RULES
+from occamy_mtp.config import (ATTN_IMPLEMENTATIONS, DRAFT_RULES, FP8_ACTIVATIONS_CHOICES, FP8_WEIGHTS_CHOICES,
+                                ModelSettings)
 from occamy_mtp.serve.reference_server import ReferenceHTTPServer, Faults, GREEDY, load_model, make_handler, SPECULATIVE
 
 
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-steps", type=int, default=1, help="head steps drafted per verify pass (speculative mode)")
     parser.add_argument("--draft", choices=DRAFT_RULES, default="greedy",
                         help="how a sampled request's drafts are drawn: the head's argmax, or from its softmax (speculative mode)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model.dtype (default: float32)")
+    parser.add_argument("--attn-implementation", choices=ATTN_IMPLEMENTATIONS, default=ModelSettings.attn_implementation,
+                        help="model.attn_implementation")
+    parser.add_argument("--fp8-weights", choices=FP8_WEIGHTS_CHOICES, default=ModelSettings.fp8_weights,
+                        help="model.fp8_weights: how an FP8 base holds its weights")
+    parser.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS_CHOICES, default=ModelSettings.fp8_activations,
+                        help="model.fp8_activations: fp8 rounds an FP8 base's linear inputs as an engine's W8A8 path does")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--host", default="127.0.0.1")
@@ -59,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = load_model(args.base, args.head, args.tokenizer, args.mode, args.draft_steps, args.dtype, args.device, args.draft)
+    settings = ModelSettings(base=str(args.base), tokenizer=str(args.tokenizer or ""), dtype=args.dtype,
+                             attn_implementation=args.attn_implementation, fp8_weights=args.fp8_weights,
+                             fp8_activations=args.fp8_activations)
+    model = load_model(settings, args.head, args.mode, args.draft_steps, args.device, args.draft)
     server = ReferenceHTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)

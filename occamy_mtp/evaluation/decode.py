@@ -309,7 +309,7 @@ class _Draws:
     def __init__(self, serving: Serving, seed: int):
         if serving.penalized:
             raise ValueError(f"the reference decoder samples without penalties; {serving.label()} sets some "
-                             "(its figures come from the exact expectation, `evaluate.served_acceptance`)")
+                             "(its figures come from the exact expectation, `served.served_acceptance`)")
         self.serving = serving
         self.generator = torch.Generator().manual_seed(seed)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from occamy_mtp.console import plural
-from occamy_mtp.evaluation.evaluate import share_of_ceiling, with_error
+from occamy_mtp.evaluation.report import share_of_ceiling, with_error
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
 
@@ -54,7 +54,7 @@ def acceptance_table(metrics: dict) -> list[str]:
         for k in metrics["served_steps"]:
             donor = heldout["donor"]["serving"][label]["served"][str(k)]
             trained = heldout["trained"]["serving"][label]["served"][str(k)]
-            # A perfect drafter drafts the base's own choice (metrics["ceiling"], `evaluate.ceiling_report`).
+            # A perfect drafter drafts the base's own choice (metrics["ceiling"], `served.ceiling_report`).
             top = ceilings.get(label, {}).get(str(k))
             ceiling = f"{top['mean_accept_length']:.3f}" if top else "not measured"
             share = share_of_ceiling(donor["mean_accept_length"], trained["mean_accept_length"],

@@ -34,11 +34,14 @@ from occamy_mtp.config import Serving
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
-from occamy_mtp.evaluation.evaluate import ceiling_report, format_served, heldout_report, reference_decoder_check
+from occamy_mtp.evaluation.served import ceiling_report, heldout_report
+from occamy_mtp.evaluation.decoder_check import reference_decoder_check
+from occamy_mtp.evaluation.report import format_served
 from occamy_mtp.evaluation.plot import plot_served
 from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_noise
 from occamy_mtp.export.card import model_card
-from occamy_mtp.run import BaseFacts, Run, check_run, log_stderr, open_run, output_lock
+from occamy_mtp.base.frozen import BaseFacts
+from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock
 from occamy_mtp.settings import ExportPlan, Fingerprint, Measuring, Plan, RunDir
 
 METRICS_FORMAT = 5  # 3: served figures per serving configuration; 4: the ceiling; 5: standard errors, figures by group
@@ -318,7 +321,7 @@ def _donor_disk(settings: ExportPlan, layout: str, donor_layout: str, donor_stat
 
 
 def format_metrics(metrics: dict) -> str:
-    """Donor beside trained (`evaluate.format_served`), the verdict, and the reference decoder's checks."""
+    """Donor beside trained (`report.format_served`), the verdict, and the reference decoder's checks."""
     servings = [Serving(**{k: v for k, v in s.items() if k != "label"}) for s in metrics["serving"]]
     lines = [format_served(metrics["heldout"], servings, metrics["served_steps"], metrics["max_new_tokens"],
                            metrics["selected_serving"], metrics["ceiling"])]

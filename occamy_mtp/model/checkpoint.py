@@ -31,7 +31,7 @@ from safetensors import safe_open
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
-from occamy_mtp.model.fp8_weights import keep_layer, keeps_fp8
+from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT, keep_layer, keeps_fp8
 from occamy_mtp.model.quantized import (FP8, dequantized, emulate_activations, emulate_fp8_activations,
                                         emulated_activations)
 
@@ -648,9 +648,26 @@ def build_base_model(text_config, dtype: torch.dtype = torch.bfloat16, device="c
     return model
 
 
+@dataclass(frozen=True)
+class BaseLoad:
+    """What reading a base decided beyond its weights (`open_base`)."""
+
+    emulated: str | None
+    """The rounding its linears' inputs take in their forwards: "nvfp4", "fp8" (W8A8), or None."""
+    fp8_layers: int
+    """Decoder layers that keep the checkpoint's FP8 weights in FP8."""
+
+
 def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
               config=None, place_layer=None, fp8_weights: str = "auto", fp8_activations: str = "bf16"):
-    """Load the frozen base text model from a checkpoint directory.
+    """`open_base`'s model alone: the low-level read of a base for tests and benches; the library opens
+    its base through `base.frozen.FrozenBase.open`, which records what the reading decided."""
+    return open_base(directory, dtype, device, attn_implementation, config, place_layer, fp8_weights, fp8_activations)[0]
+
+
+def open_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu", attn_implementation: str = "sdpa",
+              config=None, place_layer=None, fp8_weights: str = "auto", fp8_activations: str = "bf16"):
+    """(model, `BaseLoad`): the frozen base text model read from a checkpoint directory.
 
     Tensors are read one at a time straight into the module (no second copy of a
     shard). Vision and `mtp.*` tensors are skipped. Missing, unexpected or mis-shaped
@@ -671,11 +688,15 @@ def load_base(directory: Path, dtype: torch.dtype = torch.bfloat16, device="cpu"
         and keeps_fp8(fp8_weights, device)
     model = build_base_model(config.text_config, dtype, device, attn_implementation)
     load_base_weights(model, ckpt, dtype=dtype, device=device, place_layer=place_layer, keep_fp8=keep_fp8)
+    emulated = None
     if getattr(ckpt, "input_scales", None):  # NVFP4: the engine's W4A4 path quantizes the inputs too
-        emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX)
+        if emulate_activations(model, ckpt.input_scales, base_text_prefix(ckpt), TEXT_PREFIX):
+            emulated = ckpt.scheme.kind
     if emulated_activations(fp8_activations, getattr(ckpt, "scheme", None)):
-        emulate_fp8_activations(model, ckpt.fp8_input_features(), ckpt.scheme.block[1], base_text_prefix(ckpt), TEXT_PREFIX)
-    return model
+        if emulate_fp8_activations(model, ckpt.fp8_input_features(), ckpt.scheme.block[1], base_text_prefix(ckpt), TEXT_PREFIX):
+            emulated = FP8
+    kept = sum(getattr(layer, FP8_KEPT, None) is not None for layer in model.model.layers)
+    return model, BaseLoad(emulated, kept)
 
 
 def quantization_of(directory: Path, config: ModelConfig):
@@ -702,7 +723,7 @@ def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, de
     sources, report = check_tensors(ckpt, {d: s for d, (n, s) in renamed.items()}, "", disk_keys)
     if report.problems:
         raise CheckpointError("base checkpoint does not match its config:\n  " + "\n  ".join(report.problems[:20]))
-    # The tensors outside the decoder layers first, then a layer at a time (`load_base`'s `place_layer`);
+    # The tensors outside the decoder layers first, then a layer at a time (`open_base`'s `place_layer`);
     # check_tensors has found every one, so each part loads without the strict check.
     parts: dict[int | None, dict] = {}
     for disk, source in sources.items():

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.families import EMULATED
 
 FP8 = "fp8"
 NVFP4 = "nvfp4"
@@ -411,9 +410,9 @@ def _hook_inputs(model: torch.nn.Module, input_scales: dict[str, torch.Tensor | 
     """Run `quantize(input, scale)` on the input of the module of each weight key of `input_scales`
     (its scale, or None where the quantization is dynamic). Linear modules take a forward pre-hook;
     a fused experts module (3-D gate_up_proj / down_proj) runs `_emulated_experts`, each expert's
-    input and its activation quantized with that expert's scales. The model's config is marked
-    (`families.EMULATED`), so that the fast paths, which read the weights directly, leave it to
-    transformers' forward. Returns how many modules were hooked."""
+    input and its activation quantized with that expert's scales. The fast paths, which read the
+    weights directly, would skip the hooks: the base's opening records the emulation
+    (`base.frozen.FrozenBase.emulated`) and they stand aside. Returns how many modules were hooked."""
     modules = dict(model.named_modules())
     linear_scales: dict[str, torch.Tensor | None] = {}
     expert_scales: dict[str, dict[str, dict[int, torch.Tensor | None]]] = {}
@@ -429,8 +428,6 @@ def _hook_inputs(model: torch.nn.Module, input_scales: dict[str, torch.Tensor | 
             raise QuantizationError(f"{key}: an {kind.upper()} weight whose module the base does not have ({name})")
     for name, scale in linear_scales.items():
         modules[name].register_forward_pre_hook(lambda module, args, s=scale: (quantize(args[0], s), *args[1:]))
-    if linear_scales or expert_scales:
-        setattr(model.config, EMULATED, kind)  # the fast paths would read the weights and skip the hooks
     for name, scales in expert_scales.items():
         module = modules[name]
         count = module.gate_up_proj.shape[0]

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from occamy_mtp.config import ConfigError
-from occamy_mtp.families import SHARDED
 
 FSDP_CONFIGS = "configs/accelerate/"
 FSDP2, ZERO3 = "fsdp2", "deepspeed-zero3"
@@ -275,11 +274,9 @@ def local_part(param) -> torch.Tensor:
 
 def shard(base, sharding: Sharding, device: torch.device):
     """`base` (frozen, eval mode) with each decoder layer sharded (`shard_layer`; the loader shards
-    each as it reads it, `checkpoint.load_base`'s `place_layer`, and those are left as they are)
-    and everything else moved to `device` whole. Marks the config (`families.SHARDED`), so that
-    the fast paths, which read weights directly, stand aside."""
-    import torch.distributed as dist
-
+    each as it reads it, `checkpoint.open_base`'s `place_layer`, and those are left as they are)
+    and everything else moved to `device` whole. The fast paths, which read weights directly,
+    stand aside for it (`base.frozen.FrozenBase.fast_paths`)."""
     layers = base.model.layers
     for layer in layers:
         if not _is_sharded_layer(layer):
@@ -292,13 +289,18 @@ def shard(base, sharding: Sharding, device: torch.device):
         for name, buffer in module.named_buffers(recurse=False):
             if id(buffer) not in placed and buffer.device != device:
                 module._buffers[name] = buffer.to(device)
-    setattr(base.config, SHARDED, dist.get_world_size())
     return base
 
 
 def shards(model) -> int:
-    """Over how many processes `model`'s decoder layers are sharded (`shard`); 0 when not."""
-    return int(getattr(getattr(model, "config", None), SHARDED, 0) or 0)
+    """Over how many processes `model`'s decoder layers are sharded (`shard`), read from the layers'
+    own parameters (FSDP2's sharded modules, ZeRO-3's partitioned parameters); 0 when they are whole."""
+    import torch.distributed as dist
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not _is_sharded_layer(layers[0]):
+        return 0
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def placement(model) -> dict:
@@ -312,18 +314,6 @@ def placement(model) -> dict:
     local = local_part(first)
     return {"sharded_over": processes, "offload": local.device.type == "cpu" and model.lm_head.weight.device.type != "cpu",
             "engine": ZERO3 if _is_partitioned(first) else FSDP2}
-
-
-def described(model) -> str:
-    """`placement` in words, for the log."""
-    where = placement(model)
-    if not where["sharded_over"]:
-        return f"whole, on {model.lm_head.weight.device}"
-    at = ("in host memory, a layer copied to the card for its forward" if where["offload"]
-          else f"on {model.lm_head.weight.device}")
-    processes = where["sharded_over"]
-    return (f"its decoder layers sharded over {processes} process{'es' * (processes != 1)} "
-            f"({ENGINE_NAMES[where['engine']]}), {at}")
 
 
 def is_sharded(model) -> bool:

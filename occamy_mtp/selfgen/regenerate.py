@@ -20,7 +20,7 @@ from typing import Any
 from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
-from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.base.frozen import BaseIdentity
 from occamy_mtp.files import open_owned, space_errors, write_json
 from occamy_mtp.data import reader, windows
 from occamy_mtp.config import TURN_CHOICES
@@ -35,7 +35,10 @@ SIDECAR_FORMAT = 1
 COMPARED_SETTINGS = ("turns", "max_new_tokens", "eos_token_ids", "thinking", "dtype", "exclude", "skip_bad_records")
 # Tokenizer fields that change the rendering (its path may differ between runs).
 COMPARED_TOKENIZER_FIELDS = ("vocab_size", "eos_token", "chat_template_sha256")
-COMPARED_BASE_FIELDS = ("config_sha256", "weights_sample_sha256")
+COMPARED_BASE_FIELDS = ("config_sha256", "weights_sample_sha256", "vocab_size", "dtype", "attn_implementation", "activations")
+"""The base's whole identity (`base.frozen.BaseIdentity`): a resumed output was written by the same base
+computing the same way. `activations` is recorded only where emulated (absent: None, as before it was)."""
+OPTIONAL_BASE_FIELDS = ("activations",)
 
 # meta.roundtrip values, in the order they are checked (see the module docstring).
 ROUNDTRIP_EXACT = "exact"
@@ -275,18 +278,23 @@ def sidecar_path(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + SIDECAR_SUFFIX)
 
 
-def checkpoint_fingerprint(directory: str | Path) -> dict[str, Any]:
-    """The base's identity in the sidecar (`checkpoint.checkpoint_fingerprint`) with its path, for the reader."""
-    return {"path": str(Path(directory).resolve()), **ckpt_io.checkpoint_fingerprint(directory)}
+def base_record(identity: BaseIdentity, directory: str | Path) -> dict[str, Any]:
+    """The base's part of the sidecar: its whole identity (`base.frozen.BaseIdentity`), with its path for the reader."""
+    return {"path": str(Path(directory).resolve()), **identity.fingerprint, **identity.settings()}
 
 
 def _differences(existing: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Where an existing output's sidecar disagrees with this run, as 'what: then vs now'."""
     differences = []
     for section, names in (("settings", COMPARED_SETTINGS), ("base", COMPARED_BASE_FIELDS), ("tokenizer", COMPARED_TOKENIZER_FIELDS)):
+        recorded = existing.get(section, {})
         for name in names:
-            then, now = existing.get(section, {}).get(name), current[section][name]
-            if then != now:
+            then, now = recorded.get(name), current[section].get(name)
+            if then == now:
+                continue
+            if name not in recorded and name not in OPTIONAL_BASE_FIELDS:
+                differences.append(f"{section}.{name}: not recorded in the existing output (written before it was), {now!r} now")
+            else:
                 differences.append(f"{section}.{name}: {then!r} in the existing output, {now!r} now")
     return differences
 
@@ -342,7 +350,7 @@ def regenerate_answers(
 ) -> GenerateReport:
     """Regenerate the selected assistant turns of `files` with `base`; see the module docstring.
 
-    `base_identity` is `checkpoint_fingerprint(base_dir)` (compared on resume).
+    `base_identity` is the base's `base_record` (compared whole on resume).
     `eos_token_ids` defaults to `data.windows.stop_token_ids(tokenizer)`. `limit` keeps the
     first N prompts (in file order); a later run without it continues the same file.
     With `resume=False` an existing non-empty output is an error, never overwritten.

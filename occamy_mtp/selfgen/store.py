@@ -19,6 +19,7 @@ from occamy_mtp.errors import OccamyError
 from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.memory import MARGIN_BYTES, fitting
+from occamy_mtp.base.frozen import BaseIdentity
 from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_greedy_generate, static_decoding
 from occamy_mtp.base.generate import greedy_generate, idle_decode
 from occamy_mtp.model.sharding import gathered, is_sharded, share
@@ -209,24 +210,18 @@ class EmbeddedWriter:
                                                                 uniforms=uniforms)
 
 
-def store_identity(base_fingerprint: dict, vocab_size: int, dtype: str, attn_implementation: str, max_new_tokens: int,
-                   stop_token_ids: Collection[int], writer: str = EMBEDDED, sampling: TextSampling = GREEDY_TEXT,
-                   activations: str | None = None) -> dict:
-    """What a store's continuations are a function of (the fields of COMPARED_FIELDS): the base
-    (`checkpoint.checkpoint_fingerprint` and its vocabulary) and the settings; `writer` is who
-    writes them (EMBEDDED or ENGINE): a store is never extended by the other one; `sampling`
-    how (greedy, or sampled with its settings and seed); `activations` how a quantized base's
-    activations are rounded where that is emulated (`run.emulated_activations`; None: not)."""
+def store_identity(base: BaseIdentity, max_new_tokens: int, stop_token_ids: Collection[int], writer: str = EMBEDDED,
+                   sampling: TextSampling = GREEDY_TEXT) -> dict:
+    """What a store's continuations are a function of (the fields of COMPARED_FIELDS): the base's
+    whole identity (`base.frozen.BaseIdentity`) and the settings; `writer` is who writes them
+    (EMBEDDED or ENGINE): a store is never extended by the other one; `sampling` how (greedy, or
+    sampled with its settings and seed)."""
     optional = {} if sampling.greedy else {"sampling": sampling.to_dict()}
-    if activations is not None:
-        optional["activations"] = activations
     return {
         "format": STORE_FORMAT,
-        "base_config_sha256": base_fingerprint["config_sha256"],
-        "base_weights_sample_sha256": base_fingerprint["weights_sample_sha256"],
-        "vocab_size": int(vocab_size),
-        "dtype": dtype,
-        "attn_implementation": attn_implementation,
+        "base_config_sha256": base.config_sha256,
+        "base_weights_sample_sha256": base.weights_sample_sha256,
+        **base.settings(),
         "max_new_tokens": int(max_new_tokens),
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
         "writer": writer,

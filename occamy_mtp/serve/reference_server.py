@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-from occamy_mtp.config import Serving
+from occamy_mtp.config import ModelSettings, Serving
 
 GREEDY = "greedy"
 SPECULATIVE = "speculative"
@@ -323,31 +323,36 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
     return Handler
 
 
-def load_model(base_dir: Path, head_path: Path | None, tokenizer_dir: Path | None, mode: str, draft_steps: int, dtype_name: str,
-               device: str, draft: str = "greedy"):
+def load_model(model: ModelSettings, head_path: Path | None, mode: str, draft_steps: int, device: str,
+               draft: str = "greedy") -> "ReferenceModel":
+    """The served model: the base of `model` (the model settings, every one honoured:
+    `base.frozen.FrozenBase.open`), its tokenizer (`model.tokenizer`, else the base's) and, in
+    speculative mode, the head at `head_path` (None: the base's own `mtp.*` tensors)."""
     import torch
     from transformers import AutoTokenizer
 
+    from occamy_mtp.base.frozen import FrozenBase
     from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.data.windows import stop_token_ids
     from occamy_mtp.model.head import SharedWeights
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    ckpt_io.read_config(Path(base_dir))  # a missing or unreadable base is one error line, before anything loads
+    base_dir = Path(model.base)
+    text_config = ckpt_io.read_config(base_dir).text_config  # a missing or unreadable base is one error line, before anything loads
+    tokenizer_dir = Path(model.tokenizer) if model.tokenizer else None
     for flag, directory in (("--tokenizer", tokenizer_dir), ("--base", base_dir)):
         if directory is not None:
             if not Path(directory).is_dir():
                 raise ckpt_io.CheckpointError(f"{flag} {directory}: not a directory (tokenizer files with a chat template expected)")
             break
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir or base_dir), local_files_only=True)
-    base = ckpt_io.load_base(base_dir, dtype=dtype, device=device)
+    base = FrozenBase.open(model, torch.device(device))
     head = None
     if mode == SPECULATIVE:
-        text_config = ckpt_io.read_config(base_dir).text_config
         shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-        head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=dtype, device=device)[0].eval()
+        head = ckpt_io.load_head(head_path or base_dir, text_config, shared, dtype=ckpt_io.DTYPES[model.dtype], device=device,
+                                 attn_implementation=model.attn_implementation)[0].eval()
     stop = stop_token_ids(tokenizer, base_dir)
-    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=Path(base_dir).name, draft=draft)
+    return ReferenceModel(base, head, tokenizer, mode, draft_steps, stop, name=base_dir.name, draft=draft)
 
 
 class ReferenceHTTPServer(HTTPServer):

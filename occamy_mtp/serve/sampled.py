@@ -13,7 +13,7 @@ for the greedy protocol's one (docs/guide/VALIDATE.md, "Sampled serving"):
   have mean 0 when both servers sample the same distribution.
 * Does the candidate accept what the library says it should? Given the text the candidate
   wrote, its per-request acceptance counts are random with an expectation the library
-  computes exactly (`evaluate.sampled_decoder_check`); their differences have mean 0.
+  computes exactly (`decoder_check.sampled_decoder_check`); their differences have mean 0.
 
 Each is a z-score; beyond Z_LIMIT the run fails. `bench/engine_sampled.py` runs the third
 question against one server; both read an answer here (`ask`, `measured_texts`).
@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from occamy_mtp import sampling
-from occamy_mtp.config import Serving
+from occamy_mtp.config import ModelSettings, Serving
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation.evaluate import MeasuredText, sampled_decoder_check
+from occamy_mtp.evaluation.decoder_check import MeasuredText, sampled_decoder_check
 from occamy_mtp.evaluation.metrics import z_score
 from occamy_mtp.sampling import seed_of
 from occamy_mtp.engines.http import post_json, RequestFailed
@@ -54,19 +54,21 @@ def sampled_request(base_dir, tokenizer, serving: Serving, seed: int, max_tokens
                    sampling.text_sampling(serving, seed))
 
 
-def expectation_models(base_dir, head_path, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
-    """(base, head or None) the library's expectation is computed with: the base at `base_dir`, and
-    the head at `head_path` (None: none) on the base's embedding and lm_head, both in `dtype`."""
+def expectation_models(model: ModelSettings, head_path, device: torch.device):
+    """(base, head or None) the library's expectation is computed with: the base of `model` (the model
+    settings, every one honoured: `base.frozen.FrozenBase.open`), and the head at `head_path` (None: none)
+    on the base's embedding and lm_head, in `model.dtype`."""
+    from occamy_mtp.base.frozen import FrozenBase
     from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.model.head import SharedWeights
 
-    base = ckpt_io.load_base(base_dir, dtype=dtype, device=device).eval().requires_grad_(False)
+    base = FrozenBase.open(model, device)
     if head_path is None:
         return base, None
+    dtype = ckpt_io.DTYPES[model.dtype]
     shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    text_config = ckpt_io.read_config(base_dir).text_config
-    drafter = ckpt_io.load_head(head_path, text_config, shared, dtype=dtype, device=device,
-                                attn_implementation=attn_implementation)[0]
+    drafter = ckpt_io.load_head(head_path, ckpt_io.read_config(model.base).text_config, shared, dtype=dtype, device=device,
+                                attn_implementation=model.attn_implementation)[0]
     return base, drafter.to(dtype).eval()
 
 

@@ -668,7 +668,6 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
     or "donor"), `windows_per_batch` texts a forward; None when only recording the reference."""
     import torch
 
-    from occamy_mtp.model import checkpoint as ckpt_io
     from occamy_mtp.serve.sampled import compare_sampled, expectation_models, sampled_request
 
     out_dir = Path(out_dir)
@@ -687,7 +686,7 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
         return None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_path = None if head is None else model.donor_head if head == "donor" else head
-    base, drafter = expectation_models(model.base, head_path, ckpt_io.DTYPES[model.dtype], device, model.attn_implementation)
+    base, drafter = expectation_models(model, head_path, device)
     report = compare_sampled(runs["reference"]["answers"], runs["candidate"]["answers"], base, drafter, serving, draft_steps,
                              max_tokens, candidate, windows_per_batch, require_drafts)
     report = {"format": SAMPLED_FORMAT, "sampled": True, "reference": reference, "candidate": candidate,

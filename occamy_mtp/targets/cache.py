@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.model import checkpoint as ckpt_io
+from occamy_mtp.base.frozen import BaseIdentity
 from occamy_mtp import files
 from occamy_mtp.files import sha256_file, token_ids_sha256
 from occamy_mtp.data.windows import Window
@@ -121,23 +122,22 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def cache_identity(base_fingerprint: dict, windows: Sequence[Window], window_settings: dict, dtype: str,
-                   attn_implementation: str, activations: str | None = None) -> CacheIdentity:
-    """The identity a run with this base (its `checkpoint.checkpoint_fingerprint`), these windows
-    (built with `window_settings`, `PreparedData.settings`) and these settings expects.
-    `activations`: how a quantized base's activations are rounded where that is emulated
-    (`run.emulated_activations`); None, and left out, where they are not (every cache before it)."""
-    if dtype not in ckpt_io.DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(ckpt_io.DTYPES)}, got {dtype!r}")
+def cache_identity(base: BaseIdentity, windows: Sequence[Window], window_settings: dict) -> CacheIdentity:
+    """The identity a run with this base (its whole `base.frozen.BaseIdentity`) and these windows
+    (built with `window_settings`, `PreparedData.settings`) expects. The base's fingerprint is the
+    identity's base part; its other fields are settings (`activations` only where emulated, as in
+    every cache before it was recorded)."""
+    if base.dtype not in ckpt_io.DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(ckpt_io.DTYPES)}, got {base.dtype!r}")
     settings = {
         "format": CACHE_FORMAT,
-        "dtype": dtype,
-        "attn_implementation": attn_implementation,
+        "dtype": base.dtype,
+        "attn_implementation": base.attn_implementation,
         "windows": dict(window_settings),
     }
-    if activations is not None:
-        settings["activations"] = activations
-    return CacheIdentity(base_part(base_fingerprint), data_fingerprint(windows), settings)
+    if base.activations is not None:
+        settings["activations"] = base.activations
+    return CacheIdentity(base_part(base.fingerprint), data_fingerprint(windows), settings)
 
 
 @dataclass(frozen=True)

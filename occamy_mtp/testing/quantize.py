@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from occamy_mtp import files
+from occamy_mtp.base.frozen import FrozenBase
+from occamy_mtp.config import ModelSettings
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model import quantized as q
 from occamy_mtp.model.fp8_weights import keep_layer
@@ -42,8 +44,7 @@ def _quantizes(key: str, shape: tuple, scheme: str) -> bool:
 def _input_amax(source: Path, calibration: list[list[int]]) -> dict[str, float]:
     """The largest absolute input of each linear of the base at `source` (disk names), over the
     calibration windows; per expert for the fused experts."""
-    config = ckpt_io.read_config(source)
-    base = ckpt_io.load_base(source, dtype=torch.float32, config=config)
+    base = FrozenBase.open(ModelSettings(base=str(source), dtype="float32"), "cpu")
     prefix = ckpt_io.base_text_prefix(ckpt_io.SafetensorsCheckpoint(source))
     amax: dict[str, float] = {}
 

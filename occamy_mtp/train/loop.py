@@ -34,10 +34,10 @@ from occamy_mtp.config import ConfigError, TrainSettings
 from occamy_mtp.data.prepare import PreparedData
 from occamy_mtp.data.windows import Window
 from occamy_mtp.errors import OccamyError
-from occamy_mtp.evaluation.evaluate import served_with_contexts
+from occamy_mtp.evaluation.served import served_with_contexts
 from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
-from occamy_mtp.model.sharding import Sharding, placement
+from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
@@ -490,7 +490,7 @@ def _summary(run: Run, train_plan: TrainPlan, state: TrainState, total_steps: in
         "steps_per_epoch": steps_per_epoch(len(run.windows.train), train_plan.settings.windows_per_step),
         "processes": processes,
         "device": str(device),
-        "base_placement": placement(run.models.base) if run.models.base is not None else None,
+        "base_placement": run.models.base.placement.to_dict() if run.models.base is not None else None,
         "train_seconds": state.elapsed_seconds,
         "base_forward_seconds": state.base_forward_seconds,
         "trainable_parameters": run.models.trainable_parameters,

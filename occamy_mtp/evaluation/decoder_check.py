@@ -1,0 +1,149 @@
+"""The decoder check: the reference speculative decoder run for real, against what the offline figures predict.
+
+Greedy, its counts must equal the replay of its own text (`reference_decoder_check`); sampled,
+its counts must sit within their expectation's spread (`sampled_decoder_check`), which
+`validate --serving` also computes for a serving engine's text (docs/reference/DECODER.md).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from occamy_mtp.config import Serving
+from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
+from occamy_mtp.evaluation.metrics import (Acceptance, acceptance_from_counts, decoder_rounds, expected_rounds,
+                                           replayed_acceptance, summed_acceptance, z_score)
+from occamy_mtp.evaluation.offline import SELF_GENERATED, head_batches, batch_metrics, batch_odds, batch_outcomes
+
+
+@dataclass(frozen=True)
+class MeasuredText:
+    """What a speculative decoder (the reference one, or an engine) wrote from one context, and what it counted."""
+
+    window: object
+    """`data.Window`: the context followed by what was written (`answer_start`: the context's length)."""
+    accepted: tuple[float, ...]
+    """Per step k: rounds in which steps 1..k were accepted."""
+    proposed: tuple[float, ...]
+    """Per step k: rounds in which step k was drafted (steps before it accepted)."""
+    drafted: float
+    passes: float
+    """Base passes after the prefill: verify passes (and plain steps)."""
+
+    @classmethod
+    def decoded(cls, window, result) -> "MeasuredText":
+        """What the reference decoder wrote from `window`'s context and counted (`decode.DecodeResult`)."""
+        return cls(replace(window, input_ids=result.text_ids), result.accepted, result.proposed, result.drafted,
+                   result.base_passes)
+
+
+def measured_totals(measured: list[MeasuredText], draft_steps: int) -> Acceptance:
+    """The figures of what a decoder counted over its texts, summed as an engine's counters sum them."""
+    return acceptance_from_counts(
+        draft_steps, len(measured), [sum(values) for values in zip(*(m.proposed for m in measured))],
+        [sum(values) for values in zip(*(m.accepted for m in measured))], sum(m.drafted for m in measured),
+        sum(m.passes for m in measured), totals_generated(measured),
+    )
+
+
+def totals_generated(measured: list[MeasuredText]) -> int:
+    """Generated tokens after each text's first: what tokens per verify pass divides."""
+    return sum(len(m.window.input_ids) - m.window.answer_start - 1 for m in measured)
+
+
+def reference_decoder_check(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids,
+                            windows_per_batch: int = 4, runners: Runners | None = None) -> dict:
+    """Decode each window's context with the reference speculative decoder and replay it offline.
+
+    `measured` is what the decoder counted. `replayed` is `metrics.replayed_acceptance`
+    from the offline chain on the text the decoder wrote: equal to `measured` unless a
+    floating-point near-tie resolved differently in the incremental and the
+    full-sequence pass; `decisions_equal` of `decisions` counts the decoder's rounds
+    whose accepted drafts the replay reproduces at the same anchor. `texts_equal` counts
+    decoded texts identical to the given windows: where those are self-generated (a
+    run's store), that checks the stored continuations against the decoder.
+    `offline_all_anchors` is the per-anchor figure over every anchor of the same text:
+    another sample than the decoder's, which drafts only where a verification lands.
+    `runners` (`decode.decodes_runners`, for at least `draft_steps`) are the decodes' runners
+    when several checks share them; `decode_seconds` of `seconds` were the decodes.
+    """
+    started = time.perf_counter()
+    prompts = [list(w.input_ids[: w.answer_start]) for w in windows]
+    runners = runners or decodes_runners(base, head, [len(p) for p in prompts], max_new_tokens, draft_steps)
+    results = [speculative_decode(base, head, p, max_new_tokens, draft_steps, stop_token_ids, runners=runners) for p in prompts]
+    decode_seconds = time.perf_counter() - started
+    texts = [MeasuredText.decoded(w, r) for w, r in zip(windows, results)]
+    decoded = [text.window for text in texts]
+    chains = list(head_batches(base, head, decoded, draft_steps, windows_per_batch))  # one offline pass: replay and figures
+    outcomes = batch_outcomes(chains)
+    decisions = equal = 0
+    for result, outcome in zip(results, outcomes):
+        rounds, _ = decoder_rounds(outcome.accepted, len(result.prompt_ids), max_new_tokens, draft_steps)
+        replayed_at = {r.anchor: r.accepted for r in rounds}
+        decisions += len(result.rounds)
+        equal += sum(replayed_at.get(r.anchor) == r.accepted for r in result.rounds)
+    measured = measured_totals(texts, draft_steps)
+    replayed = replayed_acceptance([(o.accepted, len(r.prompt_ids)) for r, o in zip(results, outcomes)], max_new_tokens, draft_steps)
+    return {
+        "windows": len(windows),
+        "draft_steps": draft_steps,
+        "max_new_tokens": max_new_tokens,
+        "measured": {**measured.to_dict(), "output_tokens": sum(len(r.output_ids) for r in results)},
+        "replayed": replayed.to_dict(),
+        "decisions": decisions,
+        "decisions_equal": equal,
+        "texts_equal": sum(d.input_ids == w.input_ids for d, w in zip(decoded, windows)),
+        "offline_all_anchors": batch_metrics(chains, len(decoded), draft_steps, SELF_GENERATED).to_dict(),
+        "seconds": time.perf_counter() - started,
+        "decode_seconds": decode_seconds,
+    }
+
+
+def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
+                    seeds, runners: Runners | None = None) -> list[MeasuredText]:
+    """Each window's context decoded once per seed by the reference decoder under sampled `serving`
+    (`runners` as in `reference_decoder_check`)."""
+    runners = runners or decodes_runners(base, head, [w.answer_start for w in windows], max_new_tokens, draft_steps)
+    decodes = []
+    for window in windows:
+        prompt = list(window.input_ids[: window.answer_start])
+        for seed in seeds:
+            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed,
+                                        runners=runners)
+            decodes.append(MeasuredText.decoded(window, result))
+    return decodes
+
+
+def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps: int, max_new_tokens: int,
+                          serving: Serving, windows_per_batch: int = 4) -> dict:
+    """A decoder's counts on texts it wrote under sampled `serving` (`sampled_decodes`, or an engine's)
+    beside their expectation given each text.
+
+    Given the text, the decoder's counts are random with the expectation `metrics.expected_rounds`
+    computes from the offline pass over that text, so over the texts the differences
+    (measured - expected) are independent with mean 0: their mean over its standard error is a
+    z-score. `z` holds it for the accepted drafts and for the verify passes; |z| beyond about 4.5
+    says that the decoder and the library's arithmetic disagree (a chance of 7e-6 when they agree).
+    Under greedy drafts the walk given the text is certain, so every text's verify passes
+    equal their expectation and that z is 0.
+    """
+
+    started = time.perf_counter()
+    odds = batch_odds(list(head_batches(base, head, [m.window for m in measured], draft_steps, windows_per_batch, serving)))
+    counts = [expected_rounds(given, expected, text.window.answer_start, max_new_tokens, draft_steps)
+              for text, (given, expected) in zip(measured, odds)]
+    differences = {"accepted": [sum(text.accepted) - sum(c.accepted) for text, c in zip(measured, counts)],
+                   "verify_passes": [text.passes - c.passes for text, c in zip(measured, counts)]}
+    totals = measured_totals(measured, draft_steps)
+    return {
+        "serving": serving.label(),
+        "decodes": len(measured),
+        "draft_steps": draft_steps,
+        "max_new_tokens": max_new_tokens,
+        "measured": totals.to_dict(),
+        "expected": summed_acceptance(counts, draft_steps, totals_generated(measured)).to_dict(),
+        "z": {name: z_score(values) for name, values in differences.items()},
+        "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),
+        "seconds": time.perf_counter() - started,
+    }
