@@ -461,7 +461,7 @@ on_engine trained
 #    each heldout context, the reference speculative decoder on it, 1 and 3 draft steps.
 # The continuations are MAX_TOKENS long, as the engine's; they get a store of their own.
 "$PY" -m occamy_mtp evaluate --config "$RUN/config.resolved.yaml" "model.base=$MODELS/base" "model.donor_head=$MODELS/donor" \
-    "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" "eval.serving=[{temperature: 0}]" "eval.select_serving=0" \
+    "data.files=[$DATA]" "data.answer_tokens=$MAX_TOKENS" "model.dtype=$EVAL_DTYPE" "eval.served_steps=[1,3]" "eval.serving=[{temperature: 0}]" "eval.select_serving=greedy" \
     "data.self_generated_dir=$WORK/eval/self-generated" --head "$RUN/mtp-trained.safetensors" --max-windows "$WINDOWS" \
     --reference-decoder --out "$WORK/eval" > "$WORK/logs/evaluate.txt"
 

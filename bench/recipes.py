@@ -37,8 +37,8 @@ NO_SELECTION = "train.select_every_steps=0"
 # The serving configurations these recipes were compared under (bench/RESULTS.md, "Sampled serving"):
 # greedy and t0.7-p0.8, set here since the default became greedy and the card's presets.
 SERVING = "eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0.8}]"
-FOR_SAMPLED = "eval.select_serving=1"  # select and refuse by the second of SERVING
-SAMPLED_TEXT = ["data.self_generate_temperature=0.7", "data.self_generate_top_p=0.8"]
+FOR_SAMPLED = "eval.select_serving=t0.7-p0.8"  # select and refuse by the second of SERVING
+SAMPLED_TEXT = ["data.train_text={temperature: 0.7, top_p: 0.8}"]
 RECIPES = {
     # name: (what it is, overrides on configs/demo-greedy.yaml)
     "data": ("recorded answers, last step (the original recipe)", ["data.answers=data", NO_SELECTION]),

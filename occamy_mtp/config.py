@@ -55,109 +55,6 @@ class ModelSettings:
     Other bases ignore it."""
 
 
-@dataclass(frozen=True)
-class DataSettings:
-    files: tuple[str, ...] = ()
-    """Chat data: JSONL/JSON/parquet files of OpenAI-style or ShareGPT-style conversations."""
-    context_tokens: int = 128
-    """Tokens kept before each answer (they include the template's assistant header)."""
-    answer_tokens: int = 382
-    """Answer tokens kept per window; loss and metrics count only these."""
-    turns: str = "last"
-    """Which assistant turns become windows: last, first or every."""
-    thinking: str = "auto"
-    """How the windows' turns are rendered (the chat template's enable_thinking): on (thinking mode:
-    the prompt opens the think block and the answer span holds the reasoning, then the answer;
-    the base writes its continuations so), off (the empty think block; a turn's recorded reasoning
-    is left out and counted) or auto (on for a turn that records reasoning, `reasoning_content` or
-    an inline `<think>` block, off otherwise). The served windows are rendered as each
-    `eval.serving` configuration's `thinking` says."""
-    train_conversations: int = 256
-    """Conversations in the train split (surplus conversations are counted, not used)."""
-    heldout_conversations: int = 32
-    """Conversations in the heldout split that every metric is measured on."""
-    validation_conversations: int = 32
-    """Conversations in the validation split that checkpoint selection (`train.select_every_steps`)
-    is measured on, so that the choice never sees the heldout split; 0 for none."""
-    answers: str = "self_generated"
-    """What the head trains on: self_generated (each train window's context continued greedily by
-    the base itself: the text serving drafts on), data (the recorded answers, teacher forced:
-    the original recipe) or mixed (both, each window twice)."""
-    self_generated_dir: str = ""
-    """Where the base's continuations are stored (`occamy_mtp.selfgen.store`); empty means
-    output.dir/self-generated. Runs with the same base and window settings may share it."""
-    self_generate_batch_size: int = 0
-    """Contexts per batch when the base in this process writes the continuations; 0: as many as
-    fit on the GPU (`occamy_mtp.memory`: the free memory, less its margin and one prefill pass,
-    over the decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`), at most 160, the batch
-    measured fastest a window (`fastdecode.DEFAULT_MAX_BATCH`, bench/RESULTS.md); 160 on a CPU.
-    The console names the batch chosen and why. A set value is used as it is."""
-    self_generate_endpoints: tuple[str, ...] = ()
-    """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
-    that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the
-    base in this process writes them. The work is spread over every server."""
-    self_generate_model: str = ""
-    """The model id the servers must serve (their /v1/models); empty: the one they serve, recorded."""
-    self_generate_concurrency: int = 64
-    """Requests in flight per server."""
-    self_generate_timeout_seconds: float = 600.0
-    """Wall-clock bound of one request to a server (a continuation of up to data.answer_tokens tokens)."""
-    self_generate_retries: int = 4
-    """Tries after a failed request (connection error, timeout, HTTP 5xx, malformed answer), waiting
-    1, 2, 4... s between them, before the run stops with the server's URL and the last error."""
-    split_seed: int = 0
-    """Seed of the content hash that assigns conversations to train or heldout."""
-    skip_bad_records: bool = False
-    """Skip (and count) malformed records instead of failing on the first one."""
-    max_record_bytes: int = 8 * 2**20
-    """A conversation with more text than this (UTF-8 bytes) is excluded and counted
-    (record_too_large) before it is tokenized. Qwen3.5's longest context, 262,144 tokens,
-    holds about 1 MiB of text: a record eight times that is not a conversation the base was
-    served (a concatenated corpus, a log dump)."""
-    target_cache: str = ""
-    """Directory of the offline target cache (`python -m occamy_mtp cache`); empty runs the base online."""
-    self_generate_temperature: float = 0.0
-    """Temperature at which the base writes the train windows' continuations: 0 is greedy; above 0 each
-    token is drawn from the base's distribution processed with `self_generate_top_p` and
-    `self_generate_top_k` (`occamy_mtp.sampling`), from a uniform stream seeded by
-    `self_generate_seed` and the context, so that a continuation is the same in any batch and after a
-    resume. The heldout and validation windows are written under each `eval.serving` configuration."""
-    self_generate_top_p: float = 1.0
-    """Nucleus of the sampled continuations (1: every token)."""
-    self_generate_top_k: int = 0
-    """Top-k of the sampled continuations (0: every token)."""
-    self_generate_presence_penalty: float = 0.0
-    """Presence penalty of the sampled continuations (`eval.serving`'s `presence_penalty`)."""
-    self_generate_frequency_penalty: float = 0.0
-    """Frequency penalty of the sampled continuations."""
-    self_generate_repetition_penalty: float = 1.0
-    """Repetition penalty of the sampled continuations (1: none)."""
-    self_generate_seed: int = 0
-    """Seed of every sampled continuation (train, validation and heldout)."""
-
-
-TURN_CHOICES = ("last", "first", "every")
-THINKING_CHOICES = ("auto", "on", "off")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")  # model.attn_implementation
-FP8_WEIGHTS_CHOICES = ("auto", "fp8", "dequantized")  # model.fp8_weights (`model.fp8_weights.keeps_fp8`)
-FP8_ACTIVATIONS_CHOICES = ("bf16", "fp8")  # model.fp8_activations (`model.quantized.emulate_fp8_activations`)
-# Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
-_SWITCHES = ("data.thinking",)
-
-# The data settings that decide which windows a run builds and how they are split; the
-# keyword arguments of `occamy_mtp.data.prepare.prepare_windows`, under the same names.
-WINDOW_SETTINGS = (
-    "context_tokens", "answer_tokens", "turns", "thinking", "train_conversations", "validation_conversations",
-    "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",
-)
-
-
-def window_settings(data: DataSettings) -> dict:
-    """`prepare_windows` keyword arguments of a run's data settings (its split, exactly): and
-    `prompts`, whether records without an answer are used (the base writes the answers)."""
-    return {**{name: getattr(data, name) for name in WINDOW_SETTINGS}, "prompts": data.answers != "data"}
-
-
 DRAFT_RULES = ("greedy", "sampled")
 
 
@@ -251,6 +148,102 @@ def sampling_label(temperature: float, top_p: float, top_k: int, presence_penalt
 
 
 @dataclass(frozen=True)
+class DataSettings:
+    files: tuple[str, ...] = ()
+    """Chat data: JSONL/JSON/parquet files of OpenAI-style or ShareGPT-style conversations."""
+    context_tokens: int = 128
+    """Tokens kept before each answer (they include the template's assistant header)."""
+    answer_tokens: int = 382
+    """Answer tokens kept per window; loss and metrics count only these."""
+    turns: str = "last"
+    """Which assistant turns become windows: last, first or every."""
+    thinking: str = "auto"
+    """How the windows' turns are rendered (the chat template's enable_thinking): on (thinking mode:
+    the prompt opens the think block and the answer span holds the reasoning, then the answer;
+    the base writes its continuations so), off (the empty think block; a turn's recorded reasoning
+    is left out and counted) or auto (on for a turn that records reasoning, `reasoning_content` or
+    an inline `<think>` block, off otherwise). The served windows are rendered as each
+    `eval.serving` configuration's `thinking` says."""
+    train_conversations: int = 256
+    """Conversations in the train split (surplus conversations are counted, not used)."""
+    heldout_conversations: int = 32
+    """Conversations in the heldout split that every metric is measured on."""
+    validation_conversations: int = 32
+    """Conversations in the validation split that checkpoint selection (`train.select_every_steps`)
+    is measured on, so that the choice never sees the heldout split; 0 for none."""
+    answers: str = "self_generated"
+    """What the head trains on: self_generated (each train window's context continued greedily by
+    the base itself: the text serving drafts on), data (the recorded answers, teacher forced:
+    the original recipe) or mixed (both, each window twice)."""
+    self_generated_dir: str = ""
+    """Where the base's continuations are stored (`occamy_mtp.selfgen.store`); empty means
+    output.dir/self-generated. Runs with the same base and window settings may share it."""
+    self_generate_batch_size: int = 0
+    """Contexts per batch when the base in this process writes the continuations; 0: as many as
+    fit on the GPU (`occamy_mtp.memory`: the free memory, less its margin and one prefill pass,
+    over the decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`), at most 160, the batch
+    measured fastest a window (`fastdecode.DEFAULT_MAX_BATCH`, bench/RESULTS.md); 160 on a CPU.
+    The console names the batch chosen and why. A set value is used as it is."""
+    self_generate_endpoints: tuple[str, ...] = ()
+    """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
+    that write the continuations, e.g. [http://10.0.0.5:8000, http://10.0.0.6:8000]; empty: the
+    base in this process writes them. The work is spread over every server."""
+    self_generate_model: str = ""
+    """The model id the servers must serve (their /v1/models); empty: the one they serve, recorded."""
+    self_generate_concurrency: int = 64
+    """Requests in flight per server."""
+    self_generate_timeout_seconds: float = 600.0
+    """Wall-clock bound of one request to a server (a continuation of up to data.answer_tokens tokens)."""
+    self_generate_retries: int = 4
+    """Tries after a failed request (connection error, timeout, HTTP 5xx, malformed answer), waiting
+    1, 2, 4... s between them, before the run stops with the server's URL and the last error."""
+    split_seed: int = 0
+    """Seed of the content hash that assigns conversations to train or heldout."""
+    skip_bad_records: bool = False
+    """Skip (and count) malformed records instead of failing on the first one."""
+    max_record_bytes: int = 8 * 2**20
+    """A conversation with more text than this (UTF-8 bytes) is excluded and counted
+    (record_too_large) before it is tokenized. Qwen3.5's longest context, 262,144 tokens,
+    holds about 1 MiB of text: a record eight times that is not a conversation the base was
+    served (a concatenated corpus, a log dump)."""
+    target_cache: str = ""
+    """Directory of the offline target cache (`python -m occamy_mtp cache`); empty runs the base online."""
+    train_text: Serving = Serving()
+    """How the base writes the train windows' continuations: a serving configuration of the same kind as
+    `eval.serving`'s entries, a preset by name (`train_text: thinking-general`) or settings
+    (`{temperature: 0.7, top_p: 0.8}`); greedy (the default) or sampled, each token drawn from the base's
+    distribution processed with its temperature, top-p, top-k and penalties (`occamy_mtp.sampling`), from
+    a uniform stream seeded by `self_generate_seed` and the context, so that a continuation is the same
+    in any batch and after a resume. The prompts are rendered as `thinking` says (a preset that writes in
+    thinking mode is refused beside `thinking: off`). The heldout and validation windows are written
+    under each `eval.serving` configuration."""
+    self_generate_seed: int = 0
+    """Seed of every sampled continuation (train, validation and heldout)."""
+
+
+TURN_CHOICES = ("last", "first", "every")
+THINKING_CHOICES = ("auto", "on", "off")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")  # model.attn_implementation
+FP8_WEIGHTS_CHOICES = ("auto", "fp8", "dequantized")  # model.fp8_weights (`model.fp8_weights.keeps_fp8`)
+FP8_ACTIVATIONS_CHOICES = ("bf16", "fp8")  # model.fp8_activations (`model.quantized.emulate_fp8_activations`)
+# Settings spelled on / off / auto: YAML 1.1 reads a bare on or off as a boolean, taken here as meant.
+_SWITCHES = ("data.thinking",)
+
+# The data settings that decide which windows a run builds and how they are split; the
+# keyword arguments of `occamy_mtp.data.prepare.prepare_windows`, under the same names.
+WINDOW_SETTINGS = (
+    "context_tokens", "answer_tokens", "turns", "thinking", "train_conversations", "validation_conversations",
+    "heldout_conversations", "split_seed", "skip_bad_records", "max_record_bytes",
+)
+
+
+def window_settings(data: DataSettings) -> dict:
+    """`prepare_windows` keyword arguments of a run's data settings (its split, exactly): and
+    `prompts`, whether records without an answer are used (the base writes the answers)."""
+    return {**{name: getattr(data, name) for name in WINDOW_SETTINGS}, "prompts": data.answers != "data"}
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     epochs: int = 2
     """Passes over the train windows. 2 epochs x 256 windows at 1 window/step = 512 steps."""
@@ -283,7 +276,7 @@ class TrainSettings:
     """What the head is fitted to at each scored position, a name of `occamy_mtp.losses.LOSSES`: top1
     (cross-entropy towards the base's greedy token), kl (KL(p || q)) or tv (the total variation
     1 - sum_x min(p(x), q(x)), one minus the expected acceptance of a draft drawn from q). p is the base's distribution processed as the
-    selected serving configuration serves it (`eval.serving[eval.select_serving]`: temperature,
+    selected serving configuration serves it (the one `eval.select_serving` names: temperature,
     top_p, top_k), computed exactly from the base's hidden state; q is the head's softmax at that
     temperature (1 for greedy serving)."""
     checkpoint_every_steps: int = 64
@@ -329,9 +322,10 @@ class EvalSettings:
     over all of them, and their standard error (over contexts, `metrics.jackknife_se`) covers
     both draws. 4 brings the demo's sampled 3-step figures to a standard error of at most 0.02
     (bench/RESULTS.md)."""
-    select_serving: int = 0
-    """Which of `serving` (0: the first) checkpoint selection scores, export's refusal compares, and a
-    kl or tv loss (`train.loss`) fits."""
+    select_serving: str = ""
+    """The configuration of `serving` that checkpoint selection scores, export's refusal compares and a
+    kl or tv loss (`train.loss`) fits, by its label: a preset's name (thinking-general) or the label the
+    reports give settings (greedy, t0.7-p0.8); empty: the first of `serving`."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +355,9 @@ class RunConfig:
         """The settings `fingerprint` hashes, as a plain tree (kept in checkpoints, so that a
         refused resume can name what changed)."""
         d = self.to_dict()
+        # The train text in the spelling runs were fingerprinted with before data.train_text (its
+        # sampling; its thinking mode is data.thinking's), so that they resume as they were.
+        d["data"].update(_fingerprinted_text(d["data"].pop("train_text")))
         # Where the targets and the continuations are read from does not change them (the
         # cache and the store hold exactly what the base computes), so a run may move them.
         d["data"].pop("target_cache", None)
@@ -373,13 +370,14 @@ class RunConfig:
             d["data"].pop(name, None)
         # Settings added after runs were trained leave the fingerprint as it was while they keep their default.
         for section, name in _LATER_SETTINGS:
-            if section in d and d[section].get(name) == getattr(_DEFAULTS[section], name):
+            default = _TEXT_DEFAULTS[name] if name in _TEXT_DEFAULTS else getattr(_DEFAULTS[section], name)
+            if section in d and d[section].get(name) == default:
                 d[section].pop(name)
         parts = {s: d[s] for s in sections}
         if "train" in sections and self.train.select_every_steps:
             parts["eval.served_steps"] = d["eval"]["served_steps"]  # checkpoint selection scores them
         if "train" in sections and (self.train.select_every_steps or fits_distribution(self.train.loss)):
-            selected = dict(d["eval"]["serving"][self.eval.select_serving])  # selection scores it, the loss fits it
+            selected = _plain(dataclasses.asdict(self.selected_serving))  # selection scores it, the loss fits it
             for name in _LATER_SERVING_SETTINGS:
                 if selected.get(name) == getattr(Serving(), name):
                     selected.pop(name)
@@ -391,8 +389,8 @@ class RunConfig:
 
     @property
     def selected_serving(self) -> Serving:
-        """The serving configuration selection, the refusal and a distribution loss use."""
-        return self.eval.serving[self.eval.select_serving]
+        """The serving configuration selection, the refusal and a distribution loss use (`eval.select_serving`)."""
+        return selected_configuration(self.eval)
 
 
 # (section, setting) pairs and serving settings that came after runs were fingerprinted: at their
@@ -401,6 +399,27 @@ _LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", 
                    ("data", "self_generate_repetition_penalty"))
 _LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
 _DEFAULTS = {"model": ModelSettings(), "data": DataSettings()}
+# data.train_text's sampling fields, and the data.self_generate_* keys that spelled them before it.
+_TEXT_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_REPLACED_TEXT_KEYS = tuple(f"self_generate_{name}" for name in _TEXT_FIELDS)
+_TEXT_DEFAULTS = {f"self_generate_{name}": getattr(Serving(), name) for name in _TEXT_FIELDS}
+
+
+def _fingerprinted_text(train_text: dict) -> dict:
+    """data.train_text as the fingerprint has always spelled it: its sampling as data.self_generate_* keys."""
+    return {f"self_generate_{name}": train_text[name] for name in _TEXT_FIELDS}
+
+
+def selected_configuration(evaluation: EvalSettings) -> Serving:
+    """The configuration of `evaluation.serving` that `evaluation.select_serving` names (empty: the first);
+    ConfigError naming the labels where it names none."""
+    if not evaluation.select_serving:
+        return evaluation.serving[0]
+    for serving in evaluation.serving:
+        if serving.label() == evaluation.select_serving:
+            return serving
+    raise ConfigError(f"eval.select_serving: {evaluation.select_serving!r} names none of eval.serving "
+                      f"({_one_of([s.label() for s in evaluation.serving])})")
 
 
 def differing_settings(then: dict, now: dict, prefix: str = "") -> list[str]:
@@ -484,6 +503,10 @@ def _build(cls, values: dict, path: str):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    if cls is DataSettings:
+        _refuse_replaced_text_keys(values)
+    if cls is EvalSettings and isinstance(values.get("select_serving"), int):
+        _refuse_an_index(values)
     unknown = sorted(set(values) - names)
     if unknown:
         where = f"{path}." if path else ""
@@ -492,13 +515,46 @@ def _build(cls, values: dict, path: str):
     for name, value in values.items():
         annotation = hints[name]
         dotted = f"{path}.{name}" if path else name
-        if dataclasses.is_dataclass(annotation):
+        if dataclasses.is_dataclass(annotation) and annotation is not Serving:  # a Serving may be a preset's name
             kwargs[name] = _build(annotation, value, dotted)
         elif dotted in _SWITCHES and isinstance(value, bool):  # YAML reads on and off as true and false
             kwargs[name] = "on" if value else "off"
         else:
             kwargs[name] = _coerce(value, annotation, dotted)
     return cls(**kwargs)
+
+
+def _refuse_replaced_text_keys(data: dict) -> None:
+    """The data.self_generate_* sampling keys, which data.train_text replaced: one ConfigError giving the new spelling."""
+    old = [key for key in _REPLACED_TEXT_KEYS if key in data]
+    if not old:
+        return
+    given = {name: data[f"self_generate_{name}"] for name in _TEXT_FIELDS if f"self_generate_{name}" in data}
+    try:
+        text = Serving(**{name: _coerce(value, float if name != "top_k" else int, f"data.self_generate_{name}")
+                          for name, value in given.items()})
+    except ConfigError:
+        text = None
+    spelling = f"{{{', '.join(f'{name}: {value}' for name, value in given.items())}}}"
+    if text is not None:
+        preset = next((name for name, p in PRESETS.items() if dataclasses.replace(p, thinking=False) == text), None)
+        spelling = preset or ("greedy" if text == Serving() else spelling)
+    spelling = "{}" if spelling == "greedy" else spelling  # the default: the key can go
+    raise ConfigError(f"{', '.join('data.' + key for key in old)}: replaced by data.train_text, a serving configuration "
+                      f"as eval.serving's entries are; write data.train_text: {spelling}")
+
+
+def _refuse_an_index(evaluation: dict) -> None:
+    """eval.select_serving given as an index (as it was before it named the configuration): ConfigError with the name."""
+    index = evaluation["select_serving"]
+    try:
+        servings = _coerce(evaluation["serving"], tuple[Serving, ...], "eval.serving") if "serving" in evaluation \
+            else EvalSettings().serving
+    except ConfigError:
+        servings = ()
+    name = servings[index].label() if 0 <= index < len(servings) else None
+    hint = f"eval.select_serving: {name}" if name else f"the label of one of eval.serving ({_one_of([s.label() for s in servings])})"
+    raise ConfigError(f"eval.select_serving: {index} is an index; name the configuration instead: {hint}")
 
 
 def _set_dotted(tree: dict, dotted: str, value) -> None:
@@ -634,14 +690,12 @@ def check(config: RunConfig) -> None:
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
         (config.train.loss in LOSSES, "train.loss", _one_of(list(LOSSES))),
         (len(config.eval.serving) >= 1, "eval.serving", "one or more serving configurations"),
-        (0 <= config.eval.select_serving < max(1, len(config.eval.serving)), "eval.select_serving",
-         f"an index into eval.serving, 0 to {len(config.eval.serving) - 1}"),
         (len({s.label() for s in config.eval.serving}) == len(config.eval.serving), "eval.serving",
          "distinct configurations (two entries serve the same way)"),
     ]
     data = config.data
-    sampling = [("data.self_generate_", data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k)]
-    sampling += [(f"eval.serving[{i}].", s.temperature, s.top_p, s.top_k) for i, s in enumerate(config.eval.serving)]
+    texts = [("data.train_text.", data.train_text), *((f"eval.serving[{i}].", s) for i, s in enumerate(config.eval.serving))]
+    sampling = [(prefix, s.temperature, s.top_p, s.top_k) for prefix, s in texts]
     for prefix, temperature, top_p, top_k in sampling:
         checks += [
             (math.isfinite(temperature) and temperature >= 0, f"{prefix}temperature", "a finite number >= 0", temperature),
@@ -650,10 +704,7 @@ def check(config: RunConfig) -> None:
         ]
     checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", _one_of(DRAFT_RULES), s.draft)
                for i, s in enumerate(config.eval.serving)]
-    penalties = [("data.self_generate_", data.self_generate_temperature, data.self_generate_presence_penalty,
-                  data.self_generate_frequency_penalty, data.self_generate_repetition_penalty)]
-    penalties += [(f"eval.serving[{i}].", s.temperature, s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
-                  for i, s in enumerate(config.eval.serving)]
+    penalties = [(prefix, s.temperature, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) for prefix, s in texts]
     for prefix, temperature, presence, frequency, repetition in penalties:
         checks += [
             (-2 <= presence <= 2, f"{prefix}presence_penalty", "a number in [-2, 2] (the OpenAI API's range)", presence),
@@ -668,11 +719,14 @@ def check(config: RunConfig) -> None:
             raise ConfigError(f"eval.serving[{i}].min_p: {s.min_p!r} is refused: vLLM refuses min_p with speculative "
                               "decoding (SamplingParams._validate_spec_decode, vLLM 0.32; docs/reference/CONTRACT.md section 4c), "
                               "so no served figure exists for it; leave min_p at 0")
-    selected = config.eval.serving[config.eval.select_serving] if 0 <= config.eval.select_serving < len(
-        config.eval.serving) else None
-    if selected is not None and selected.penalized and fits_distribution(config.train.loss):
+    if data.train_text.thinking and data.thinking == "off":
+        raise ConfigError(f"data.train_text: {data.train_text.label()} writes in thinking mode, and data.thinking off "
+                          "renders the train prompts without it; set data.thinking=on (or auto), or give the text's "
+                          "sampling as settings")
+    chosen = selected_configuration(config.eval) if config.eval.serving else None
+    if chosen is not None and chosen.penalized and fits_distribution(config.train.loss):
         raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
-                          f"configuration ({selected.label()}), whose penalties depend on each answer's earlier tokens: "
+                          f"configuration ({chosen.label()}), whose penalties depend on each answer's earlier tokens: "
                           "not modelled in the loss yet; use train.loss=top1, or select a configuration without penalties")
     for ok, option, expected, *given in checks:
         if not ok:

@@ -102,8 +102,8 @@ class Fingerprint:
 
 @dataclass(frozen=True)
 class SelfGenSettings:
-    """Who writes the continuations a store lacks, and how (the `data.self_generate_*` settings that
-    do not change the text): the base in this process, or the servers of `endpoints`."""
+    """Who writes the continuations a store lacks, and how (the `data.self_generate_*` settings, none of
+    which changes the text): the base in this process, or the servers of `endpoints`."""
 
     answer_tokens: int
     batch_size: int
@@ -144,7 +144,7 @@ class Setup:
     validates: bool
     """Checkpoint selection scores validation windows (`train.select_every_steps` > 0)."""
     train_text: TextSampling
-    """How the base writes the train windows' continuations (`data.self_generate_*`)."""
+    """How the base writes the train windows' continuations (`data.train_text`, seeded by `data.self_generate_seed`)."""
     serving_texts: dict
     """Per serving configuration's label, every way the base writes its text: one for greedy serving,
     `eval.sampled_continuations` seeds under sampling (`data.self_generate_seed` + 0, 1, ...)."""
@@ -256,9 +256,7 @@ def plan_of(config: RunConfig) -> Plan:
     selfgen = SelfGenSettings(data.answer_tokens, data.self_generate_batch_size, data.self_generate_endpoints,
                               data.self_generate_model, data.self_generate_concurrency, data.self_generate_timeout_seconds,
                               data.self_generate_retries)
-    train_text = TextSampling(data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k,
-                              data.self_generate_seed, data.self_generate_presence_penalty, data.self_generate_frequency_penalty,
-                              data.self_generate_repetition_penalty)
+    train_text = text_sampling(data.train_text, data.self_generate_seed)
     setup = Setup(
         model=model, data=data, windows=window_settings(data), run_dir=run_dir, trainable=config.train.trainable,
         servings=evaluation.serving, selected=config.selected_serving, validates=config.train.select_every_steps > 0,
@@ -267,7 +265,7 @@ def plan_of(config: RunConfig) -> Plan:
         unset=placeholders(config, "model.base", "model.donor_head", "data.files"),
     )
     tree = config.to_dict()
-    train = TrainPlan(config.train, step_loss_weights(config.train), data.self_generate_temperature > 0, model.dtype,
+    train = TrainPlan(config.train, step_loss_weights(config.train), not data.train_text.greedy, model.dtype,
                       data.answers, measuring, fingerprint, dump_yaml(config), _flat(tree))
     inputs = {"base": model.base, "donor": model.donor_head, "data": list(data.files)}
     return Plan(

@@ -140,5 +140,5 @@ def test_the_card_names_the_mode_the_train_text_was_written_in():
             "continuations of") in model_card(record)
     record["settings"]["data"]["thinking"] = "off"
     assert "presence penalty 1.5), non-thinking continuations of" in model_card(record)
-    record["settings"]["data"].update(thinking="auto", self_generate_temperature=0.0)
+    record["settings"]["data"].update(thinking="auto", train_text={**record["settings"]["data"]["train_text"], "temperature": 0.0})
     assert "the base's own greedy continuations of" in model_card(record)

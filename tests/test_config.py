@@ -22,6 +22,27 @@ def test_every_shipped_config_loads(path):
     assert path.read_text().lstrip().startswith("#"), "each config starts with the command that runs it"
 
 
+def _equal_to_default(path: Path) -> list[str]:
+    """The settings of the config at `path` that it sets to their default value."""
+    import yaml
+
+    tree, default = yaml.safe_load(path.read_text()) or {}, RunConfig().to_dict()
+    config = load_config(path).to_dict()
+    return [f"{section}.{key}" for section, values in tree.items() for key in values
+            if config[section][key] == default[section][key]]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_a_shipped_config_holds_only_what_differs_from_the_defaults(path):
+    assert _equal_to_default(path) == []
+
+
+def test_the_defaults_check_finds_a_default(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("# a config\ntrain:\n  lr: 5.0e-4\n  epochs: 3\ndata:\n  train_text: {temperature: 0}\n")
+    assert _equal_to_default(path) == ["train.lr", "data.train_text"]
+
+
 def test_512step_is_the_original_recipe():
     config = load_config(Path(__file__).resolve().parent.parent / "configs" / "512step.yaml")
     steps = config.train.epochs * -(-config.data.train_conversations // config.train.windows_per_step)
@@ -63,11 +84,25 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         ("", ["eval.serving=[{temprature: 0.7}]"], "unknown config key eval.serving[0].temprature"),
         ("", ["eval.serving=[{temperature: 0.7}, {temperature: 0.7}]"], "eval.serving: expected distinct configurations"),
         ("", ["eval.serving=[]"], "eval.serving: expected one or more"),
-        ("", ["eval.select_serving=5"], "eval.select_serving: expected an index into eval.serving, 0 to 4, got 5"),
+        ("", ["eval.select_serving=t0.7"], "eval.select_serving: 't0.7' names none of eval.serving (greedy, thinking-general, "
+                                           "thinking-coding, instruct-general or instruct-reasoning)"),
+        # the index it was before it named the configuration, and the keys data.train_text replaced: the new spelling
+        ("", ["eval.select_serving=1"], "eval.select_serving: 1 is an index; name the configuration instead: "
+                                        "eval.select_serving: thinking-general"),
+        ("", ["eval.serving=[instruct-general, {temperature: 0.7, top_p: 0.8}]", "eval.select_serving=1"],
+         "name the configuration instead: eval.select_serving: t0.7-p0.8"),
+        ("", ["data.self_generate_temperature=1.0", "data.self_generate_top_p=0.95", "data.self_generate_top_k=20",
+              "data.self_generate_presence_penalty=1.5"],
+         "data.self_generate_temperature, data.self_generate_top_p, data.self_generate_top_k, data.self_generate_presence_penalty: "
+         "replaced by data.train_text, a serving configuration as eval.serving's entries are; write data.train_text: thinking-general"),
+        ("data:\n  self_generate_temperature: 0.7\n  self_generate_top_p: 0.8\n", [],
+         "write data.train_text: {temperature: 0.7, top_p: 0.8}"),
+        ("", ["data.train_text=thinking-general", "data.thinking=off"], "data.train_text: thinking-general writes in thinking mode"),
+        ("", ["data.train_text=thinking-genral"], "data.train_text: unknown serving preset 'thinking-genral'"),
         ("", ["train.loss=ce"], "train.loss: expected top1, kl or tv"),
-        ("", ["data.self_generate_temperature=-1"], "data.self_generate_temperature: expected a finite number >= 0"),
-        ("", ["data.self_generate_top_p=0"], "data.self_generate_top_p: expected a number in (0, 1]"),
-        ("", ["data.self_generate_top_k=-3"], "data.self_generate_top_k: expected 0 (every token) or more"),
+        ("", ["data.train_text={temperature: -1}"], "data.train_text.temperature: expected a finite number >= 0"),
+        ("", ["data.train_text={temperature: 0.7, top_p: 0}"], "data.train_text.top_p: expected a number in (0, 1]"),
+        ("", ["data.train_text={temperature: 0.7, top_k: -3}"], "data.train_text.top_k: expected 0 (every token) or more"),
     ],
 )
 def test_bad_configs_name_the_option(tmp_path, yaml_text, overrides, message):
@@ -91,7 +126,8 @@ def test_serving_configurations_and_their_labels():
                                "presence_penalty: 1.5, thinking: true}]"])
     assert [s.label() for s in other.eval.serving] == ["greedy-thinking", "t0.7-p0.8-k20-pp1.5-thinking"]
     # selection scores the selected configuration, so it is part of what a resume must match
-    assert default.fingerprint() != load_config(None, ["eval.select_serving=1"]).fingerprint()
+    assert default.fingerprint() != load_config(None, ["eval.select_serving=thinking-general"]).fingerprint()
+    assert load_config(None, ["eval.select_serving=thinking-general"]).selected_serving == default.eval.serving[1]
     assert default.fingerprint() == load_config(None, ["eval.serving=[{temperature: 0}]"]).fingerprint()
 
 

@@ -157,12 +157,12 @@ def test_a_server_killed_halfway_resumes_into_the_same_store(world, embedded, tm
 
 
 def test_servers_write_sampled_text_seeded_per_context(world, embedded, servers, tmp_path):
-    """data.self_generate_temperature > 0 with servers: each context is asked at that temperature
+    """data.train_text sampled (temperature > 0) with servers: each context is asked at that temperature
     with a seed of its own (the store's seed and the context), so the text does not depend on
     which server answers it or when; its store records how it was written and is not the greedy one."""
     from occamy_mtp.sampling import TextSampling
 
-    sampled = ["data.self_generate_temperature=0.9", "data.self_generate_top_p=0.95", "data.self_generate_seed=3"]
+    sampled = ["data.train_text={temperature: 0.9, top_p: 0.95}", "data.self_generate_seed=3"]
     text = TextSampling(0.9, 0.95, 0, 3)
 
     def write(directory, urls):

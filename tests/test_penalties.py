@@ -179,7 +179,7 @@ def test_runs_fingerprinted_before_penalties_keep_their_fingerprint():
     before = load_config(None, ["train.select_every_steps=64"]).fingerprinted()
     assert "self_generate_presence_penalty" not in before["data"]
     assert set(before["eval.selected_serving"]) == {"temperature", "top_p", "top_k", "draft"}
-    after = load_config(None, ["data.self_generate_temperature=1", "data.self_generate_presence_penalty=1.5",
+    after = load_config(None, ["data.train_text={temperature: 1, presence_penalty: 1.5}",
                                "eval.serving=[instruct-general]", "train.select_every_steps=64"]).fingerprinted()
     assert after["data"]["self_generate_presence_penalty"] == 1.5
     assert after["eval.selected_serving"]["presence_penalty"] == 1.5

@@ -44,8 +44,8 @@ def test_no_stage_is_handed_the_whole_config(name):
 def test_each_derived_setting_is_what_the_config_says():
     config = load_config(CONFIGS / "512step.yaml", [
         "data.self_generate_seed=7", "eval.sampled_continuations=3", "data.self_generated_dir=/stores/run",
-        "train.step_loss_weights=[2, 1, 1]", "train.draft_steps=3", "data.self_generate_temperature=0.7",
-        "data.self_generate_top_p=0.8", "data.self_generate_top_k=0", "data.self_generate_presence_penalty=0", "eval.serving=[{temperature: 0}, instruct-general]", "eval.select_serving=1"])
+        "train.step_loss_weights=[2, 1, 1]", "train.draft_steps=3", "data.train_text={temperature: 0.7, top_p: 0.8}",
+        "eval.serving=[{temperature: 0}, instruct-general]", "eval.select_serving=instruct-general"])
     plan = plan_of(config)
     setup = plan.setup
     greedy, general = config.eval.serving
@@ -87,7 +87,7 @@ def test_the_placeholders_are_refused_together_before_anything_reads(tmp_path):
 
 
 def test_a_serving_configuration_s_texts_follow_its_own_sampling():
-    config = load_config(CONFIGS / "512step.yaml", ["eval.serving=[thinking-coding]", "eval.select_serving=0",
+    config = load_config(CONFIGS / "512step.yaml", ["eval.serving=[thinking-coding]", "eval.select_serving=thinking-coding",
                                                          "eval.sampled_continuations=2"])
     (coding,) = config.eval.serving
     texts = plan_of(config).setup.texts(coding)

@@ -317,7 +317,7 @@ def test_sampled_serving_is_measured_on_several_seeds():
     with pytest.raises(ConfigError, match="eval.sampled_continuations: expected >= 1"):
         load_config(None, ["eval.sampled_continuations=0"])
     # a selection that scores sampled text is a different run when the count changes
-    selected = ["eval.select_serving=1", "train.select_every_steps=8"]
+    selected = ["eval.select_serving=thinking-general", "train.select_every_steps=8"]
     assert load_config(None, selected).fingerprint() != load_config(None, selected + ["eval.sampled_continuations=2"]).fingerprint()
     assert load_config(None).fingerprint() == load_config(None, ["eval.sampled_continuations=2"]).fingerprint()
 

@@ -74,8 +74,7 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
     base, donor = _model_name(record["base"]), _model_name(record["donor"])
     selection = record["training"]["selection"]
     # how the base wrote the train text, in the words the reports give a serving configuration
-    text = serving_words({name: data[f"self_generate_{name}"] for name in ("temperature", "top_p", "top_k",
-                          "presence_penalty", "frequency_penalty", "repetition_penalty") if f"self_generate_{name}" in data})
+    text = serving_words({**data["train_text"], "thinking": False})  # its thinking mode is data.thinking's, below
     text = text if text == "greedy" else f"sampled ({text})"
     text += {"on": ", thinking-mode", "auto": ""}.get(data.get("thinking", "auto"), ", non-thinking")
     answers = {"self_generated": f"the base's own {text} continuations of",
