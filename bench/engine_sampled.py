@@ -59,11 +59,11 @@ def engine_identity(engine_python: str) -> tuple[list[str], str]:
 
 
 def write_section(path: Path, text: str, append_to_results: bool) -> None:
-    """A section of bench/engine_check.sh: into `path`, printed, and appended to bench/RESULTS.md when asked."""
+    """A section of bench/engine_check.sh: into `path`, printed, and appended to bench/NOTEBOOK.md when asked."""
     path.write_text(text)
     print(text)
     if append_to_results:
-        results = ROOT / "bench" / "RESULTS.md"
+        results = ROOT / "bench" / "NOTEBOOK.md"
         results.write_text(results.read_text().rstrip("\n") + "\n\n" + text)
         print(f"appended to {results}", file=sys.stderr)
 

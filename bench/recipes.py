@@ -34,7 +34,7 @@ from occamy_mtp.train.loop import train  # noqa: E402
 from occamy_mtp.settings import plan_of  # noqa: E402
 
 NO_SELECTION = "train.select_every_steps=0"
-# The serving configurations these recipes were compared under (bench/RESULTS.md, "Sampled serving"):
+# The serving configurations these recipes were compared under (bench/results/recipes-compared.md):
 # greedy and t0.7-p0.8, set here since the default became greedy and the card's presets.
 SERVING = "eval.serving=[{temperature: 0}, {temperature: 0.7, top_p: 0.8}]"
 FOR_SAMPLED = "eval.select_serving=t0.7-p0.8"  # select and refuse by the second of SERVING

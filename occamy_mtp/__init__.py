@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 # base fills most of an 80 GB card, and the batches beside it are sized to what is free
 # (`occamy_mtp.memory`). With expandable segments the allocator's cached blocks count as free,
 # so the logits chunks of every training step are sized without handing the cache back, and
-# the batches come out larger and the recipe runs faster than on fixed segments (bench/RESULTS.md,
-# the allocator's section). Read when CUDA first allocates, so set on import. Torch
+# the batches come out larger and the recipe runs faster than on fixed segments (bench/results/recipe.md,
+# and the notebook's sections it lists). Read when CUDA first allocates, so set on import. Torch
 # reads PYTORCH_CUDA_ALLOC_CONF before PYTORCH_ALLOC_CONF: setting the first would override
 # a user's choice in the second.
 if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):

@@ -36,7 +36,7 @@ from occamy_mtp.targets.cache import (
     window_ids,
 )
 
-DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass; its peak at real size: bench/RESULTS.md
+DEFAULT_FASTBASE_TOKENS = 65536  # tokens per forward of the fast pass; its peak at real size: bench/results/base-pass.md
 WINDOW_ALIGNMENT_TOKENS = 1024  # a token budget sized to the card is rounded down to a multiple of this
 
 
@@ -47,7 +47,7 @@ def auto_fastbase_tokens(base) -> int:
     computes what the plain pass computes through other kernels (checked: with
     transformers' own conv, norms and MoE block it equals the plain forward bit for bit
     at real size; its own kernels move the outputs by no more than a one-ulp change of
-    the input does; bench/RESULTS.md). Elsewhere the plain pass is the faster one.
+    the input does; bench/results/base-pass.md). Elsewhere the plain pass is the faster one.
     """
     from occamy_mtp.base import fastbase
 

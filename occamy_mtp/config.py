@@ -182,7 +182,7 @@ class DataSettings:
     """Contexts per batch when the base in this process writes the continuations; 0: as many as
     fit on the GPU (`occamy_mtp.memory`: the free memory, less its margin and one prefill pass,
     over the decoder's bytes a row, `fastdecode.BatchDecoder.row_bytes`), at most 160, the batch
-    measured fastest a window (`fastdecode.DEFAULT_MAX_BATCH`, bench/RESULTS.md); 160 on a CPU.
+    measured fastest a window (`fastdecode.DEFAULT_MAX_BATCH`, bench/results/decode.md); 160 on a CPU.
     The console names the batch chosen and why. A set value is used as it is."""
     self_generate_endpoints: tuple[str, ...] = ()
     """OpenAI-compatible servers serving the base (vLLM's `vllm serve`, SGLang's `launch_server`)
@@ -304,8 +304,7 @@ class EvalSettings:
     decoder_check_windows: int = 1
     """Heldout prompts decoded with the reference speculative decoder at export, for each head
     and served step count, to check the replayed figures against it; 0 skips the check. It
-    decodes at batch 1, seconds a prompt at real size (bench/RESULTS.md, the reference decoder's
-    sections), so the default checks one prompt."""
+    decodes at batch 1, seconds a prompt at real size (bench/results/decode.md), so the default checks one prompt."""
     windows_per_batch: int = 4
     """Heldout windows per evaluation forward."""
     serving: tuple[Serving, ...] = (Serving(), *PRESETS.values())
@@ -321,7 +320,7 @@ class EvalSettings:
     A sampled figure is exact given its texts, but each text is one draw: the figures average
     over all of them, and their standard error (over contexts, `metrics.jackknife_se`) covers
     both draws. 4 brings the demo's sampled 3-step figures to a standard error of at most 0.02
-    (bench/RESULTS.md)."""
+    (bench/results/recipes-compared.md)."""
     select_serving: str = ""
     """The configuration of `serving` that checkpoint selection scores, export's refusal compares and a
     kl or tv loss (`train.loss`) fits, by its label: a preset's name (thinking-general) or the label the

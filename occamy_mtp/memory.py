@@ -11,7 +11,7 @@ within the process's cap when one is set (`torch.cuda.set_per_process_memory_fra
 `MARGIN_BYTES` is kept for what the per-row figures do not count (the CUDA graphs' pools,
 cuBLAS and Triton workspaces, the allocator's fragmentation). The per-row figures are the
 callers' (`fastdecode.BatchDecoder.row_bytes`, `fastbase.token_bytes`, the `*_BYTES_PER_LOGIT`
-figures beside each chunked loop), each checked against a measured peak (bench/RESULTS.md,
+figures beside each chunked loop), each checked against a measured peak (bench/results/recipe.md,
 tests/test_memory.py).
 """
 
@@ -39,7 +39,7 @@ def available_bytes(device: torch.device, hand_back: bool = True) -> int:
 
     With `hand_back`, the allocator's cached blocks are handed back to the card first: counted
     as free while cached, they can be too fragmented for one large tensor (a decoder's state has
-    run out that way, bench/RESULTS.md). Without it they count as available, as
+    run out that way, bench/results/recipe.md). Without it they count as available, as
     they are with expandable segments, where the allocator unmaps whatever cached pages an
     allocation needs (`expandable_segments`)."""
     if device.index is None:  # the cap's query needs the index: the current device's

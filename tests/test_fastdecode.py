@@ -132,7 +132,7 @@ def test_a_prefill_on_gpu_leaves_the_state_one_step_a_token_leaves(monkeypatch):
     `decode_kernels`'. fla's kernel multiplies float32 in TF32 (Triton's default for a float32 dot),
     whose 10-bit mantissa is float16's: the recurrent states it leaves are held to that unit over the
     rule's two chained products a chunk (its one run with a float32 bound missed it by 12x: 6.1e-6
-    against 5e-7, bench/RESULTS.md); the rest to float32."""
+    against 5e-7, bench/results/decode.md); the rest to float32."""
     model, _ = random_models(tiny_text_config(), seed=3)
     prefill_against_steps(model.to("cuda").float().eval().requires_grad_(False), monkeypatch, 4, 2,
                           recurrent_unit=torch.float16, recurrent_reductions=2)

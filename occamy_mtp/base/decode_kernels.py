@@ -7,7 +7,7 @@ verify pass (a span of a few) runs, per layer, the conv over the window and the 
 inputs, then the gated delta rule. In PyTorch that is about twenty small kernels a layer
 (concatenation, depthwise conv, SiLU, the decay, copies to contiguous q/k/v, the rule);
 at batch 1 every kernel costs about its launch, and a step took several times the time its
-weights take to read (bench/RESULTS.md). Here they are two kernels:
+weights take to read (bench/results/decode.md). Here they are two kernels:
 
 * `conv_steps_`: the depthwise causal conv and SiLU of T new inputs, the window updated in
   place; the output in the (B, T, C) layout the projections give.

@@ -478,7 +478,7 @@ def token_bytes(config, dtype: torch.dtype = torch.bfloat16) -> int:
     gate/up and down outputs (top_k x (2 x hidden + 3 x moe_intermediate)), the Gated
     DeltaNet's mixed q/k/v twice (2 x conv channels), and about a dozen hidden-sized
     activations (residual, norms, projections, the cache's copy). The dozen (13) was fitted
-    to the peak measured at real size (bench/RESULTS.md), and lies a few percent above it.
+    to the peak measured at real size (bench/results/base-pass.md), and lies a few percent above it.
     """
     size = torch.empty((), dtype=dtype).element_size()
     channels = 2 * config.linear_num_key_heads * config.linear_key_head_dim + config.linear_num_value_heads * config.linear_value_head_dim

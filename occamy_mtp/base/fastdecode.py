@@ -51,7 +51,7 @@ CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished 
 # logits' argmax (greedy), or the processed distribution's float32 scaling and softmax, its
 # sort (values and int64 indices) for top-p, the masks and the float64 cumulative sum of the
 # draw (sampled). `row_bytes` is held against the decoder's measured peak at real size in
-# bench/RESULTS.md.
+# bench/results/decode.md.
 GREEDY_STEP_BYTES_PER_LOGIT = 4
 SAMPLED_STEP_BYTES_PER_LOGIT = 36
 # Penalties add, over the vocabulary and beside the sampled step's: the penalized fp32 logits and their
@@ -74,7 +74,7 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
 
     transformers' sdpa path repeats the (B, KVH, L, D) keys and values up to the query heads
     whenever a mask is given: at real size that copy was a seventh of a decode step
-    (bench/RESULTS.md). Here each query head group reads its key/value head as it is.
+    (bench/results/decode.md). Here each query head group reads its key/value head as it is.
     query (B, H, T, D); key, value (B, KVH, L, D); attention_mask additive, broadcast to (B, H, T, L).
     Returns ((B, T, H, D), None), as transformers' attention functions do.
     """
@@ -219,7 +219,7 @@ class BatchDecoder:
         if self.device.type == "cuda":
             # The allocator's cache handed back first. On fixed segments a decoder dropped just before
             # leaves its state cached as one large block; this decoder's smaller buffers, allocated
-            # first, would be cut from it and leave no block for its own state (bench/RESULTS.md).
+            # first, would be cut from it and leave no block for its own state (bench/results/decode.md).
             torch.cuda.empty_cache()
         self.moe = _moe(self.device)
         self.kernels = _kernels(self.device)

@@ -2,7 +2,7 @@
 
 At real size (N tokens, top-8 of 256 experts, D = 2048, I = 512) the two grouped
 GEMMs of a MoE layer are surrounded by element-wise passes over (N * 8)-row tensors
-that cost about half as much as the GEMMs themselves (bench/RESULTS.md, profile); in a
+that cost about half as much as the GEMMs themselves (bench/results/base-pass.md); in a
 decode step, where N is one row or a few hundred, it is the number of kernels that costs
 (each is a launch of a few microseconds, about thirty a layer), and torch's grouped GEMM
 reads the experts at two thirds of the memory bandwidth with 2 to 5 rows an expert. These

@@ -2,14 +2,14 @@
 
 fla's chunked Gated DeltaNet kernels (and its conv and l2norm) autotune on their first call
 in a process: at real size over a minute in the cache pass and about as much again for the
-shapes transformers' forward hands them (the decoder check's replay; bench/RESULTS.md). Triton keeps the
+shapes transformers' forward hands them (the decoder check's replay; bench/results/recipe.md). Triton keeps the
 choice on disk, so a second process on the same machine skips it; a fresh machine pays it.
 fla reads fixed configs instead from a folder of `{kernel}.json` files when told to
 (`FLA_CACHE_MODE`, `FLA_CONFIG_DIR`). `tuned/sm90/` holds the configs Triton chose on an
 H200 for the base's shapes, and on an H100 for the keys of windows packed at different
 lengths (`cu_seqlens`; the conv's on an H200): bench/kernel_configs.py writes them from a
-run's autotuning, bench/tune_fla_varlen.py runs the packed keys, bench/RESULTS.md has the
-runs. They are used on every compute capability 9.0 card (H100, H200, GH200: one
+run's autotuning, bench/tune_fla_varlen.py runs the packed keys, bench/results/recipe.md lists
+the runs. They are used on every compute capability 9.0 card (H100, H200, GH200: one
 architecture, one shared-memory size), matched by fla's fuzzy lookup (the same kernel,
 flags and dtypes; sizes may differ). A shape they do not cover, and every
 other card, autotunes as before: once per machine.

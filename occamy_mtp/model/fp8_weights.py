@@ -11,7 +11,7 @@ bf16 bytes plus its largest layer's weights in `model.dtype` (1.6 GiB at real si
 The weights computed are the ones the dequantizing load computes, bit for bit: each is the code
 times its block's multiplier in float32, rounded once to `model.dtype` (`quantized.dequantize_fp8`,
 then the load's cast). So everything the base computes is unchanged; only memory and time differ
-(tests/test_fp8_weights.py; bench/RESULTS.md, "An FP8 base kept in FP8").
+(tests/test_fp8_weights.py; bench/results/quantized.md).
 
 `materialize(layer, experts=False)` writes a layer's weights but its routed experts', when the layer
 starts; `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
