@@ -223,3 +223,29 @@ def test_validate_s_expectation_and_the_reference_server_read_the_base_as_the_ru
             assert base.identity == run.identity and base.emulated == run.emulated
             assert base.config._attn_implementation == run.config._attn_implementation
             assert torch.equal(base(input_ids=ids).logits, logits)
+
+
+# ----------------------------------------------------------------------------------
+# On a GPU: the fast paths follow what the opening decided
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fast_paths_run_an_opened_base_and_stand_aside_for_an_emulated_one(bases):
+    """The decisions that read `FrozenBase.fast_paths` (self-generation's static decoder, the reference
+    decoder's runner): on for a plain FP8 base opened on CUDA, and the static decoder writes what
+    transformers' decoding writes there; off for the same base with its activations emulated (the fast
+    paths read the weights directly and would skip the emulation)."""
+    from occamy_mtp.base.fastdecode import fast_greedy_generate, static_decoding
+    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.evaluation.decode import BaseRunner, base_runner_for
+
+    plain = FrozenBase.open(settings(bases[q.FP8], dtype="bfloat16", fp8_weights="fp8"), "cuda")
+    emulated = FrozenBase.open(settings(bases[q.FP8], dtype="bfloat16", fp8_activations="fp8"), "cuda")
+    assert plain.fp8_layers == len(plain.model.layers) and static_decoding(plain)
+    assert not static_decoding(emulated) and isinstance(base_runner_for(emulated, 64), BaseRunner)
+    prompts = [[5, 9, 200, 31], [7], [300, 2, 2, 2, 41, 18]]
+    fast = fast_greedy_generate(plain, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    reference = greedy_generate(plain.module, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    # bf16: the static decoder's other summation order may part a row at a near tie, not most of them
+    assert sum(a == b for a, b in zip(fast, reference)) >= 2
