@@ -723,6 +723,10 @@ def check(config: RunConfig) -> None:
                           "renders the train prompts without it; set data.thinking=on (or auto), or give the text's "
                           "sampling as settings")
     chosen = selected_configuration(config.eval) if config.eval.serving else None
+    if chosen is not None and chosen.greedy and fits_distribution(config.train.loss):
+        raise ConfigError(f"train.loss: {config.train.loss} fits the base's processed distribution under the selected "
+                          f"serving configuration ({chosen.label()}), and greedy serving's is one-hot: the loss would be "
+                          "top1's; use train.loss=top1, or select a sampled configuration (eval.select_serving)")
     if chosen is not None and chosen.penalized and fits_distribution(config.train.loss):
         raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
                           f"configuration ({chosen.label()}), whose penalties depend on each answer's earlier tokens: "

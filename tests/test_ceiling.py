@@ -39,16 +39,18 @@ def written(base, windows, budget: int, serving: Serving) -> list[Window]:
 
 
 @torch.no_grad()
-def plain_ceiling_odds(base, window: Window, serving: Serving) -> tuple[list[float], list[float]]:
-    """Position by position, a fresh forward over the prefix: is x_t the base's top choice, and its probability."""
+def plain_ceiling_odds(base, window: Window, serving: Serving) -> tuple[list[float], list[float], list[float]]:
+    """Position by position, a fresh forward over the prefix: is x_t the base's top choice, its probability,
+    and the base's certainty there (that probability; under greedy, the plain softmax's top probability)."""
     ids = list(window.input_ids)
-    hit, best = [0.0] * len(ids), [0.0] * len(ids)
+    hit, best, certainty = [0.0] * len(ids), [0.0] * len(ids), [0.0] * len(ids)
     for t in range(window.answer_start + 1, len(ids)):
         logits = base(input_ids=torch.tensor([ids[:t]]), use_cache=False).logits[0, -1].float()
         p = sampling.base_probs(logits[None], serving)[0]
         hit[t] = float(int(p.argmax()) == ids[t])
         best[t] = float(p.max()) if not serving.greedy else hit[t]
-    return hit, best
+        certainty[t] = float(torch.softmax(logits, -1).max()) if serving.greedy else best[t]
+    return hit, best, certainty
 
 
 @pytest.mark.parametrize("serving", [Serving(), Serving(temperature=0.7, top_p=0.8), Serving(temperature=1.0, top_k=20)],
@@ -57,14 +59,16 @@ def test_the_perfect_drafter_s_odds_are_the_plain_reference(models, serving):
     base, head = models
     windows = written(base, prompts(3), 12, serving)
     batched = _ceiling_batch(base, head, windows, torch.device("cpu"), serving)
-    for window, (hit, best) in zip(windows, batched):
-        plain_hit, plain_best = plain_ceiling_odds(base, window, serving)
-        assert hit == plain_hit
+    for window, text in zip(windows, batched):
+        plain_hit, plain_best, plain_certainty = plain_ceiling_odds(base, window, serving)
+        assert text.hit == plain_hit
         # float32 softmax of the same logits, batched against one prefix at a time: the logits agree to
         # a few ulps of their scale (~10), so a probability to ~1e-6; 1e-5 leaves room and fails a wrong position.
-        assert best == pytest.approx(plain_best, abs=1e-5)
+        assert text.best == pytest.approx(plain_best, abs=1e-5)
+        assert text.certainty == pytest.approx(plain_certainty, abs=1e-5)
+        assert all(0 < c <= 1 for c in text.certainty[window.answer_start + 1:])
     if serving.greedy:  # the base's own greedy text: every position is its top choice
-        assert all(h == 1.0 for window, (hit, _) in zip(windows, batched) for h in hit[window.answer_start + 1:])
+        assert all(h == 1.0 for window, text in zip(windows, batched) for h in text.hit[window.answer_start + 1:])
 
 
 def test_the_greedy_ceiling_is_every_draft_accepted(models):

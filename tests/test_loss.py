@@ -138,10 +138,11 @@ def test_a_loss_added_as_a_row_is_taken_by_the_config_and_the_chain(monkeypatch)
         seen.update(p=p, temperature=temperature)
         return ((logits.softmax(-1) - p) ** 2).sum()
 
+    sampled = ["eval.serving=[{temperature: 0.7}]"]  # a distribution loss fits a sampled configuration's p
     with pytest.raises(ConfigError, match="train.loss: expected top1, kl or tv"):
-        check(load_config(None, ["train.loss=squared"]))
+        check(load_config(None, ["train.loss=squared", *sampled]))
     monkeypatch.setitem(losses.LOSSES, "squared", losses.Loss("squared", losses.DISTRIBUTION, 64, squared, "sum of (q - p)^2"))
-    check(load_config(None, ["train.loss=squared"]))  # a name now
+    check(load_config(None, ["train.loss=squared", *sampled]))  # a name now
     head = _Head(torch.randn(7, 3))
     hidden, base_hidden = torch.randn(1, 1, 4, 3), torch.randn(1, 4, 3)
     labels = torch.tensor([[[1, 2, IGNORE, IGNORE]]])

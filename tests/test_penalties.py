@@ -164,7 +164,7 @@ def test_odds_and_ceiling_under_penalties_are_the_plain_reference(models):
             logits = base(input_ids=torch.tensor([ids[:t]]), use_cache=False).logits[0, -1].float()
             p = sampling.processed_probs(torch.tensor(plain_penalized(logits.tolist(), ids[start:t], ids[:start], 2.0, 0.5,
                                                                       1.3))[None], 1.0, 1.0, 0)[0]
-            hit, best = ceiling[row]
+            hit, best = ceiling[row].hit, ceiling[row].best
             assert hit[t] == float(int(p.argmax()) == ids[t]) and best[t] == pytest.approx(float(p.max()), abs=1e-5)
             anchor = t - 2  # step 1 at anchor t - 2 drafts x_t: the head's argmax d, accepted with p(d)
             if odds.scored[0, row, anchor]:

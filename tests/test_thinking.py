@@ -24,7 +24,8 @@ from occamy_mtp.config import ConfigError, load_config
 from occamy_mtp.data import reader, windows
 from occamy_mtp.data.prepare import prepare_windows
 from occamy_mtp.data.reader import DataError, normalise_record
-from occamy_mtp.evaluation.served import context_bucket, grouped_acceptance
+from occamy_mtp.evaluation.breakdown import context_bucket
+from occamy_mtp.evaluation.served import grouped_acceptance
 from occamy_mtp.evaluation.metrics import (difference_noise, expected_rounds, jackknife_se, paired_difference_se,
                                            per_context, replayed_acceptance, replayed_counts, summed_acceptance)
 from occamy_mtp.selfgen import regenerate

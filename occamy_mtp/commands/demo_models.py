@@ -1,4 +1,4 @@
-"""python -m occamy_mtp demo-models [--build] [--quantized fp8|nvfp4]
+"""python -m occamy_mtp demo-models [--build] [--seed N] [--quantized fp8|nvfp4]
 
 The demo's base and donor: copied from data/demo-models, or built from the sample chats
 (`occamy_mtp.testing.demo_models`); with --quantized, also a copy of the base in the family's
@@ -22,11 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", default=str(SAMPLE_DATA_PATH), help="chat JSONL to train on")
     parser.add_argument("--linear-head-dim", type=int, default=DemoSettings.linear_head_dim,
                         help="Gated DeltaNet key/value head dim (64 or 128 can be served by vLLM's CPU build)")
+    parser.add_argument("--seed", type=int, default=DemoSettings.seed,
+                        help="seed of the build (another seed: a second build of the same recipe, to check a result on; "
+                             "only the default seed's build is shipped)")
     parser.add_argument("--build", action="store_true", help=f"build here even when the shipped build ({SHIPPED_DIR}) fits")
     parser.add_argument("--quantized", choices=("fp8", "nvfp4"), action="append", default=[],
                         help="also write the base quantized, into OUT/base-fp8 or OUT/base-nvfp4 (repeatable)")
     args = parser.parse_args(argv)
-    build_demo_models(Path(args.out), DemoSettings(linear_head_dim=args.linear_head_dim), data_path=Path(args.data),
+    build_demo_models(Path(args.out), DemoSettings(seed=args.seed, linear_head_dim=args.linear_head_dim), data_path=Path(args.data),
                       use_shipped=not args.build)
     for scheme in args.quantized:
         build_quantized_demo_base(Path(args.out), scheme, data_path=Path(args.data))

@@ -15,7 +15,7 @@ import jinja2
 
 from occamy_mtp.config import ConfigError, DataSettings
 from occamy_mtp.data.reader import (DEFAULT_EXCLUSIONS, EMPTY_ANSWER, NO_ASSISTANT_TURN, SPECIAL_TOKEN_IN_TEXT, TEMPLATE_ERROR,
-                                    TEMPLATE_PREFIX_MISMATCH, Conversation, DataError, Excluded, Message)
+                                    TEMPLATE_PREFIX_MISMATCH, THINK_CLOSE, Conversation, DataError, Excluded, Message)
 
 # The window sizes' defaults are a run's (`config.DataSettings`, where defaults live).
 _DEFAULTS = DataSettings()
@@ -94,6 +94,12 @@ class _TurnTokens:
     prompt_ids: list[int]  # the whole rendered prompt, up to and including the generation prompt
     span_ids: list[int]  # the assistant span, ending with the end-of-turn token (untruncated)
     boundary_retokenized: bool
+
+
+def think_close_ids(tokenizer) -> tuple[int, ...]:
+    """The token ids `</think>` is written as (one added token in Qwen's tokenizers, several where the
+    tokenizer knows no such token): where a thinking-mode answer's reasoning ends."""
+    return tuple(tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
 
 
 def turn_thinking(messages: Sequence[Message], turn_index: int, mode: str) -> bool:

@@ -22,7 +22,8 @@ from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.run import HELDOUT, check_inputs, log_stderr, open_run, refuse_inside_models
 from occamy_mtp.settings import EvalPlan, Measuring, Plan
 from occamy_mtp.evaluation.offline import SELF_GENERATED, TEACHER_FORCED, evaluate_head
-from occamy_mtp.evaluation.served import ceiling_report, distinct_contexts, heldout_report
+from occamy_mtp.data.windows import think_close_ids
+from occamy_mtp.evaluation.served import ceiling_report, ceilings, distinct_contexts, heldout_report
 from occamy_mtp.evaluation.decoder_check import reference_decoder_check, sampled_decoder_check, sampled_decodes
 from occamy_mtp.evaluation.report import format_decoder_checks, format_served, format_table
 
@@ -106,13 +107,15 @@ def evaluate(run, settings: EvalPlan, head_path: Path, out: Path, device: torch.
         servings, selected = measuring.servings, measuring.selected.label()
         results = {}
         log_stderr("evaluate: the ceiling, a drafter of the base's own choices, under each serving configuration")
-        ceiling = ceiling_report(run.targets, donor, run.windows.heldout, servings, served_steps, budget, per_batch)
+        perfect = ceilings(run.targets, donor, run.windows.heldout, servings, per_batch)
+        ceiling = ceiling_report(perfect, run.windows.heldout, servings, served_steps, budget)
         count = len(next(iter(run.windows.heldout.values())))
         for name, head in heads.items():
             log_stderr(f"evaluate: measuring the {name} head on {count} heldout {plural(count, 'window')} under "
                        f"{len(servings)} serving {plural(len(servings), 'configuration')}")
             results[name] = heldout_report(run.targets, head, run.windows.heldout, run.windows.heldout_data, servings,
-                                           served_steps, steps, budget, per_batch, run.data.domains)
+                                           served_steps, steps, budget, per_batch, run.data.domains, perfect,
+                                           think_close_ids(run.tokenizer))
         report.update(
             text=SELF_GENERATED, exact=True, headline="served", serving=[{"label": s.label(), **asdict(s)} for s in servings],
             selected_serving=selected, served_steps=list(served_steps), max_new_tokens=budget, heads=results, ceiling=ceiling,

@@ -34,7 +34,7 @@ are the same numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 
@@ -142,6 +142,7 @@ def expected_rounds(
     prompt_length: int,
     max_new_tokens: int,
     draft_steps: int,
+    visit: Callable[[int, int, float], None] | None = None,
 ) -> ExpectedCounts:
     """The expected counts of `decode.speculative_decode` that wrote this text under sampling (module docstring).
 
@@ -155,6 +156,9 @@ def expected_rounds(
             is: from e emitted tokens a round drafts min(K, budget left - 1) steps at anchor
             P + e - 2 (a plain base step when that is 0), accepts j of them with probability
             beta_1 ... beta_j (1 - beta_{j+1}), and emits j + 1 tokens.
+        visit: called as visit(anchor, k, weight) for every draft the walk may propose: step k
+            (0-based) at `anchor`, proposed with probability `weight` (what `proposed[k]` sums),
+            so that a caller can say where the drafts and their acceptance fall (`breakdown`).
     """
     length = len(accept_given)
     generated = generated_tokens(length, prompt_length, max_new_tokens)
@@ -178,6 +182,8 @@ def expected_rounds(
         for k in range(in_text):
             proposed[k] += weight * reached
             accepted[k] += weight * reached * accept_expected[anchor][k]
+            if visit is not None:
+                visit(anchor, k, weight * reached)
             kept = reached * accept_given[anchor][k]
             if emitted + k + 1 < generated:  # k drafts accepted, then a rejection: k + 1 tokens
                 arrive[emitted + k + 1] += weight * (reached - kept)

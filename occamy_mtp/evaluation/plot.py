@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from occamy_mtp.config import PRESETS
+from occamy_mtp.evaluation.report import share_of_ceiling
 
 FIGURE_INCHES = (6.0, 3.6)
 DPI = 120
@@ -52,6 +53,23 @@ def plot_acceptance(results: dict[str, dict], path: Path, title: str = "chained 
 
 
 PANEL_INCHES = (3.2, 3.6)  # one panel per serving configuration
+
+
+def _how_far(metrics: dict, label: str, steps) -> str:
+    """Under a panel's title: the last head's share of the way from the donor to the ceiling at the most
+    steps, and where it loses most beyond its share (`breakdown.largest_loss`); empty where either is unknown."""
+    heads, ceiling = list(metrics["heldout"]), metrics.get("ceiling", {}).get(label)
+    if "donor" not in heads or len(heads) < 2 or not ceiling:
+        return ""
+    k, last = str(max(steps)), metrics["heldout"][heads[-1]]["serving"][label]
+    share = share_of_ceiling(metrics["heldout"]["donor"]["serving"][label]["served"][k]["mean_accept_length"],
+                             last["served"][k]["mean_accept_length"], ceiling[k]["mean_accept_length"])
+    words = f"\n{heads[-1]}: {'-' if share is None else format(share, '.0%')} of donor -> ceiling at {k} drafts"
+    largest = (last.get("breakdown") or {}).get("largest_loss")
+    if largest:
+        words += (f"\nlost most: {largest['axis'].replace('_', ' ')} {largest['bucket']} "
+                  f"({largest['share_of_lost']:.0%} of lost, {largest['share_of_drafts']:.0%} of drafts)")
+    return words
 
 
 def serving_words(serving: dict) -> str:
@@ -104,8 +122,8 @@ def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
                         linewidth=0.8, label="ceiling" if i == 0 else None)
         axes.set_xticks(range(len(steps)), [f"{k} draft{'s' * (k != 1)}" for k in steps])
         words = serving_words(serving).replace(" (", "\n(").replace(", top-k", ",\ntop-k")  # a preset: its name above
-        axes.set_title(words + (" (selected)" if label == metrics.get("selected_serving") and len(servings) > 1 else ""),
-                       fontsize=7)
+        axes.set_title(words + (" (selected)" if label == metrics.get("selected_serving") and len(servings) > 1 else "")
+                       + _how_far(metrics, label, steps), fontsize=7)
         axes.set_ylim(0, top + 0.6)
     axes_row[0].set_ylabel("tokens per pass of the base")
     axes_row[0].legend(fontsize=7, loc="upper left")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from occamy_mtp.console import plural
+from occamy_mtp.evaluation.breakdown import one_line
 
 
 def share_of_ceiling(donor: float, trained: float, ceiling: float) -> float | None:
@@ -97,6 +98,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
                              + "".join(f"{'-' if v is None or name == 'donor' else format(v, '.1%'):>{width}}"
                                        for name, v in zip(names, shares)))
         k = max(served_steps)
+        lines += _breakdown_rows(reports, names, label, width, ceiling is not None)
         for key, what in (("by_context", "context"), ("by_file", "file"), ("by_category", "category")):
             groups = reports[names[0]]["serving"][label].get(key) or {}
             if len(groups) < 2 and key != "by_category" or not groups:
@@ -120,6 +122,34 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     lines.append("secondary: the recorded answers, teacher forced (acceptance approximate), and every anchor of the self-generated text")
     lines += [f"  {label:<46}" + "".join(f"{cell(reports[name]):>{width}}" for name in names) for label, cell in rows]
     return "\n".join(lines)
+
+
+BREAKDOWN_ROWS = ("certainty", "span")
+"""The breakdown's axes the console shows (`metrics.json` holds them all: `breakdown.AXES`)."""
+
+
+def _breakdown_rows(reports: dict[str, dict], names: list[str], label: str, width: int, ceiling: bool) -> list[str]:
+    """Where each head's drafts are lost under one configuration (`heldout_report`'s `breakdown`): per bucket of
+    BREAKDOWN_ROWS, each head's acceptance there and, in the ceiling's column, a perfect drafter's at the last
+    head's drafts; then each head's largest remaining bucket in one line."""
+    figures = {name: reports[name]["serving"][label].get("breakdown") for name in names}
+    if not all(figures.values()):
+        return []
+    last = figures[names[-1]]
+    k = last["draft_steps"]
+    lines = [f"    {k}-step acceptance by where the draft falls (its share of the {names[-1]} head's drafts, and of those lost):"]
+    for axis in BREAKDOWN_ROWS:
+        if len(last[axis]) < 2:
+            continue  # one bucket is the whole
+        for bucket, tally in last[axis].items():
+            drafts = tally["proposed"] / last["total"]["proposed"] if last["total"]["proposed"] else 0.0
+            title = f"  {axis} {bucket} ({drafts:.0%} drafts, {tally['share_of_lost']:.0%} lost)"
+            cells = [figures[name][axis].get(bucket, {}).get("acceptance") for name in names]
+            cells += [tally["ceiling_acceptance"]] if ceiling else []
+            lines.append(f"    {title:<46}" + "".join(f"{'-' if c is None else format(c, '.2%'):>{width}}" for c in cells))
+    for name in names:
+        lines.append(f"    {f'{k}-step drafts lost most ({name})':<46}  {one_line(figures[name])}")
+    return lines
 
 
 def format_decoder_checks(checks_by_head: dict) -> str:

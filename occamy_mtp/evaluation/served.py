@@ -8,13 +8,15 @@ puts a head's together (docs/reference/METRICS.md).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 import torch
 
 from occamy_mtp import memory, sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.model.loss import collate
+from occamy_mtp.evaluation.breakdown import TextOdds, breakdown, context_bucket, greedy_odds, thinking_end
 from occamy_mtp.evaluation.metrics import (Acceptance, ExpectedCounts, expected_acceptance, per_context,
                                            expected_rounds, replayed_counts, summed_acceptance)
 from occamy_mtp.evaluation.offline import (ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS, SELF_GENERATED, TEACHER_FORCED,
@@ -76,14 +78,6 @@ def context_key(window) -> tuple[str, int]:
     return window.conversation_hash, window.turn_index
 
 
-# Context-length buckets of the served figures (`by_context`): [low, high) tokens of context a window holds.
-CONTEXT_BUCKETS = (("<256", 0, 256), ("256-1k", 256, 1024), ("1k-4k", 1024, 4096), ("4k+", 4096, None))
-
-
-def context_bucket(tokens: int) -> str:
-    return next(name for name, low, high in CONTEXT_BUCKETS if tokens >= low and (high is None or tokens < high))
-
-
 def grouped_acceptance(counts: dict[int, list[ExpectedCounts]], windows, group_of) -> dict[str, dict[str, dict]]:
     """The served figures of each group of windows (`group_of(window)`: its name, None for none), per step count."""
     names: dict[str, list[int]] = {}
@@ -96,10 +90,21 @@ def grouped_acceptance(counts: dict[int, list[ExpectedCounts]], windows, group_o
             for name, members in names.items()}
 
 
+@dataclass(frozen=True)
+class CeilingText:
+    """A perfect drafter's odds on one text, per position t (0 outside the drafted positions)."""
+
+    hit: list[float]
+    """1 where x_t is the base's own choice (a perfect draft of it is accepted given the text), else 0."""
+    best: list[float]
+    """The expected acceptance of the perfect draft: the base's processed top probability (1 under greedy)."""
+    certainty: list[float]
+    """The base's certainty (`breakdown`): `best` under sampling; under greedy, its softmax's top probability."""
+
+
 @torch.no_grad()
-def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tuple[list[float], list[float]]]:
-    """Per window of one batch, per position t of its text: (P(a perfect draft of x_t is accepted given
-    the text, i.e. x_t is the base's own choice there), the expected acceptance of that draft, max p_t).
+def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[CeilingText]:
+    """Per window of one batch, per position t of its text: a perfect drafter's odds (`CeilingText`).
 
     The perfect drafter drafts argmax p_t, p_t being the base's distribution at t as `serving`
     processes it: greedy serving accepts it always (and the base's greedy text is that token), so
@@ -109,6 +114,7 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tup
     ids = batch.input_ids
     given = torch.zeros(ids.shape, dtype=torch.float64)
     expected = torch.zeros(ids.shape, dtype=torch.float64)
+    certainty = torch.zeros(ids.shape, dtype=torch.float64)
     # Drafted positions only: a decoder's first draft predicts the answer's second token.
     wanted = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
     for row, (window, length) in enumerate(zip(windows, batch.lengths.tolist())):
@@ -118,36 +124,47 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[tup
         hit = (outputs.greedy[rows, positions - 1] == ids[rows, positions]).double().cpu()
         given[rows.cpu(), positions.cpu()] = hit
         expected[rows.cpu(), positions.cpu()] = hit
-    else:
-        chunk = memory.logit_rows(ids.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
-        starts = torch.tensor([w.answer_start for w in windows])
-        for start in range(0, len(rows), chunk):
-            part = slice(start, start + chunk)
-            history = sampling.answer_histories(ids, starts, rows[part], positions[part]) if serving.penalized else None
-            p = sampling.base_probs(head.logits(outputs.hidden[rows[part], positions[part] - 1]), serving, history)  # (n, V)
-            best, choice = p.max(-1)
-            where = (rows[part].cpu(), positions[part].cpu())
-            given[where] = (choice == ids[rows[part], positions[part]]).double().cpu()
-            expected[where] = best.double().cpu()
-    return [(given[row, :length].tolist(), expected[row, :length].tolist())
+    chunk = memory.logit_rows(ids.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
+    starts = torch.tensor([w.answer_start for w in windows])
+    for start in range(0, len(rows), chunk):
+        part = slice(start, start + chunk)
+        where = (rows[part].cpu(), positions[part].cpu())
+        logits = head.logits(outputs.hidden[rows[part], positions[part] - 1])  # (n, V)
+        if serving.greedy:  # the processed distribution is one-hot: the base's certainty is its softmax's
+            certainty[where] = torch.softmax(logits.float(), dim=-1).max(-1).values.double().cpu()
+            continue
+        history = sampling.answer_histories(ids, starts, rows[part], positions[part]) if serving.penalized else None
+        p = sampling.base_probs(logits, serving, history)  # (n, V)
+        best, choice = p.max(-1)
+        given[where] = (choice == ids[rows[part], positions[part]]).double().cpu()
+        expected[where] = best.double().cpu()
+        certainty[where] = best.double().cpu()
+    return [CeilingText(given[row, :length].tolist(), expected[row, :length].tolist(), certainty[row, :length].tolist())
             for row, length in enumerate(batch.lengths.tolist())]
 
 
+def ceiling_texts(targets, head, windows, serving: Serving | None = None, windows_per_batch: int = 4) -> list[CeilingText]:
+    """A perfect drafter's odds on each of `windows` under `serving` (None: greedy), in their order.
+    `head` lends only the base's lm_head (its logits)."""
+    serving = serving or Serving()
+    device = head.fc.weight.device
+    return [text for part in window_batches(targets, head, windows, 0, windows_per_batch)
+            for text in _ceiling_batch(targets, head, part, device, serving)]
+
+
 def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
-                       serving: Serving | None = None) -> dict[int, Acceptance]:
+                       serving: Serving | None = None, texts: list[CeilingText] | None = None) -> dict[int, Acceptance]:
     """What the decoder would measure, at each served step count, with a perfect drafter on the same
     texts as `served_acceptance`: one that drafts the base's own choice (argmax of its processed
     distribution) at every step, the expectation exact under `serving`. Greedy: every draft inside
     the budget is accepted, so the accept length is K + 1 but for the texts' ends. `head` lends only
-    the base's lm_head (its logits); the figure is the base's and the serving configuration's."""
-    serving = serving or Serving()
-    device = head.fc.weight.device
-    texts = []
-    for part in window_batches(targets, head, windows, 0, windows_per_batch):
-        for window, (hit, best) in zip(part, _ceiling_batch(targets, head, part, device, serving)):
-            texts.append((_by_anchor(hit, max(served_steps)), _by_anchor(best, max(served_steps)), window.answer_start))
+    the base's lm_head (its logits); the figure is the base's and the serving configuration's.
+    `texts`: the windows' `ceiling_texts`, when the caller has them."""
+    texts = texts if texts is not None else ceiling_texts(targets, head, windows, serving, windows_per_batch)
+    steps = max(served_steps)
+    walks = [(_by_anchor(t.hit, steps), _by_anchor(t.best, steps), w.answer_start) for w, t in zip(windows, texts)]
     clusters = [context_key(w) for w in windows]
-    return {k: expected_acceptance(texts, max_new_tokens, k, clusters=clusters) for k in served_steps}
+    return {k: expected_acceptance(walks, max_new_tokens, k, clusters=clusters) for k in served_steps}
 
 
 def _by_anchor(values: list[float], steps: int) -> list[list[float]]:
@@ -155,17 +172,24 @@ def _by_anchor(values: list[float], steps: int) -> list[list[float]]:
     return [[values[a + k + 2] if a + k + 2 < len(values) else 0.0 for k in range(steps)] for a in range(len(values))]
 
 
-def ceiling_report(targets, head, heldout: dict[str, list], servings, served_steps, max_new_tokens: int,
-                   windows_per_batch: int = 4) -> dict:
+def ceilings(targets, head, heldout: dict[str, list], servings, windows_per_batch: int = 4) -> dict[str, list[CeilingText]]:
+    """Per serving configuration (its label), a perfect drafter's odds on the heldout windows the base wrote under it."""
+    return {s.label(): ceiling_texts(targets, head, heldout[s.label()], s, windows_per_batch) for s in servings}
+
+
+def ceiling_report(texts: dict[str, list[CeilingText]], heldout: dict[str, list], servings, served_steps,
+                   max_new_tokens: int) -> dict:
     """Per serving configuration (its label), per served step count: the perfect drafter's figures
-    (`ceiling_acceptance`) on the heldout windows the base wrote under it."""
+    (`ceiling_acceptance`) on the heldout windows the base wrote under it, from their `ceilings`."""
     return {serving.label(): {str(k): a.to_dict() for k, a in ceiling_acceptance(
-                targets, head, heldout[serving.label()], served_steps, max_new_tokens, windows_per_batch, serving).items()}
+                None, None, heldout[serving.label()], served_steps, max_new_tokens, serving=serving,
+                texts=texts[serving.label()]).items()}
             for serving in servings}
 
 
 def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, served_steps, draft_steps: int,
-                   max_new_tokens: int, windows_per_batch: int = 4, domains: dict[str, dict] | None = None) -> dict:
+                   max_new_tokens: int, windows_per_batch: int = 4, domains: dict[str, dict] | None = None,
+                   ceiling: dict[str, list[CeilingText]] | None = None, think_close: Sequence[int] = ()) -> dict:
     """Every heldout figure of one head, from one pass over each set of windows.
 
     * `serving`: per serving configuration (its label; `heldout` holds the windows the base
@@ -175,11 +199,14 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
         the counts per context (`per_context`) that a paired comparison of two heads reads;
       * `every_anchor`: the chain over every anchor of the same text (exact, but another
         sample than the decoder's anchors);
-      * `by_context`: the served figures by the context's length (`CONTEXT_BUCKETS`, those the
+      * `by_context`: the served figures by the context's length (`breakdown.CONTEXT_BUCKETS`, those the
         windows reach);
       * `by_file`, `by_category`: the served figures by the data file a conversation came from and
         by its record's `category` (`domains`: conversation hash -> {file, category}; records
         without a category are left out of `by_category`, empty when none has one);
+      * `breakdown` (with `ceiling`, the configurations' `ceilings`): at the largest served step
+        count, the drafts by where they fall, beside a perfect drafter's at the same positions
+        (`breakdown.breakdown`; `think_close`: the token ids of `</think>`, which end the reasoning);
     * `teacher_forced`: agreement, NLL and the greedy chain on the recorded answers
       (`recorded`); the acceptance there is an approximation, and has pointed the wrong
       way. None when no heldout window has a recorded answer (a prompt set).
@@ -199,11 +226,26 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
             "by_file": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("file")),
             "by_category": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("category") or None),
         }
+        if ceiling is not None:
+            texts = breakdown_texts(results, windows, ceiling[serving.label()], max(served_steps), think_close)
+            by_serving[serving.label()]["breakdown"] = {"draft_steps": max(served_steps),
+                                                        **breakdown(texts, max_new_tokens, max(served_steps))}
     return {
         "serving": by_serving,
         "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict()
         if recorded else None,
     }
+
+
+def breakdown_texts(results: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = ()) -> list[TextOdds]:
+    """A head's odds on each window (its pass's `results`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them."""
+    if results and isinstance(results[0], BatchOdds):
+        odds = batch_odds(results)
+    else:
+        odds = [(greedy_odds(o.accepted, steps),) * 2 for o in batch_outcomes(results)]
+    return [TextOdds(given, expected, perfect.best, perfect.certainty, w.answer_start, context_bucket(w.answer_start),
+                     thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None)
+            for w, (given, expected), perfect in zip(windows, odds, ceiling)]
 
 
 def distinct_contexts(windows) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from occamy_mtp.console import plural
+from occamy_mtp.evaluation.breakdown import one_line
 from occamy_mtp.evaluation.report import share_of_ceiling, with_error
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -65,6 +66,24 @@ def acceptance_table(metrics: dict) -> list[str]:
                 f"| {with_error(donor)} → **{with_error(trained)}** | {ceiling} "
                 f"| {'-' if share is None else format(share, '.1%')} |")
     return rows
+
+
+def where_lost(metrics: dict) -> list[str]:
+    """One line per serving configuration: where the trained head's drafts fall short of a perfect drafter's
+    most (`breakdown.largest_loss`), at the largest served step count; nothing for a record without it."""
+    lines = []
+    for serving in metrics["serving"]:
+        figures = metrics["heldout"]["trained"]["serving"][serving["label"]].get("breakdown")
+        if figures:
+            total = figures["total"]
+            lines.append(f"- {serving['label']}, {figures['draft_steps']}-step: the trained head's drafts are accepted "
+                         f"{total['acceptance']:.1%} of the time where a perfect drafter's would be {total['ceiling_acceptance']:.1%}; "
+                         f"{one_line(figures)}.")
+    if not lines:
+        return []
+    return ["Where the trained head still loses drafts (by the base's certainty at the position, the thinking or "
+            "answer span, the position in the answer and the context's length; metrics.json has each bucket):", "",
+            *lines, ""]
 
 
 def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
@@ -140,6 +159,7 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
         "",
         *acceptance_table(metrics),
         "",
+        *where_lost(metrics),
         "![served acceptance](acceptance.png)",
         "",
         "## Not validated",

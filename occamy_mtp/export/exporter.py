@@ -34,7 +34,8 @@ from occamy_mtp.config import Serving
 from occamy_mtp.console import plural
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.decode import Runners, decodes_runners
-from occamy_mtp.evaluation.served import ceiling_report, heldout_report
+from occamy_mtp.evaluation.served import ceiling_report, ceilings, heldout_report
+from occamy_mtp.data.windows import think_close_ids
 from occamy_mtp.evaluation.decoder_check import reference_decoder_check
 from occamy_mtp.evaluation.report import format_served
 from occamy_mtp.evaluation.plot import plot_served
@@ -200,17 +201,17 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype
         param.data = param.data.to(dtype)
 
-    # Donor first, then the same head with the trained tensors swapped in.
+    # The ceiling first (each head's breakdown sets its drafts beside it), then the donor, then the
+    # same head with the trained tensors swapped in.
     eval_started = time.perf_counter()
+    log("export: the ceiling, a drafter of the base's own choices, under each serving configuration")
+    perfect = ceilings(run.targets, head, run.windows.heldout, measuring.servings, measuring.windows_per_batch)
+    ceiling = ceiling_report(perfect, run.windows.heldout, measuring.servings, measuring.served_steps, measuring.answer_tokens)
     runners = decoder_runners(run, measuring)
-    donor_report, donor_check = _measure(run, measuring, head, "donor", log, runners)
+    donor_report, donor_check = _measure(run, measuring, head, "donor", log, runners, perfect)
     donor_state = {k: v.detach().to(torch.bfloat16).cpu() for k, v in head.state_dict().items()}
     max_rounding = _swap_in(head, masters, dtype)
-    trained_report, trained_check = _measure(run, measuring, head, "trained", log, runners)
-
-    log("export: the ceiling, a drafter of the base's own choices, under each serving configuration")
-    ceiling = ceiling_report(run.targets, head, run.windows.heldout, measuring.servings, measuring.served_steps,
-                             measuring.answer_tokens, measuring.windows_per_batch)
+    trained_report, trained_check = _measure(run, measuring, head, "trained", log, runners, perfect)
     eval_seconds = time.perf_counter() - eval_started
 
     heldout = {"donor": donor_report, "trained": trained_report}
@@ -272,15 +273,16 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
     return record
 
 
-def _measure(run: Run, measuring: Measuring, head, name: str, log, runners: Runners | None) -> tuple[dict, dict]:
-    """One head's heldout report, and the reference decoder's check of it (when the base is loaded)."""
+def _measure(run: Run, measuring: Measuring, head, name: str, log, runners: Runners | None, perfect: dict) -> tuple[dict, dict]:
+    """One head's heldout report (its drafts beside the `perfect` drafter's, `served.ceilings`), and the
+    reference decoder's check of it (when the base is loaded)."""
     windows, servings = run.windows, measuring.servings
     count = len(next(iter(windows.heldout.values())))
     log(f"export: measuring the {name} head on {count} heldout {plural(count, 'window')} under {len(servings)} "
         f"serving {plural(len(servings), 'configuration')}")
     report = heldout_report(run.targets, head, windows.heldout, windows.heldout_data, servings,
                             measuring.served_steps, measuring.draft_steps, measuring.answer_tokens,
-                            measuring.windows_per_batch, run.data.domains)
+                            measuring.windows_per_batch, run.data.domains, perfect, think_close_ids(run.tokenizer))
     reason = None
     if run.models.base is None:
         reason = "data.target_cache is set (no base loaded)"

@@ -1,0 +1,137 @@
+"""The frontier: one lever at a time from the default recipe, every serving configuration's figures.
+
+    python bench/frontier.py --models runs/demo/models --out runs/frontier [--levers default,epochs4,...]
+            [--store runs/reference/run/self-generated] [--table]
+
+Each lever is `configs/demo.yaml` (the default recipe on the embedded default) with overrides,
+trained with `train.py`'s own `train()` and measured with `export.py`'s own `export()` (`--allow-worse`,
+so that a losing head is measured too), in one process, every lever reading one store of the base's
+text (`--store`, copied in when given: a run of the default recipe on the same build has written
+most of it). For each serving configuration the table gives the 3-step accept length ± one standard
+error over prompts, the share of the way from the donor to the ceiling (a perfect drafter), and the
+bucket where the head loses most (`evaluation.breakdown`). Writes each lever's figures into its
+run directory and the table of every lever measured under --out into `frontier.md` (so that two
+processes may run other levers into one --out); a lever already trained there is measured again, not
+retrained. `--table` only writes the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from occamy_mtp.config import load_config  # noqa: E402
+from occamy_mtp.evaluation.breakdown import one_line  # noqa: E402
+from occamy_mtp.evaluation.report import share_of_ceiling  # noqa: E402
+from occamy_mtp.export.exporter import export  # noqa: E402
+from occamy_mtp.settings import RunDir, plan_of  # noqa: E402
+from occamy_mtp.train.loop import train  # noqa: E402
+
+ATTENTION = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]"
+LAYER = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]"
+CHAIN = ["train.draft_steps=3", "train.step_loss_weights=[0.5,0.25,0.25]"]
+LEVERS = {
+    # name: (the lever, what is moved, overrides on configs/demo.yaml)
+    "default": ("-", "the default recipe (configs/demo.yaml)", []),
+    "epochs4": ("amount", "4 epochs instead of 2 (992 steps)", ["train.epochs=4"]),
+    "greedy-text": ("text", "the train text written greedily (thinking on), not sampled as thinking-general serves",
+                    ["data.train_text=greedy"]),
+    "mixed": ("text", "the recorded answers beside the base's own text, each window twice", ["data.answers=mixed"]),
+    "chain3": ("chain", "the 3-step chain trained (loss weights 0.5/0.25/0.25), not step 1 alone", CHAIN),
+    "attention": ("what trains", "mtp.norm and the layer's attention trained too", [f"train.trainable={ATTENTION}"]),
+    "layer": ("what trains", "the whole MTP layer trained", [f"train.trainable={LAYER}"]),
+    "layer-chain3": ("what trains + chain", "the whole layer on the 3-step chain", [f"train.trainable={LAYER}", *CHAIN]),
+    "lr1e-3": ("optimizer", "learning rate 1e-3 instead of 2e-3", ["train.lr=1e-3"]),
+}
+
+
+RESULT = "frontier-result.json"  # in each lever's output.dir: processes running other levers share --out
+
+
+def run(models: Path, out: Path, names: list[str]) -> dict:
+    common = [f"model.base={models / 'base'}", f"model.donor_head={models / 'donor'}",
+              f"model.tokenizer={models / 'tokenizer'}", f"data.self_generated_dir={out / 'self-generated'}"]
+    for name in names:
+        lever, what, overrides = LEVERS[name]
+        config = load_config(ROOT / "configs" / "demo.yaml", [*common, *overrides, f"output.dir={out / name}"])
+        started = time.perf_counter()
+        if not RunDir.of(config).train_summary.is_file():
+            train(plan_of(config))
+        record = export(plan_of(config), allow_worse=True, log=lambda message: None)
+        result = {"lever": lever, "what": what, "overrides": overrides, "seconds": time.perf_counter() - started,
+                  "selected_step": record["training"]["selection"]["written_step"],
+                  "metrics": json.loads(RunDir.of(config).metrics.read_text())}
+        (out / name / RESULT).write_text(json.dumps(result, indent=1))
+        print(f"{name}: done in {result['seconds']:.0f} s", flush=True)
+    return collected(out)
+
+
+def collected(out: Path) -> dict:
+    """Every lever measured under `out`, in LEVERS' order."""
+    return {name: json.loads((out / name / RESULT).read_text()) for name in LEVERS if (out / name / RESULT).is_file()}
+
+
+def table(results: dict, steps: str = "3") -> str:
+    """One row a lever (the donor and the ceiling first): per configuration the accept length at `steps`
+    drafts ± its standard error and the share of donor -> ceiling; the default's largest loss per configuration."""
+    first = next(iter(results.values()))["metrics"]
+    labels = [s["label"] for s in first["serving"]]
+    donor, ceiling = first["heldout"]["donor"]["serving"], first["ceiling"]
+    lines = ["| lever | recipe | step kept | " + " | ".join(f"{label}: {steps}-step length (share)" for label in labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]
+    lines.append("| - | donor | - | " + " | ".join(
+        f"{donor[label]['served'][steps]['mean_accept_length']:.3f} ± {donor[label]['served'][steps]['mean_accept_length_se']:.3f}"
+        for label in labels) + " |")
+    lines.append("| - | ceiling | - | " + " | ".join(f"{ceiling[label][steps]['mean_accept_length']:.3f}" for label in labels) + " |")
+    for name, result in results.items():
+        served = result["metrics"]["heldout"]["trained"]["serving"]
+        cells = []
+        for label in labels:
+            figure = served[label]["served"][steps]
+            share = share_of_ceiling(donor[label]["served"][steps]["mean_accept_length"], figure["mean_accept_length"],
+                                     ceiling[label][steps]["mean_accept_length"])
+            cells.append(f"{figure['mean_accept_length']:.3f} ± {figure['mean_accept_length_se']:.3f} "
+                         f"({'-' if share is None else format(share, '.0%')})")
+        lines.append(f"| {result['lever']} | {name}: {result['what']} | {result['selected_step']} | " + " | ".join(cells) + " |")
+    default = results.get("default") or next(iter(results.values()))
+    lines.append("")
+    lines += [f"- {label}: {one_line(default['metrics']['heldout']['trained']['serving'][label].get('breakdown') or {})}"
+              for label in labels]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp demo-models)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
+    parser.add_argument("--store", type=Path, help="a store of the base's text on the same build to start from (copied)")
+    parser.add_argument("--table", action="store_true", help="only write the table of the levers measured under --out")
+    args = parser.parse_args(argv)
+    names = [n for n in args.levers.split(",") if n]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        print(f"error: unknown lever {unknown[0]!r}; known: {', '.join(LEVERS)}", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.store is not None and not (args.out / "self-generated").exists():
+        shutil.copytree(args.store, args.out / "self-generated")
+    results = collected(args.out) if args.table else run(args.models, args.out, names)
+    text = table(results)
+    (args.out / "frontier.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
