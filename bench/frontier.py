@@ -21,7 +21,6 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,9 +31,8 @@ sys.path.insert(0, str(ROOT))
 from occamy_mtp.config import load_config  # noqa: E402
 from occamy_mtp.evaluation.breakdown import one_line  # noqa: E402
 from occamy_mtp.evaluation.report import share_of_ceiling  # noqa: E402
-from occamy_mtp.export.exporter import export  # noqa: E402
-from occamy_mtp.settings import RunDir, plan_of  # noqa: E402
-from occamy_mtp.train.loop import train  # noqa: E402
+from occamy_mtp.settings import RunDir  # noqa: E402
+from recipes import measured, unknown  # noqa: E402  (bench/, beside this script)
 
 ATTENTION = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]"
 LAYER = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]"
@@ -63,11 +61,8 @@ def run(models: Path, out: Path, names: list[str]) -> dict:
     for name in names:
         lever, what, overrides = LEVERS[name]
         config = load_config(ROOT / "configs" / "demo.yaml", [*common, *overrides, f"output.dir={out / name}"])
-        started = time.perf_counter()
-        if not RunDir.of(config).train_summary.is_file():
-            train(plan_of(config))
-        record = export(plan_of(config), allow_worse=True, log=lambda message: None)
-        result = {"lever": lever, "what": what, "overrides": overrides, "seconds": time.perf_counter() - started,
+        record, seconds = measured(config)
+        result = {"lever": lever, "what": what, "overrides": overrides, "seconds": seconds,
                   "selected_step": record["training"]["selection"]["written_step"],
                   "metrics": json.loads(RunDir.of(config).metrics.read_text())}
         (out / name / RESULT).write_text(json.dumps(result, indent=1))
@@ -118,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", action="store_true", help="only write the table of the levers measured under --out")
     args = parser.parse_args(argv)
     names = [n for n in args.levers.split(",") if n]
-    unknown = [n for n in names if n not in LEVERS]
-    if unknown:
-        print(f"error: unknown lever {unknown[0]!r}; known: {', '.join(LEVERS)}", file=sys.stderr)
+    if unknown(names, LEVERS, "lever"):
         return 2
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -72,6 +72,24 @@ RECIPES = {
 }
 
 
+def measured(config) -> tuple[dict, float]:
+    """`config`'s run trained (unless it is already) and exported with `--allow-worse`: (its TRAINING.json
+    record, the seconds both took)."""
+    started = time.perf_counter()
+    if not RunDir.of(config).train_summary.is_file():
+        train(plan_of(config))
+    record = export(plan_of(config), allow_worse=True, log=lambda message: None)
+    return record, time.perf_counter() - started
+
+
+def unknown(names: list[str], known: dict, kind: str) -> bool:
+    """Whether any of `names` is not in `known`, said on stderr (`kind`: what they name)."""
+    missing = [n for n in names if n not in known]
+    if missing:
+        print(f"error: unknown {kind} {missing[0]!r}; known: {', '.join(known)}", file=sys.stderr)
+    return bool(missing)
+
+
 def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -> dict:
     common = [
         f"model.base={models / 'base'}",
@@ -84,14 +102,11 @@ def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -
     for name in names:
         what, overrides = RECIPES[name]
         config = load_config(ROOT / "configs" / "demo-greedy.yaml", [*common, *overrides, f"output.dir={out / name}"])
-        started = time.perf_counter()
-        if not RunDir.of(config).train_summary.is_file():
-            train(plan_of(config))
-        record = export(plan_of(config), allow_worse=True, log=lambda message: None)
+        record, seconds = measured(config)
         results[name] = {
             "what": what,
             "overrides": overrides,
-            "seconds": time.perf_counter() - started,
+            "seconds": seconds,
             "selected_step": record["training"]["selection"]["written_step"],
             "metrics": json.loads(RunDir.of(config).metrics.read_text()),
         }
@@ -134,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decoder-check-windows", type=int, default=0, help="eval.decoder_check_windows for every recipe")
     args = parser.parse_args(argv)
     names = [n for n in args.recipes.split(",") if n]
-    unknown = [n for n in names if n not in RECIPES]
-    if unknown:
-        print(f"error: unknown recipe {unknown[0]!r}; known: {', '.join(RECIPES)}", file=sys.stderr)
+    if unknown(names, RECIPES, "recipe"):
         return 2
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
