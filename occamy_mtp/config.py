@@ -120,10 +120,16 @@ PRESETS: dict[str, Serving] = {
 }
 
 
+GREEDY = "greedy"
+"""The name of greedy serving (`Serving()`, whose label it is) wherever a preset's name is taken."""
+
+
 def serving_preset(name: str, where: str = "eval.serving") -> Serving:
-    """The preset called `name`; ConfigError listing the four otherwise."""
+    """The preset called `name`, or greedy serving by its label; ConfigError listing the names otherwise."""
+    if name == GREEDY:
+        return Serving()
     if name not in PRESETS:
-        raise ConfigError(f"{where}: unknown serving preset {name!r}; expected one of {', '.join(PRESETS)}, "
+        raise ConfigError(f"{where}: unknown serving preset {name!r}; expected {GREEDY} or one of {', '.join(PRESETS)}, "
                           "or settings such as {temperature: 0.7, top_p: 0.8}")
     return PRESETS[name]
 

@@ -111,3 +111,16 @@ def test_a_head_that_drafts_badly_loses_where_the_base_is_sure(models):  # noqa:
                              ceiling={"greedy": perfect})["serving"]["greedy"]["breakdown"]
     assert figures["total"]["lost"] > 0.5 * figures["total"]["ceiling_accepted"]
     assert sum(b["share_of_lost"] for b in figures["certainty"].values()) == pytest.approx(1.0)
+
+
+def test_the_card_says_where_the_trained_head_still_loses():
+    from occamy_mtp.export.card import where_lost
+
+    figures = {"draft_steps": 3, "total": {"acceptance": 0.25, "ceiling_acceptance": 0.40},
+               "largest_loss": {"axis": "certainty", "bucket": "0.6-0.9", "share_of_lost": 0.24, "share_of_drafts": 0.12}}
+    metrics = {"serving": [{"label": "greedy"}, {"label": "thinking-general"}],
+               "heldout": {"trained": {"serving": {"greedy": {}, "thinking-general": {"breakdown": figures}}}}}
+    lines = where_lost(metrics)
+    assert lines[2] == ("- thinking-general, 3-step: the trained head's drafts are accepted 25.0% of the time where a "
+                        "perfect drafter's would be 40.0%; certainty 0.6-0.9: 24% of the drafts lost, from 12% of the drafts.")
+    assert len(lines) == 4 and where_lost({**metrics, "serving": [{"label": "greedy"}]}) == []  # a record before the breakdown

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from occamy_mtp.config import ConfigError, RunConfig, load_config, step_loss_weights
+from occamy_mtp.config import ConfigError, RunConfig, Serving, load_config, step_loss_weights
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
 def test_configs_directory_is_not_empty():
@@ -98,7 +99,8 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         ("data:\n  self_generate_temperature: 0.7\n  self_generate_top_p: 0.8\n", [],
          "write data.train_text: {temperature: 0.7, top_p: 0.8}"),
         ("", ["data.train_text=thinking-general", "data.thinking=off"], "data.train_text: thinking-general writes in thinking mode"),
-        ("", ["data.train_text=thinking-genral"], "data.train_text: unknown serving preset 'thinking-genral'"),
+        ("", ["data.train_text=thinking-genral"], "data.train_text: unknown serving preset 'thinking-genral'; expected greedy or "
+                                                  "one of thinking-general"),
         ("", ["train.loss=ce"], "train.loss: expected top1, kl or tv"),
         # a loss that cannot apply to the configuration it is asked for
         ("", ["train.loss=tv"], "train.loss: tv fits the base's processed distribution under the selected serving "
@@ -131,6 +133,10 @@ def test_serving_configurations_and_their_labels():
     # selection scores the selected configuration, so it is part of what a resume must match
     assert default.fingerprint() != load_config(None, ["eval.select_serving=thinking-general"]).fingerprint()
     assert load_config(None, ["eval.select_serving=thinking-general"]).selected_serving == default.eval.serving[1]
+    # greedy by its label wherever a preset's name is taken, as the 512-step config's comment spells the greedy recipe
+    greedy = load_config(CONFIGS_DIR / "512step.yaml", ["data.thinking=auto", "data.train_text=greedy", "eval.select_serving=greedy",
+                                                        "eval.serving=[greedy, thinking-general]"])
+    assert greedy.data.train_text == Serving() and greedy.selected_serving == Serving() == greedy.eval.serving[0]
     assert default.fingerprint() == load_config(None, ["eval.serving=[{temperature: 0}]"]).fingerprint()
 
 

@@ -31,7 +31,7 @@ def test_presets_by_name_beside_explicit_settings():
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("eval.serving=[instruct-genral]", "unknown serving preset 'instruct-genral'; expected one of thinking-general, "
+    ("eval.serving=[instruct-genral]", "unknown serving preset 'instruct-genral'; expected greedy or one of thinking-general, "
                                        "thinking-coding, instruct-general, instruct-reasoning"),
     ("eval.serving=[{temperature: 0.7, min_p: 0.05}]", "vLLM refuses min_p with speculative decoding"),
     ("eval.serving=[{temperature: 0, presence_penalty: 1}]", "greedy decoding under penalties is not modelled"),

@@ -236,11 +236,6 @@ class FrozenBase:
         """Where its weights are, in words, for the log."""
         return self.placement.described(self.device)
 
-    def record(self) -> dict:
-        """What the opening decided, for TRAINING.json."""
-        return {**self.placement.to_dict(), "emulated_activations": self.emulated, "fp8_layers": self.fp8_layers,
-                "fast_paths": self.fast_paths}
-
 
 def fast_paths(base) -> bool:
     """Whether the library's fast paths run `base`: what its opening decided (`FrozenBase.fast_paths`);
