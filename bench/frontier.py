@@ -41,6 +41,8 @@ LEVERS = {
     # name: (the lever, what is moved, overrides on configs/demo.yaml)
     "default": ("-", "the default recipe (configs/demo.yaml)", []),
     "epochs4": ("amount", "4 epochs instead of 2 (992 steps)", ["train.epochs=4"]),
+    "cont4": ("amount", "4 continuations of each train context (seeds 0-3), 2 epochs of them (1,984 steps)",
+              ["data.train_continuations=4"]),
     "greedy-text": ("text", "the train text written greedily (thinking on), not sampled as thinking-general serves",
                     ["data.train_text=greedy"]),
     "mixed": ("text", "the recorded answers beside the base's own text, each window twice", ["data.answers=mixed"]),

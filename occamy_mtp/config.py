@@ -225,6 +225,11 @@ class DataSettings:
     under each `eval.serving` configuration."""
     self_generate_seed: int = 0
     """Seed of every sampled continuation (train, validation and heldout)."""
+    train_continuations: int = 1
+    """Continuations the base writes of each train context under a sampled `train_text`, each from its own
+    seed (`self_generate_seed` + 0, 1, ...; a store each), every one a train window: more of the text
+    serving drafts on from the same prompts (an epoch then has this many times the steps). Greedy text
+    has one."""
 
 
 TURN_CHOICES = ("last", "first", "every")
@@ -400,7 +405,7 @@ class RunConfig:
 
 # (section, setting) pairs and serving settings that came after runs were fingerprinted: at their
 # defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
-_LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
+_LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", "train_continuations"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
                    ("data", "self_generate_repetition_penalty"))
 _LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
 _DEFAULTS = {"model": ModelSettings(), "data": DataSettings()}
@@ -638,6 +643,9 @@ def check(config: RunConfig) -> None:
         (config.data.validation_conversations >= 0, "data.validation_conversations", ">= 0"),
         (config.data.answers in ("self_generated", "data", "mixed"), "data.answers", "self_generated, data or mixed"),
         (config.eval.sampled_continuations >= 1, "eval.sampled_continuations", ">= 1"),
+        (config.data.train_continuations >= 1, "data.train_continuations", ">= 1"),
+        (config.data.train_continuations == 1 or not config.data.train_text.greedy, "data.train_continuations",
+         "1 where data.train_text is greedy (the base writes one greedy continuation of a context)"),
         (config.data.self_generate_batch_size >= 0, "data.self_generate_batch_size", "0 (as many as fit) or more"),
         (all(u.startswith(("http://", "https://")) for u in config.data.self_generate_endpoints)
          and len(set(config.data.self_generate_endpoints)) == len(config.data.self_generate_endpoints),

@@ -298,7 +298,8 @@ def self_generated_needed(setup: Setup, data: PreparedData, splits=EVERY_SPLIT) 
         for sampling, thinking in dict.fromkeys((t, s.thinking) for s in setup.servings for t in setup.texts(s)):
             needed.setdefault(sampling, []).extend(data.served_windows(HELDOUT, thinking))
     if TRAIN in splits and setup.data.answers != "data":
-        needed.setdefault(setup.train_text, []).extend(data.train)
+        for sampling in setup.train_texts:
+            needed.setdefault(sampling, []).extend(data.train)
     return needed
 
 
@@ -363,9 +364,11 @@ def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer:
         if answers == "data":
             train = list(data.train)
         else:
-            generated = stores[setup.train_text].windows(data.train)
+            # each context's continuations together, in the order of the texts (one text: the store's windows)
+            written = [stores[sampling].windows(data.train) for sampling in setup.train_texts]
+            generated = [w for group in zip(*written) for w in group]
             train = generated if answers == "self_generated" else [
-                w for pair in zip(data.train, generated) for w in pair if w.has_answer]  # a prompt's recorded half is empty
+                w for group in zip(data.train, *written) for w in group if w.has_answer]  # a prompt's recorded one is empty
     heldout = {}
     if HELDOUT in splits:
         heldout = {serving.label(): measured_windows(stores, setup.texts(serving),

@@ -143,8 +143,9 @@ class Setup:
     selected: Serving
     validates: bool
     """Checkpoint selection scores validation windows (`train.select_every_steps` > 0)."""
-    train_text: TextSampling
-    """How the base writes the train windows' continuations (`data.train_text`, seeded by `data.self_generate_seed`)."""
+    train_texts: tuple[TextSampling, ...]
+    """How the base writes the train windows' continuations (`data.train_text`): one way a continuation of each
+    train context (`data.train_continuations`), seeded by `data.self_generate_seed` + 0, 1, ..."""
     serving_texts: dict
     """Per serving configuration's label, every way the base writes its text: one for greedy serving,
     `eval.sampled_continuations` seeds under sampling (`data.self_generate_seed` + 0, 1, ...)."""
@@ -164,7 +165,7 @@ class Setup:
 
     def stored_texts(self) -> list[TextSampling]:
         """Every way this run's base may write text, greedy first, each once."""
-        texts = [GREEDY_TEXT, self.train_text, *(t for s in self.servings for t in self.texts(s))]
+        texts = [GREEDY_TEXT, *self.train_texts, *(t for s in self.servings for t in self.texts(s))]
         return list(dict.fromkeys(texts))
 
 
@@ -256,11 +257,11 @@ def plan_of(config: RunConfig) -> Plan:
     selfgen = SelfGenSettings(data.answer_tokens, data.self_generate_batch_size, data.self_generate_endpoints,
                               data.self_generate_model, data.self_generate_concurrency, data.self_generate_timeout_seconds,
                               data.self_generate_retries)
-    train_text = text_sampling(data.train_text, data.self_generate_seed)
+    train_texts = tuple(text_sampling(data.train_text, data.self_generate_seed + j) for j in range(data.train_continuations))
     setup = Setup(
         model=model, data=data, windows=window_settings(data), run_dir=run_dir, trainable=config.train.trainable,
         servings=evaluation.serving, selected=config.selected_serving, validates=config.train.select_every_steps > 0,
-        train_text=train_text, serving_texts={s.label(): serving_texts(config, s) for s in evaluation.serving},
+        train_texts=train_texts, serving_texts={s.label(): serving_texts(config, s) for s in evaluation.serving},
         store_root=Path(data.self_generated_dir) if data.self_generated_dir else run_dir.self_generated, selfgen=selfgen,
         unset=placeholders(config, "model.base", "model.donor_head", "data.files"),
     )

@@ -98,6 +98,7 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
          "replaced by data.train_text, a serving configuration as eval.serving's entries are; write data.train_text: thinking-general"),
         ("data:\n  self_generate_temperature: 0.7\n  self_generate_top_p: 0.8\n", [],
          "write data.train_text: {temperature: 0.7, top_p: 0.8}"),
+        ("", ["data.train_continuations=2"], "data.train_continuations: expected 1 where data.train_text is greedy"),
         ("", ["data.train_text=thinking-general", "data.thinking=off"], "data.train_text: thinking-general writes in thinking mode"),
         ("", ["data.train_text=thinking-genral"], "data.train_text: unknown serving preset 'thinking-genral'; expected greedy or "
                                                   "one of thinking-general"),

@@ -365,3 +365,30 @@ def test_out_of_vocabulary_and_over_budget_answers_are_refused():
     with Wild() as engine:
         with pytest.raises(G.EngineError, match="outside the base's vocabulary"):
             run_writer([engine.url], request(retries=0))
+
+
+def test_several_train_continuations_are_each_a_train_window(world, servers, tmp_path):
+    """data.train_continuations 2 under a sampled train text: the base writes each train context twice, from
+    seeds 3 and 4 (a store each), and the run trains on both, each context's continuations together."""
+    from occamy_mtp.sampling import TextSampling
+
+    texts = [TextSampling(0.9, 0.95, 0, 3), TextSampling(0.9, 0.95, 0, 4)]
+    one = None
+    for continuations in (1, 2):
+        config = config_of(world, tmp_path / f"run-{continuations}", f"data.self_generate_endpoints=[{servers[0]}]",
+                           "data.train_text={temperature: 0.9, top_p: 0.95}", "data.self_generate_seed=3",
+                           f"data.train_continuations={continuations}")
+        setup = plan_of(config).setup
+        tokenizer = load_tokenizer(config.model)
+        data = prepare_data(setup, tokenizer)
+        facts, stops = BaseFacts(config.model.base), stop_token_ids(tokenizer, config.model.base)
+        needed = self_generated_needed(setup, data)
+        stores = open_stores(setup, facts, stops, needed)
+        windows = run_windows(setup, data, stores, continuation_writer(setup.selfgen, tokenizer, facts, stops))
+        assert set(needed) == {GREEDY_TEXT, *texts[:continuations]}
+        if continuations == 1:
+            one = windows.train
+            continue
+        assert len(windows.train) == 2 * len(one) == 2 * len(data.train)
+        assert windows.train[0::2] == one  # the first seed's windows are the one-continuation run's
+        assert [w.input_ids[: w.answer_start] for w in windows.train[1::2]] == [w.input_ids[: w.answer_start] for w in one]

@@ -52,7 +52,9 @@ def test_each_derived_setting_is_what_the_config_says():
     assert setup.selected == general and plan.train.measuring.selected == general
     assert setup.texts(greedy) == (GREEDY_TEXT,)
     assert [t.seed for t in setup.texts(general)] == [7, 8, 9] and all(t.temperature == 0.7 for t in setup.texts(general))
-    assert setup.train_text == TextSampling(0.7, 0.8, 0, 7)
+    assert setup.train_texts == (TextSampling(0.7, 0.8, 0, 7),)
+    more = plan_of(load_config(CONFIGS / "512step.yaml", ["data.self_generate_seed=7", "data.train_continuations=3"])).setup
+    assert [t.seed for t in more.train_texts] == [7, 8, 9] and more.train_texts[0] == TextSampling(1.0, 0.95, 20, 7, 1.5)
     assert setup.store_dir(GREEDY_TEXT) == Path("/stores/run")
     assert setup.store_dir(setup.texts(general)[1]) == Path(f"/stores/run/sampled-{setup.texts(general)[1].label()}")
     assert setup.stored_texts()[0] == GREEDY_TEXT and len(setup.stored_texts()) == len(set(setup.stored_texts())) == 5
