@@ -1,7 +1,7 @@
 """The frontier: one lever at a time from the default recipe, every serving configuration's figures.
 
     python bench/frontier.py --models runs/demo/models --out runs/frontier [--levers default,epochs4,...]
-            [--store runs/reference/run/self-generated] [--table]
+            [--store runs/reference/run/self-generated] [--table] [--own-model runs/eval-donor-on-donor/evaluation.json]
 
 Each lever is `configs/demo.yaml` (the default recipe on the embedded default) with overrides,
 trained with `train.py`'s own `train()` and measured with `export.py`'s own `export()` (`--allow-worse`,
@@ -12,7 +12,10 @@ error over prompts, the share of the way from the donor to the ceiling (a perfec
 bucket where the head loses most (`evaluation.breakdown`). Writes each lever's figures into its
 run directory and the table of every lever measured under --out into `frontier.md` (so that two
 processes may run other levers into one --out); a lever already trained there is measured again, not
-retrained. `--table` only writes the table.
+retrained. `--table` only writes the table. With `--own-model` (`python -m occamy_mtp evaluate` of the donor
+head with the donor model as the base) it adds each head's reach, the share of the way from plain decoding to
+a perfect drafter, beside the donor's on the model it was trained with: what this head design reaches when
+nothing has drifted.
 """
 
 from __future__ import annotations
@@ -103,6 +106,58 @@ def table(results: dict, steps: str = "3") -> str:
     lines.append("")
     lines += [f"- {label}: {one_line(default['metrics']['heldout']['trained']['serving'][label].get('breakdown') or {})}"
               for label in labels]
+    return "\n".join(lines + ["", breakdown_table(default["metrics"])])
+
+
+BREAKDOWN_AXES = ("certainty", "step", "span", "answer_position")
+
+
+def breakdown_table(metrics: dict) -> str:
+    """Where the donor's and the trained head's drafts are accepted, beside a perfect drafter at the trained
+    head's drafts, per configuration and bucket of BREAKDOWN_AXES (axes of one bucket left out)."""
+    lines = ["| configuration | bucket | share of drafts | donor | trained | perfect drafter | share of the drafts lost |",
+             "|---|---|---|---|---|---|---|"]
+    for serving in metrics["serving"]:
+        label = serving["label"]
+        donor = metrics["heldout"]["donor"]["serving"][label].get("breakdown")
+        trained = metrics["heldout"]["trained"]["serving"][label].get("breakdown")
+        if not (donor and trained):
+            continue
+        total = trained["total"]["proposed"]
+        for axis in BREAKDOWN_AXES:
+            if len(trained[axis]) < 2:
+                continue
+            for key, tally in trained[axis].items():
+                before = donor[axis].get(key, {}).get("acceptance")
+                lines.append(f"| {label} | {axis.replace('_', ' ')} {key} | {tally['proposed'] / total:.0%} | "
+                             f"{'-' if before is None else format(before, '.1%')} | {tally['acceptance']:.1%} | "
+                             f"{tally['ceiling_acceptance']:.1%} | {tally['share_of_lost']:.0%} |")
+    return "\n".join(lines)
+
+
+def reach(length: float, ceiling: float) -> float:
+    """How far an accept length goes from plain decoding (1 token a pass) to a perfect drafter's."""
+    return (length - 1) / (ceiling - 1) if ceiling > 1 else 0.0
+
+
+def reach_table(results: dict, own: dict, steps: str = "3") -> str:
+    """Each head's reach (`reach`) per configuration beside the donor's on the model it was trained with
+    (`own`: `evaluate`'s evaluation.json with the donor model as the base): what this head design reaches
+    when nothing has drifted, the yardstick a head adapted to the fine-tuned base can be held to."""
+    first = next(iter(results.values()))["metrics"]
+    labels = [s["label"] for s in first["serving"]]
+    rows = [("the donor on its own model", {label: reach(own["heads"]["donor"]["serving"][label]["served"][steps]["mean_accept_length"],
+                                                         own["ceiling"][label][steps]["mean_accept_length"]) for label in labels})]
+    ceiling = first["ceiling"]
+    rows.append(("the donor on the fine-tuned base", {label: reach(
+        first["heldout"]["donor"]["serving"][label]["served"][steps]["mean_accept_length"], ceiling[label][steps]["mean_accept_length"])
+        for label in labels}))
+    for name, result in results.items():
+        served = result["metrics"]["heldout"]["trained"]["serving"]
+        rows.append((f"{name} on the fine-tuned base", {label: reach(served[label]["served"][steps]["mean_accept_length"],
+                                                                     ceiling[label][steps]["mean_accept_length"]) for label in labels}))
+    lines = ["| head | " + " | ".join(f"{label}: {steps}-step reach" for label in labels) + " |", "|---|" + "---|" * len(labels)]
+    lines += [f"| {name} | " + " | ".join(f"{values[label]:.0%}" for label in labels) + " |" for name, values in rows]
     return "\n".join(lines)
 
 
@@ -113,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
     parser.add_argument("--store", type=Path, help="a store of the base's text on the same build to start from (copied)")
     parser.add_argument("--table", action="store_true", help="only write the table of the levers measured under --out")
+    parser.add_argument("--own-model", type=Path, help="evaluate's evaluation.json of the donor head on the donor model: "
+                        "adds each head's reach beside the donor's there (`reach_table`)")
     args = parser.parse_args(argv)
     names = [n for n in args.levers.split(",") if n]
     if unknown(names, LEVERS, "lever"):
@@ -123,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copytree(args.store, args.out / "self-generated")
     results = collected(args.out) if args.table else run(args.models, args.out, names)
     text = table(results)
+    if args.own_model is not None:
+        text += "\n\n" + reach_table(results, json.loads(args.own_model.read_text()))
     (args.out / "frontier.md").write_text(text + "\n")
     print(text)
     return 0
