@@ -20,13 +20,10 @@ nothing has drifted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -35,7 +32,7 @@ from occamy_mtp.config import load_config  # noqa: E402
 from occamy_mtp.evaluation.breakdown import one_line  # noqa: E402
 from occamy_mtp.evaluation.report import share_of_ceiling  # noqa: E402
 from occamy_mtp.settings import RunDir  # noqa: E402
-from recipes import measured, unknown  # noqa: E402  (bench/, beside this script)
+from recipes import chosen, measured, study_parser  # noqa: E402  (bench/, beside this script)
 
 ATTENTION = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0.self_attn]"
 LAYER = "[fc,pre_fc_norm_embedding,pre_fc_norm_hidden,norm,layers.0]"
@@ -162,20 +159,15 @@ def reach_table(results: dict, own: dict, steps: str = "3") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp demo-models)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
+    parser = study_parser(__doc__.split("\n\n")[0], "lever", LEVERS)
     parser.add_argument("--store", type=Path, help="a store of the base's text on the same build to start from (copied)")
     parser.add_argument("--table", action="store_true", help="only write the table of the levers measured under --out")
     parser.add_argument("--own-model", type=Path, help="evaluate's evaluation.json of the donor head on the donor model: "
                         "adds each head's reach beside the donor's there (`reach_table`)")
     args = parser.parse_args(argv)
-    names = [n for n in args.levers.split(",") if n]
-    if unknown(names, LEVERS, "lever"):
+    names = chosen(args, "lever", LEVERS)
+    if names is None:
         return 2
-    torch.manual_seed(0)
-    args.out.mkdir(parents=True, exist_ok=True)
     if args.store is not None and not (args.out / "self-generated").exists():
         shutil.copytree(args.store, args.out / "self-generated")
     results = collected(args.out) if args.table else run(args.models, args.out, names)

@@ -82,12 +82,26 @@ def measured(config) -> tuple[dict, float]:
     return record, time.perf_counter() - started
 
 
-def unknown(names: list[str], known: dict, kind: str) -> bool:
-    """Whether any of `names` is not in `known`, said on stderr (`kind`: what they name)."""
+def study_parser(description: str, kind: str, known: dict) -> argparse.ArgumentParser:
+    """The command line a study of named runs on one demo build shares: --models, --out and --<kind>s (`chosen`)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp demo-models)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(f"--{kind}s", default=",".join(known), help=f"comma-separated, of: {', '.join(known)}")
+    return parser
+
+
+def chosen(args, kind: str, known: dict) -> list[str] | None:
+    """The names `--<kind>s` gives (None, said on stderr, when one is not in `known`); seeds torch and
+    makes --out, as every study starts."""
+    names = [n for n in getattr(args, f"{kind}s").split(",") if n]
     missing = [n for n in names if n not in known]
     if missing:
         print(f"error: unknown {kind} {missing[0]!r}; known: {', '.join(known)}", file=sys.stderr)
-    return bool(missing)
+        return None
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return names
 
 
 def run(models: Path, out: Path, names: list[str], decoder_check_windows: int) -> dict:
@@ -142,17 +156,12 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", type=Path, required=True, help="a demo build (python -m occamy_mtp demo-models)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
+    parser = study_parser(__doc__.split("\n\n")[0], "recipe", RECIPES)
     parser.add_argument("--decoder-check-windows", type=int, default=0, help="eval.decoder_check_windows for every recipe")
     args = parser.parse_args(argv)
-    names = [n for n in args.recipes.split(",") if n]
-    if unknown(names, RECIPES, "recipe"):
+    names = chosen(args, "recipe", RECIPES)
+    if names is None:
         return 2
-    torch.manual_seed(0)
-    args.out.mkdir(parents=True, exist_ok=True)
     results = run(args.models, args.out, names, args.decoder_check_windows)
     text = table(results)
     (args.out / "recipes.md").write_text(text + "\n")
