@@ -147,8 +147,7 @@ class FrozenBase:
         NVFP4 base, always), "fp8" (an FP8 base under `model.fp8_activations` fp8), or None."""
         self.fp8_layers = fp8_layers
         """Decoder layers that keep an FP8 checkpoint's weights in FP8 (`model.fp8_weights`)."""
-        family = families.family_of(getattr(module.config, "model_type", None))
-        self.fast_paths = (family is not None and family.fast_paths and emulated is None and not placement.sharded_over)
+        self.fast_paths = families.fast_paths(module.config) and emulated is None and not placement.sharded_over
         """Whether the library's fast paths (the packed pass, the static decoder), which read the weights
         directly, run it: its family has them, no input is fake-quantized (they would skip the emulation's
         hooks) and its layers are whole."""
@@ -239,6 +238,7 @@ class FrozenBase:
 
 def fast_paths(base) -> bool:
     """Whether the library's fast paths run `base`: what its opening decided (`FrozenBase.fast_paths`);
-    a bare module (a test's or a bench's, never sharded nor emulated: only the opening does either)
-    by its family (`families.fast_paths`)."""
+    a bare module (a test's or a bench's) by its family alone (`families.fast_paths`), taken as whole
+    and computing transformers' own forward: the library opens its bases through `FrozenBase.open`,
+    which knows when they are sharded or their inputs fake-quantized."""
     return base.fast_paths if isinstance(base, FrozenBase) else families.fast_paths(base.config)
