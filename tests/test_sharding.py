@@ -227,13 +227,13 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
 AGREEMENT = """
 import sys, torch, torch.distributed as dist
 from occamy_mtp.model.sharding import agreed_min, all_finished, barrier
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 from types import SimpleNamespace
-# what the functions read of a base: whether its first decoder layer is sharded
-layer = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))
+# what the functions read of a base: whether its first decoder layer is sharded; here one as ZeRO-3 leaves
+# it, each parameter carrying this process's partition (`ds_tensor`), without DeepSpeed's threads
+layer = torch.nn.Linear(4, 4)
+layer.weight.ds_tensor = layer.weight.detach()[rank * 2 : rank * 2 + 2]
 sharded, whole = (SimpleNamespace(model=SimpleNamespace(layers=[module])) for module in (layer, torch.nn.Linear(4, 4)))
 barrier(sharded)
 figures = (rank, agreed_min(10 + 5 * rank, sharded), agreed_min(10 + 5 * rank, whole),
