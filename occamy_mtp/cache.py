@@ -18,7 +18,7 @@ import torch
 
 from occamy_mtp import files
 from occamy_mtp.config import ConfigError
-from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, FrozenBase, fast_paths
+from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, FrozenBase, runs_fast_paths
 from occamy_mtp.run import (
     check_inputs, check_store_writable, refuse_inside_models, continuation_writer,
     load_tokenizer, open_stores, prepare_data, quiet, run_windows, self_generated_needed,
@@ -51,7 +51,7 @@ def auto_fastbase_tokens(base) -> int:
     """
     from occamy_mtp.base import fastbase
 
-    if base.lm_head.weight.device.type != "cuda" or not fast_paths(base):
+    if base.lm_head.weight.device.type != "cuda" or not runs_fast_paths(base):
         return 0
     try:
         fastbase.fla_kernels()

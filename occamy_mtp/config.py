@@ -541,8 +541,7 @@ def _refuse_replaced_text_keys(data: dict) -> None:
         return
     given = {name: data[f"self_generate_{name}"] for name in _TEXT_FIELDS if f"self_generate_{name}" in data}
     try:
-        text = Serving(**{name: _coerce(value, float if name != "top_k" else int, f"data.self_generate_{name}")
-                          for name, value in given.items()})
+        text = _build(Serving, given, "data.train_text")
     except ConfigError:
         text = None
     spelling = f"{{{', '.join(f'{name}: {value}' for name, value in given.items())}}}"

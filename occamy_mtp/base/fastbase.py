@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
-from occamy_mtp.base.frozen import fast_paths
+from occamy_mtp.base.frozen import runs_fast_paths
 from occamy_mtp.model.fp8_weights import materialize, materialize_experts
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
@@ -513,7 +513,7 @@ class FastBasePass:
         cuda_graphs: bool = False,
         max_graphs: int = 2,
     ):
-        if not fast_paths(base):
+        if not runs_fast_paths(base):
             raise ValueError(f"FastBasePass runs a whole base, its inputs not fake-quantized, of a family whose fast_paths "
                              f"are on (`occamy_mtp.base.frozen.FrozenBase.fast_paths`), not this "
                              f"model_type {base.config.model_type!r}; use occamy_mtp.targets.base.base_outputs for other bases")

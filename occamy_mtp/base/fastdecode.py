@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from occamy_mtp.compat import cache_kwarg
-from occamy_mtp.base.frozen import fast_paths
+from occamy_mtp.base.frozen import runs_fast_paths
 from occamy_mtp import families
 from occamy_mtp.families import family_of
 from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
@@ -208,7 +208,7 @@ class BatchDecoder:
 
     def __init__(self, base, *, batch: int, positions: int, cuda_graph: bool | None = None, span: int = 0,
                  sampling: TextSampling = GREEDY_TEXT, prefill: bool = True):
-        if not fast_paths(base):
+        if not runs_fast_paths(base):
             raise ValueError(f"BatchDecoder runs a whole base, its inputs not fake-quantized, of a family whose fast_paths "
                              f"are on (`occamy_mtp.base.frozen.FrozenBase.fast_paths`), not this model_type "
                              f"{base.config.model_type!r} base")
@@ -857,7 +857,7 @@ def static_head_decoding(head) -> bool:
 def static_decoding(base) -> bool:
     """Whether self-generation decodes `base` with `BatchDecoder`: a base of a family with fast paths,
     on CUDA (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
-    return base.lm_head.weight.device.type == "cuda" and fast_paths(base)
+    return base.lm_head.weight.device.type == "cuda" and runs_fast_paths(base)
 
 
 def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],

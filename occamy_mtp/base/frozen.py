@@ -133,15 +133,15 @@ class Placement:
 class FrozenBase:
     """The frozen base as opened (`open`), reading as the causal LM it holds (module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, identity: BaseIdentity | None = None, *, placement: Placement = Placement(),
-                 quantization=None, emulated: str | None = None, fp8_layers: int = 0):
+    def __init__(self, module: torch.nn.Module, settings: ModelSettings | None = None, facts: BaseFacts | None = None, *,
+                 placement: Placement = Placement(), emulated: str | None = None, fp8_layers: int = 0):
         self.module = module
         """The transformers causal LM, frozen and in eval mode."""
-        self.identity = identity
-        """What it computes (`BaseIdentity`); None for a base built in memory (`in_memory`)."""
+        self.settings = settings
+        """The model settings it was opened with; None for a base built in memory (`in_memory`)."""
+        self.facts = facts
+        """Its checkpoint's config and quantization (`BaseFacts`); None for a base built in memory."""
         self.placement = placement
-        self.quantization = quantization
-        """How its checkpoint stores the weights (`quantized.Scheme`; None: unquantized)."""
         self.emulated = emulated
         """The rounding its linears' inputs take in their forwards beyond the weights' format: "nvfp4" (an
         NVFP4 base, always), "fp8" (an FP8 base under `model.fp8_activations` fp8), or None."""
@@ -151,6 +151,17 @@ class FrozenBase:
         """Whether the library's fast paths (the packed pass, the static decoder), which read the weights
         directly, run it: its family has them, no input is fake-quantized (they would skip the emulation's
         hooks) and its layers are whole."""
+
+    @property
+    def quantization(self):
+        """How its checkpoint stores the weights (`quantized.Scheme`; None: unquantized or built in memory)."""
+        return None if self.facts is None else self.facts.quantization
+
+    @functools.cached_property
+    def identity(self) -> BaseIdentity | None:
+        """What it computes (`BaseIdentity`), when first asked: its fingerprint samples every weight file,
+        which a caller that writes no store (validate, the reference server) never needs; None in memory."""
+        return None if self.facts is None else BaseIdentity.of(self.settings, self.facts)
 
     @classmethod
     def open(cls, model: ModelSettings, device, sharding: Sharding | None = None, facts: BaseFacts | None = None,
@@ -177,8 +188,8 @@ class FrozenBase:
             log("base: model.fp8_weights fp8 does not apply to a sharded base: its layers are read dequantized, then sharded")
         if sharding is not None:
             module = shard(module, sharding, torch.device(device))
-        base = cls(module, BaseIdentity.of(model, facts), placement=Placement(**placement(module)),
-                   quantization=facts.quantization, emulated=loaded.emulated, fp8_layers=loaded.fp8_layers)
+        base = cls(module, model, facts, placement=Placement(**placement(module)), emulated=loaded.emulated,
+                   fp8_layers=loaded.fp8_layers)
         if sharding is not None:
             log(f"base: {base.described()}")
         tuned = use_tuned_kernel_configs(torch.device(device))
@@ -236,7 +247,7 @@ class FrozenBase:
         return self.placement.described(self.device)
 
 
-def fast_paths(base) -> bool:
+def runs_fast_paths(base) -> bool:
     """Whether the library's fast paths run `base`: what its opening decided (`FrozenBase.fast_paths`);
     a bare module (a test's or a bench's) by its family alone (`families.fast_paths`), taken as whole
     and computing transformers' own forward: the library opens its bases through `FrozenBase.open`,

@@ -38,7 +38,7 @@ def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, wi
     text written any other way the figure means nothing.
     """
     results = list(head_batches(base, head, windows, max(served_steps), windows_per_batch, serving))
-    return _served(results, windows, served_steps, max_new_tokens)
+    return _served(per_text(results), windows, served_steps, max_new_tokens)
 
 
 def served_with_contexts(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
@@ -46,7 +46,7 @@ def served_with_contexts(base, head, windows, served_steps, max_new_tokens: int,
     """`served_acceptance`'s figures as dicts, each with its counts per context (`metrics.per_context`),
     which a paired comparison of two heads on the same windows reads (`metrics.difference_noise`)."""
     results = list(head_batches(base, head, windows, max(served_steps), windows_per_batch, serving))
-    return _served_figures(_served_counts(results, windows, served_steps, max_new_tokens), windows)
+    return _served_figures(_served_counts(per_text(results), windows, served_steps, max_new_tokens), windows)
 
 
 def _served_figures(counts: dict[int, list[ExpectedCounts]], windows) -> dict[int, dict]:
@@ -56,20 +56,24 @@ def _served_figures(counts: dict[int, list[ExpectedCounts]], windows) -> dict[in
             for k, c in counts.items()}
 
 
-def _served(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
-    counts = _served_counts(results, windows, served_steps, max_new_tokens)
+def _served(texts: list, windows, served_steps, max_new_tokens: int) -> dict[int, Acceptance]:
+    counts = _served_counts(texts, windows, served_steps, max_new_tokens)
     clusters = [context_key(w) for w in windows]
     return {k: summed_acceptance(c, k, clusters=clusters) for k, c in counts.items()}
 
 
-def _served_counts(results: list, windows, served_steps, max_new_tokens: int) -> dict[int, list[ExpectedCounts]]:
-    """Per served step count, the decoder's counts on each window's text (replayed, or expected under sampling)."""
-    if results and isinstance(results[0], BatchOdds):
-        odds = batch_odds(results)
-        return {k: [expected_rounds(given, expected, w.answer_start, max_new_tokens, k) for w, (given, expected) in zip(windows, odds)]
+def per_text(results: list) -> list:
+    """A head's pass (`head_batches`' results) per window: its odds (given, expected) under sampling, its
+    chain's outcome (`ChainOutcome`) under greedy serving; read once, by the served figures and the breakdown."""
+    return batch_odds(results) if results and isinstance(results[0], BatchOdds) else batch_outcomes(results)
+
+
+def _served_counts(texts: list, windows, served_steps, max_new_tokens: int) -> dict[int, list[ExpectedCounts]]:
+    """Per served step count, the decoder's counts on each window's text (`per_text`: replayed, or expected under sampling)."""
+    if texts and isinstance(texts[0], tuple):
+        return {k: [expected_rounds(given, expected, w.answer_start, max_new_tokens, k) for w, (given, expected) in zip(windows, texts)]
                 for k in served_steps}
-    outcomes = batch_outcomes(results)
-    return {k: [replayed_counts(o.accepted, w.answer_start, max_new_tokens, k) for w, o in zip(windows, outcomes)]
+    return {k: [replayed_counts(o.accepted, w.answer_start, max_new_tokens, k) for w, o in zip(windows, texts)]
             for k in served_steps}
 
 
@@ -216,7 +220,8 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     for serving in servings:
         windows = heldout[serving.label()]
         results = list(head_batches(targets, head, windows, steps, windows_per_batch, serving))
-        counts = _served_counts(results, windows, served_steps, max_new_tokens)
+        texts = per_text(results)
+        counts = _served_counts(texts, windows, served_steps, max_new_tokens)
         domain = (domains or {}).get
         by_serving[serving.label()] = {
             "settings": asdict(serving),
@@ -227,9 +232,9 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
             "by_category": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("category") or None),
         }
         if ceiling is not None:
-            texts = breakdown_texts(results, windows, ceiling[serving.label()], max(served_steps), think_close)
+            drafts = breakdown_texts(texts, windows, ceiling[serving.label()], max(served_steps), think_close)
             by_serving[serving.label()]["breakdown"] = {"draft_steps": max(served_steps),
-                                                        **breakdown(texts, max_new_tokens, max(served_steps))}
+                                                        **breakdown(drafts, max_new_tokens, max(served_steps))}
     return {
         "serving": by_serving,
         "teacher_forced": evaluate_head(targets, head, recorded, steps, windows_per_batch, TEACHER_FORCED).to_dict()
@@ -237,12 +242,9 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     }
 
 
-def breakdown_texts(results: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = ()) -> list[TextOdds]:
-    """A head's odds on each window (its pass's `results`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them."""
-    if results and isinstance(results[0], BatchOdds):
-        odds = batch_odds(results)
-    else:
-        odds = [(greedy_odds(o.accepted, steps),) * 2 for o in batch_outcomes(results)]
+def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = ()) -> list[TextOdds]:
+    """A head's odds on each window (`per_text`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them."""
+    odds = texts if texts and isinstance(texts[0], tuple) else [(greedy_odds(o.accepted, steps),) * 2 for o in texts]
     return [TextOdds(given, expected, perfect.best, perfect.certainty, w.answer_start, context_bucket(w.answer_start),
                      thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None)
             for w, (given, expected), perfect in zip(windows, odds, ceiling)]

@@ -67,7 +67,7 @@ def expectation_models(model: ModelSettings, head_path, device: torch.device):
         return base, None
     dtype = ckpt_io.DTYPES[model.dtype]
     shared = SharedWeights(base.model.embed_tokens, base.lm_head)
-    drafter = ckpt_io.load_head(head_path, ckpt_io.read_config(model.base).text_config, shared, dtype=dtype, device=device,
+    drafter = ckpt_io.load_head(head_path, base.facts.text_config, shared, dtype=dtype, device=device,
                                 attn_implementation=model.attn_implementation)[0]
     return base, drafter.to(dtype).eval()
 
