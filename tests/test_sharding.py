@@ -240,6 +240,7 @@ figures = (rank, agreed_min(10 + 5 * rank, sharded), agreed_min(10 + 5 * rank, w
            all_finished(rank == 0, sharded), all_finished(rank == 0, whole), all_finished(True, sharded))
 with open(f"{sys.argv[1]}/rank-{rank}.txt", "w") as out:  # a file each: the two processes share one stdout
     out.write(" ".join(map(str, figures)))
+dist.barrier()  # both leave the group together: one tearing gloo down while the other still talks to it aborted a run
 dist.destroy_process_group()
 """
 
