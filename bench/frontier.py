@@ -51,6 +51,12 @@ LEVERS = {
     "layer": ("what trains", "the whole MTP layer trained", [f"train.trainable={LAYER}"]),
     "layer-chain3": ("what trains + chain", "the whole layer on the 3-step chain", [f"train.trainable={LAYER}", *CHAIN]),
     "lr1e-3": ("optimizer", "learning rate 1e-3 instead of 2e-3", ["train.lr=1e-3"]),
+    "certainty": ("loss", "top-1 weighted by the base's processed top probability (train.loss=top1-certainty)",
+                  ["train.loss=top1-certainty"]),
+    "margin": ("loss", "top-1 weighted by p(the base's choice) - p(the head's) (train.loss=top1-margin)",
+               ["train.loss=top1-margin"]),
+    "kl": ("loss", "KL(p || q) to the base's processed distribution at thinking-general (train.loss=kl)", ["train.loss=kl"]),
+    "tv": ("loss", "the total variation to it, one minus a sampled draft's acceptance (train.loss=tv)", ["train.loss=tv"]),
 }
 
 

@@ -285,11 +285,13 @@ class TrainSettings:
     """Stop gradients between chained steps (cheaper; the default trains the full unroll)."""
     loss: str = "top1"
     """What the head is fitted to at each scored position, a name of `occamy_mtp.losses.LOSSES`: top1
-    (cross-entropy towards the base's greedy token), kl (KL(p || q)) or tv (the total variation
-    1 - sum_x min(p(x), q(x)), one minus the expected acceptance of a draft drawn from q). p is the base's distribution processed as the
-    selected serving configuration serves it (the one `eval.select_serving` names: temperature,
-    top_p, top_k), computed exactly from the base's hidden state; q is the head's softmax at that
-    temperature (1 for greedy serving)."""
+    (cross-entropy towards the base's greedy token), top1-certainty (top1, each position weighted by
+    p's top probability), top1-margin (top1, weighted by p at the base's choice less p at the head's),
+    kl (KL(p || q)) or tv (the total variation 1 - sum_x min(p(x), q(x)), one minus the expected
+    acceptance of a draft drawn from q). p is the base's distribution processed as the selected
+    serving configuration serves it (the one `eval.select_serving` names: penalties over the answer so
+    far, temperature, top_p, top_k), computed exactly from the base's hidden state; q is the head's
+    softmax at that temperature. A loss that reads p needs a sampled configuration selected."""
     checkpoint_every_steps: int = 64
     """Write a resumable checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
@@ -737,13 +739,9 @@ def check(config: RunConfig) -> None:
                           "sampling as settings")
     chosen = selected_configuration(config.eval) if config.eval.serving else None
     if chosen is not None and chosen.greedy and fits_distribution(config.train.loss):
-        raise ConfigError(f"train.loss: {config.train.loss} fits the base's processed distribution under the selected "
+        raise ConfigError(f"train.loss: {config.train.loss} reads the base's processed distribution under the selected "
                           f"serving configuration ({chosen.label()}), and greedy serving's is one-hot: the loss would be "
                           "top1's; use train.loss=top1, or select a sampled configuration (eval.select_serving)")
-    if chosen is not None and chosen.penalized and fits_distribution(config.train.loss):
-        raise ConfigError(f"train.loss: {config.train.loss} fits the base's distribution under the selected serving "
-                          f"configuration ({chosen.label()}), whose penalties depend on each answer's earlier tokens: "
-                          "not modelled in the loss yet; use train.loss=top1, or select a configuration without penalties")
     for ok, option, expected, *given in checks:
         if not ok:
             value = given[0] if given else _dotted(config.to_dict(), option)

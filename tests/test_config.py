@@ -102,9 +102,9 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         ("", ["data.train_text=thinking-general", "data.thinking=off"], "data.train_text: thinking-general writes in thinking mode"),
         ("", ["data.train_text=thinking-genral"], "data.train_text: unknown serving preset 'thinking-genral'; expected greedy or "
                                                   "one of thinking-general"),
-        ("", ["train.loss=ce"], "train.loss: expected top1, kl or tv"),
+        ("", ["train.loss=ce"], "train.loss: expected top1, top1-certainty, top1-margin, kl or tv"),
         # a loss that cannot apply to the configuration it is asked for
-        ("", ["train.loss=tv"], "train.loss: tv fits the base's processed distribution under the selected serving "
+        ("", ["train.loss=tv"], "train.loss: tv reads the base's processed distribution under the selected serving "
                                 "configuration (greedy), and greedy serving's is one-hot"),
         ("", ["data.train_text={temperature: -1}"], "data.train_text.temperature: expected a finite number >= 0"),
         ("", ["data.train_text={temperature: 0.7, top_p: 0}"], "data.train_text.top_p: expected a number in (0, 1]"),

@@ -214,9 +214,10 @@ def test_resume_after_kill_gives_identical_head(models, tmp_path):
 
 
 TWO_PROCESS_STEPS = {"epochs": 4, "checkpoint_every_steps": 2, "select_every_steps": 3}
-# The base's continuations of the 20 contexts in 7 batches: a sharded base's processes take one each
-# in turn, the last round's second process idle.
-TWO_PROCESS_DATA = {"self_generate_batch_size": 3}
+# The base's continuations of the 19 contexts in 7 batches: a sharded base's processes take one each
+# in turn, the last round's second process idle. 11 train windows, 2 a step: each epoch's last step
+# holds one window, and the second process none (`loop.process_share`).
+TWO_PROCESS_DATA = {"self_generate_batch_size": 3, "train_conversations": 11}
 
 
 def free_port() -> int:
@@ -255,7 +256,8 @@ def two_processes(tmp_path_factory, models):
 def test_two_process_cpu_run(two_processes):
     summary = json.loads((two_processes / "train-summary.json").read_text())
     assert summary["processes"] == 2
-    assert summary["steps"] == 24  # 12 windows, 2 a step (one on each process), 4 epochs
+    assert summary["steps"] == 24  # 11 windows, 2 a step (one on each process, then one on the first), 4 epochs
+    assert summary["train_windows"] == 11
     assert summary["base_placement"] == {"sharded_over": 0, "offload": False, "engine": None}
     tensors = load_file(two_processes / "trained-tensors.safetensors")
     assert set(tensors) == {k[len("mtp."):] for k in TRAINED}

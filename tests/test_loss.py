@@ -139,7 +139,7 @@ def test_a_loss_added_as_a_row_is_taken_by_the_config_and_the_chain(monkeypatch)
         return ((logits.softmax(-1) - p) ** 2).sum()
 
     sampled = ["eval.serving=[{temperature: 0.7}]"]  # a distribution loss fits a sampled configuration's p
-    with pytest.raises(ConfigError, match="train.loss: expected top1, kl or tv"):
+    with pytest.raises(ConfigError, match="train.loss: expected top1, top1-certainty, top1-margin, kl or tv"):
         check(load_config(None, ["train.loss=squared", *sampled]))
     monkeypatch.setitem(losses.LOSSES, "squared", losses.Loss("squared", losses.DISTRIBUTION, 64, squared, "sum of (q - p)^2"))
     check(load_config(None, ["train.loss=squared", *sampled]))  # a name now
@@ -150,3 +150,132 @@ def test_a_loss_added_as_a_row_is_taken_by_the_config_and_the_chain(monkeypatch)
                               base_hidden=base_hidden)
     assert seen["p"].shape == (2, 7) and seen["temperature"] == 0.7 and torch.allclose(seen["p"].sum(-1), torch.ones(2))
     assert stats[0].scored == 2 and float(total) == pytest.approx(stats[0].loss_sum / 2)
+
+
+@pytest.mark.parametrize("kind", ["kl", "tv", "top1-certainty", "top1-margin"])
+@pytest.mark.parametrize("penalties", [(0.0, 0.0, 1.0), (1.5, 0.0, 1.0), (0.5, 0.4, 1.3)])
+def test_losses_that_read_p_match_a_plain_reference_under_penalties(kind, penalties):
+    """Every loss that reads p, pair by pair in float64 from the definitions: step k at anchor i reads the
+    base's p from H_{i+k+1}, penalized over the answer before x_{i+k+2} (vLLM's penalties, test_penalties'
+    plain_penalized) and processed (test_sampling's plain_processed); top1-certainty weighs the
+    cross-entropy towards the label by p's top, top1-margin by p's top less p at the head's argmax."""
+    from test_penalties import plain_penalized
+    from test_sampling import plain_processed
+
+    from occamy_mtp.config import Serving
+    from occamy_mtp.model.loss import Objective, Texts
+
+    presence, frequency, repetition = penalties
+    serving = Serving(temperature=0.8, top_p=0.9, top_k=6, presence_penalty=presence, frequency_penalty=frequency,
+                      repetition_penalty=repetition)
+    torch.manual_seed(2)
+    vocab, dim, steps, length = 9, 5, 2, 10
+    head = _Head(torch.randn(vocab, dim) * 2)
+    hidden = torch.randn(steps, 2, length, dim, requires_grad=True)
+    base_hidden = torch.randn(2, length, dim)
+    input_ids = torch.randint(0, 6, (2, length))  # the answers repeat some tokens, and meet others for the first time
+    starts = torch.tensor([3, 5])
+    labels = torch.full((steps, 2, length), IGNORE)
+    for k in range(steps):
+        for b in range(2):
+            for i in range(int(starts[b]) - 2, length - k - 2):  # x_{i+k+2} inside the answer and the row
+                labels[k, b, i] = int(torch.randint(0, vocab, ()))
+    weights = (0.7, 0.3)
+    loss, stats = chain_loss(head, hidden, labels, weights, chunk_tokens=3, objective=Objective(kind, serving),
+                             base_hidden=base_hidden, texts=Texts(input_ids, starts))
+
+    reference = torch.zeros((), dtype=torch.float64)
+    for k in range(steps):
+        terms = []
+        for b, i in (labels[k] != IGNORE).nonzero().tolist():
+            ids, start, at = input_ids[b].tolist(), int(starts[b]), i + k + 2
+            raw = head.logits(base_hidden[b, i + k + 1]).double().tolist()
+            p = torch.tensor(plain_processed(plain_penalized(raw, ids[start:at], ids[:start], presence, frequency, repetition),
+                                             serving.temperature, serving.top_p, serving.top_k), dtype=torch.float64)
+            logits = head.logits(hidden[k, b, i]).double()
+            log_q = (logits / serving.temperature).log_softmax(-1)
+            cross_entropy = -logits.log_softmax(-1)[int(labels[k, b, i])]
+            if kind == "kl":
+                terms.append(sum(p[x] * (torch.log(p[x]) - log_q[x]) for x in range(vocab) if p[x] > 0))
+            elif kind == "tv":
+                terms.append(1 - torch.minimum(p, log_q.exp()).sum())
+            elif kind == "top1-certainty":
+                terms.append(p.max() * cross_entropy)
+            else:
+                terms.append((p.max() - p[int(logits.argmax())]) * cross_entropy)
+        reference = reference + weights[k] * torch.stack(terms).mean()
+    assert_close(loss, reference, rounding_bound(reference, torch.float32, reductions=4, width=labels.numel() * vocab), "loss")
+    grad, = torch.autograd.grad(loss, hidden)
+    ref_grad, = torch.autograd.grad(reference, hidden)
+    assert float(ref_grad.abs().max()) > 1e-3  # the loss reaches the head
+    assert_close(grad, ref_grad.float(), rounding_bound(ref_grad, torch.float32, reductions=4, width=vocab), "d loss / d hidden")
+    if presence:  # the penalties change p, so a loss that ignored them would fail above
+        unpenalized, _ = chain_loss(head, hidden, labels, weights, chunk_tokens=3,
+                                    objective=Objective(kind, Serving(temperature=0.8, top_p=0.9, top_k=6)),
+                                    base_hidden=base_hidden)
+        assert abs(float(unpenalized.detach()) - float(reference.detach())) > 1e-4
+
+
+def test_a_loss_that_reads_p_under_penalties_needs_the_texts():
+    from occamy_mtp.config import Serving
+    from occamy_mtp.model.loss import Objective
+
+    with pytest.raises(ValueError, match="penalties needs the texts"):
+        chain_loss(_Head(torch.randn(7, 3)), torch.randn(1, 1, 4, 3), torch.zeros(1, 1, 4, dtype=torch.long), (1.0,),
+                   objective=Objective("kl", Serving(temperature=0.7, presence_penalty=1.0)), base_hidden=torch.randn(1, 5, 3))
+
+
+def test_a_step_split_unevenly_over_processes_has_the_one_process_gradient():
+    """Rows split 2 + 1 (and 3 + 0, the idle process scoring nothing), each part's loss taken with the step's
+    share (`loss.Share`): the mean of the parts' gradients, what DDP applies, is the whole batch's gradient."""
+    from occamy_mtp.model.loss import Share
+
+    torch.manual_seed(3)
+    vocab, dim, steps = 13, 6, 2
+    head = _Head(torch.randn(vocab, dim))
+    hidden = torch.randn(steps, 3, 7, dim)
+    labels = torch.randint(0, vocab, (steps, 3, 7))
+    labels[:, 0, :4] = IGNORE  # the rows score unequal numbers of pairs
+    labels[:, 2, :1] = IGNORE
+    labels[1, :, -1] = IGNORE
+    weights = (0.7, 0.3)
+    whole = hidden.clone().requires_grad_(True)
+    loss, _ = chain_loss(head, whole, labels, weights, chunk_tokens=5)
+    want, = torch.autograd.grad(loss, whole)
+    scored = tuple(int((labels[k] != IGNORE).sum()) for k in range(steps))
+    for parts in ([[0, 2], [1]], [[0, 1, 2], []]):
+        got = torch.zeros_like(hidden)
+        losses = []
+        for rows in parts:
+            part = hidden[:, rows].clone().requires_grad_(True)
+            if not rows:  # the idle process: a window with nothing scored
+                part = hidden[:, :1].clone().requires_grad_(True)
+            part_labels = labels[:, rows] if rows else torch.full_like(labels[:, :1], IGNORE)
+            part_loss, _ = chain_loss(head, part, part_labels, weights, chunk_tokens=5, share=Share(scored, len(parts)))
+            grad, = torch.autograd.grad(part_loss, part)
+            losses.append(float(part_loss.detach()))
+            if rows:
+                got[:, rows] += grad / len(parts)
+        assert_close(got, want, rounding_bound(want, torch.float32, reductions=3, width=vocab), "mean of the parts' gradients")
+        assert sum(losses) / len(parts) == pytest.approx(float(loss), rel=1e-6)  # the logged loss: the step's mean
+    # without the share, each part's own mean: the 2 + 1 split's mean gradient is not the whole batch's
+    parts = [hidden[:, [0, 2]].clone().requires_grad_(True), hidden[:, [1]].clone().requires_grad_(True)]
+    grads = [torch.autograd.grad(chain_loss(head, part, labels[:, rows], weights, chunk_tokens=5)[0], part)[0]
+             for part, rows in zip(parts, ([0, 2], [1]))]
+    plain = torch.zeros_like(hidden)
+    plain[:, [0, 2]], plain[:, [1]] = grads[0] / 2, grads[1] / 2
+    assert float((plain - want).abs().max()) > 1e-3
+
+
+def test_a_process_left_without_windows_takes_one_with_nothing_scored():
+    from occamy_mtp.data.windows import Window
+    from occamy_mtp.model.loss import chain_batch, collate
+    from occamy_mtp.train.loop import process_share
+
+    windows = [Window("a", 0, (1, 2, 3, 4), 2), Window("b", 0, (5, 6, 7), 1), Window("c", 0, (8, 9, 10, 11), 3)]
+    assert process_share(windows, 0, 2) == [windows[0], windows[2]] and process_share(windows, 1, 2) == [windows[1]]
+    idle = process_share(windows[:1], 1, 2)
+    assert len(idle) == 1 and idle[0].input_ids == windows[0].input_ids
+    batch = collate(idle, torch.device("cpu"))
+    chain = chain_batch(batch.input_ids, batch.input_ids, batch.assistant, batch.lengths, 3)
+    assert bool((chain.labels == IGNORE).all())

@@ -43,10 +43,11 @@ def test_refused_serving_settings_name_the_setting_and_the_reason(setting, messa
         load_config(None, [setting])
 
 
-def test_a_distribution_loss_under_penalties_is_refused():
-    with pytest.raises(ConfigError, match="train.loss: kl fits the base's distribution .*instruct-general"):
-        load_config(None, ["eval.serving=[instruct-general]", "train.loss=kl"])
-    load_config(None, ["eval.serving=[instruct-general]", "train.loss=top1"])
+def test_a_loss_that_reads_p_is_taken_under_penalties_and_refused_under_greedy_selection():
+    for loss in ("kl", "tv", "top1-certainty", "top1-margin"):
+        assert load_config(None, ["eval.serving=[instruct-general]", f"train.loss={loss}"]).train.loss == loss
+        with pytest.raises(ConfigError, match=f"train.loss: {loss} reads the base's processed distribution .*greedy"):
+            load_config(None, ["eval.serving=[greedy, instruct-general]", f"train.loss={loss}"])
 
 
 def test_a_store_s_identity_names_penalties_only_when_set():

@@ -136,6 +136,33 @@ def test_windows_render_each_turn_in_its_mode(tokenizer, tmp_path):
     assert "old thought" not in context and "One." in context and answer.startswith("new thought\n</think>")
 
 
+@pytest.fixture(scope="module")
+def special_markers(tmp_path_factory):
+    """The same tokenizer with `<think>` and `</think>` registered as special tokens (some families do)."""
+    directory = build_tokenizer(tmp_path_factory.mktemp("special"), vocab_size=320, corpus=CORPUS, special_markers=True)
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def test_a_span_ends_at_the_end_of_turn_whether_or_not_the_markers_are_special(tokenizer, special_markers, tmp_path):
+    """A template whose reasoning markers are special tokens gives the windows Qwen's gives, token for
+    token, in every mode: each span runs through its reasoning to the end of turn, not to `<think>`."""
+    assert special_markers.added_tokens_decoder[special_markers.convert_tokens_to_ids("</think>")].special
+    assert windows.template_end_of_turn_id(special_markers) == windows.template_end_of_turn_id(tokenizer)
+    for mode in ("on", "auto", "off"):
+        plain, special = built(tokenizer, tmp_path, mode), built(special_markers, tmp_path, mode)
+        assert len(special.train) == len(plain.train) == 4, mode
+        assert [(w.input_ids, w.answer_start) for w in special.train] == [(w.input_ids, w.answer_start) for w in plain.train]
+        assert all(decode(special_markers, w.input_ids).endswith("<|im_end|>") for w in special.train)
+    conversation = normalise_record(RECORDS[0], "r")
+    prompt_text, _ = windows.render_turn(special_markers, conversation.messages, 1, True)
+    prompt = regenerate.Prompt(conversation, 1, tuple(special_markers(prompt_text, add_special_tokens=False)["input_ids"]), True)
+    end = windows.template_end_of_turn_id(special_markers)
+    written = special_markers("I add them.\n</think>\n\nFour.", add_special_tokens=False)["input_ids"] + [end]
+    record = regenerate.make_record(special_markers, prompt, written, {end}, end)
+    assert record["messages"][-1] == {"role": "assistant", "content": "Four.", "reasoning_content": "I add them."}
+    assert record["meta"]["roundtrip"] == regenerate.ROUNDTRIP_EXACT
+
+
 def test_counts_and_served_prompts(tokenizer, tmp_path):
     off = built(tokenizer, tmp_path, "off")
     assert off.reasoning_left_out == 3 and off.thinking_windows()["train"] == {"thinking": 0, "non_thinking": 4}

@@ -15,7 +15,7 @@ import jinja2
 
 from occamy_mtp.config import ConfigError, DataSettings
 from occamy_mtp.data.reader import (DEFAULT_EXCLUSIONS, EMPTY_ANSWER, NO_ASSISTANT_TURN, SPECIAL_TOKEN_IN_TEXT, TEMPLATE_ERROR,
-                                    TEMPLATE_PREFIX_MISMATCH, THINK_CLOSE, Conversation, DataError, Excluded, Message)
+                                    TEMPLATE_PREFIX_MISMATCH, THINK_CLOSE, THINK_OPEN, Conversation, DataError, Excluded, Message)
 
 # The window sizes' defaults are a run's (`config.DataSettings`, where defaults live).
 _DEFAULTS = DataSettings()
@@ -145,7 +145,8 @@ def render_turn(tokenizer, messages: Sequence[Message], turn_index: int, thinkin
 def tokenize_turn(tokenizer, prompt: str, span: str) -> _TurnTokens:
     """Token ids of the whole prompt and of the whole assistant span, each tokenized on its own.
 
-    The span ends with its first special token (the template's end of turn); what
+    The span ends with its first special token other than a reasoning marker (the template's end of
+    turn: some tokenizers register `<think>` and `</think>` as special tokens, Qwen's do not); what
     follows it (Qwen: a newline) is never generated, so it is dropped. Work and memory
     grow with the texts (a 50 MB message took minutes and gigabytes): windows use
     `tokenize_window`, of which this is the reference.
@@ -153,7 +154,7 @@ def tokenize_turn(tokenizer, prompt: str, span: str) -> _TurnTokens:
     prompt_ids = _encode(tokenizer, prompt)
     rendered_span_ids = _encode(tokenizer, span)
     whole_ids = _encode(tokenizer, prompt + span)
-    end = _through_first_special(rendered_span_ids, _special_token_ids(tokenizer))
+    end = _through_first_special(rendered_span_ids, _span_end_ids(tokenizer))
     return _TurnTokens(prompt_ids, rendered_span_ids[:end], whole_ids != prompt_ids + rendered_span_ids)
 
 
@@ -173,7 +174,7 @@ def tokenize_window(tokenizer, prompt: str, span: str, context_tokens: int, answ
     boundary check compares the same tail and head tokenized in one piece and apart;
     the tokens the pieces were cut from lie far from the boundary, on both sides alike.
     """
-    special_ids = _special_token_ids(tokenizer)
+    special_ids = _span_end_ids(tokenizer)
     context_ids, tail, tail_ids = _last_tokens(tokenizer, prompt, context_tokens)
     answer_ids, head, head_ids = _first_tokens(tokenizer, span, answer_tokens, special_ids)
     retokenized = _encode(tokenizer, tail + head) != tail_ids + head_ids
@@ -340,13 +341,28 @@ def require_thinking_switch(tokenizer, asked_by: str, hint: str = "") -> None:
                           f"prompt is the same with enable_thinking true and false{hint}")
 
 
+REASONING_MARKERS = frozenset({THINK_OPEN, THINK_CLOSE})
+"""Added tokens some tokenizers register as special and others (Qwen's) do not: text inside a span,
+never a control token."""
+
+
 def special_token_texts(tokenizer) -> list[str]:
-    """The texts of the tokenizer's special added tokens (chat control tokens)."""
-    return sorted(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    """The texts of the tokenizer's special added tokens, the chat's control tokens (the reasoning markers
+    aside, special or not: they are a span's text)."""
+    return sorted(token.content for token in tokenizer.added_tokens_decoder.values()
+                  if token.special and token.content not in REASONING_MARKERS)
 
 
 def _special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special)
+
+
+def _span_end_ids(tokenizer) -> frozenset[int]:
+    """The special tokens an assistant span ends at: every special added token but the reasoning
+    markers (`REASONING_MARKERS`), which open and close the think block inside a span whether or not
+    the tokenizer marks them special."""
+    return frozenset(token_id for token_id, token in tokenizer.added_tokens_decoder.items()
+                     if token.special and token.content not in REASONING_MARKERS)
 
 
 # ---------------------------------------------------------------------------- where a turn ends

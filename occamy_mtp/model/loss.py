@@ -13,9 +13,11 @@ choices greedy_t = argmax(W @ H_t) (the base's prediction for position t+1):
 A (step, anchor) pair is scored only when its predicted position lies inside the
 window and inside the assistant span.
 
-The distribution losses (`train.loss` kl and tv) fit the head's softmax at each scored
-pair to the base's processed distribution there (`occamy_mtp.sampling`), computed from the
-base's hidden state H_{i+k} through the shared lm_head, exactly, one chunk at a time.
+The losses that read p (`train.loss` kl, tv, top1-certainty, top1-margin) take the base's
+processed distribution at each scored pair (`occamy_mtp.sampling`), computed from the base's
+hidden state H_{i+k} through the shared lm_head, exactly, one chunk at a time. Under penalties p
+is penalized over the answer before the predicted token (the text's tokens: the accepted drafts
+and what the request generated before them), as `served_choice` penalizes the choice.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def served_choice(head, hidden: torch.Tensor, greedy: torch.Tensor, batch: Windo
     (`sampling.penalized`): the token a perfect drafter drafts there, and what top-1 training fits."""
     if not serving.penalized:
         return greedy
-    starts = batch.assistant.to(torch.int8).argmax(dim=1)  # (B,) each answer's first position
+    texts = Texts.of(batch)
+    starts = texts.answer_starts
     positions = torch.arange(greedy.shape[1], device=greedy.device)[None]
     # greedy_t predicts x_{t+1}: the penalties read the answer up to x_t; from the token before the answer
     wanted = (positions >= (starts[:, None] - 1)) & (positions < (batch.lengths[:, None] - 1))
@@ -87,7 +90,7 @@ def served_choice(head, hidden: torch.Tensor, greedy: torch.Tensor, batch: Windo
     chunk = memory.logit_rows(hidden.device, head.vocab_size, CHOICE_BYTES_PER_LOGIT, DEFAULT_LOGITS_CHUNK_TOKENS)
     for start in range(0, len(rows), chunk):
         part = slice(start, start + chunk)
-        history = sampling.answer_histories(batch.input_ids, starts, rows[part], at[part] + 1)
+        history = texts.histories(rows[part], at[part] + 1)
         logits = sampling.penalized(head.logits(hidden[rows[part], at[part]]), history, serving.presence_penalty,
                                     serving.frequency_penalty, serving.repetition_penalty)
         out[rows[part], at[part]] = logits.argmax(dim=-1)
@@ -164,18 +167,45 @@ class Objective:
     """Steps k >= 2 embed the text's tokens (the train text was sampled; `chain_batch`)."""
 
 
+@dataclass(frozen=True)
+class Share:
+    """One process's part of a step over several: the step's scored pairs per draft step, every process
+    together, and how many processes there are (`chain_loss`)."""
+
+    scored: tuple[int, ...]
+    processes: int
+
+
+@dataclass(frozen=True)
+class Texts:
+    """What the penalties of a penalized p read: the batch's tokens and where each row's answer starts."""
+
+    input_ids: torch.Tensor  # (B, T)
+    answer_starts: torch.Tensor  # (B,)
+
+    @staticmethod
+    def of(batch: WindowBatch) -> Texts:
+        return Texts(batch.input_ids, batch.assistant.to(torch.int8).argmax(dim=1))
+
+    def histories(self, rows: torch.Tensor, positions: torch.Tensor) -> sampling.History:
+        """The penalties' history of the token at `positions[n]` of row `rows[n]`."""
+        return sampling.answer_histories(self.input_ids, self.answer_starts, rows, positions)
+
+
 def _chunk_loss_sum(head, hidden: torch.Tensor, target: torch.Tensor, base_hidden: torch.Tensor | None = None,
-                    objective: Objective = Objective()) -> tuple[torch.Tensor, torch.Tensor]:
+                    objective: Objective = Objective(), history: sampling.History | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss and argmax hits (against the greedy target) of one chunk of scored pairs: (N, D) -> scalars.
 
-    For a distribution loss, `base_hidden` (N, D) are the base's hidden states whose logits
-    give p at the same pairs (the head's logits function is the base's lm_head)."""
+    For a loss that reads p, `base_hidden` (N, D) are the base's hidden states whose logits
+    give p at the same pairs (the head's logits function is the base's lm_head), penalized over
+    `history` when the serving configuration has penalties."""
     logits = head.logits(hidden).float()  # (N, V)
     hits = (logits.argmax(-1) == target).sum()
     p = None
     if fits_distribution(objective.loss):
         with torch.no_grad():
-            p = sampling.base_probs(head.logits(base_hidden), objective.serving)
+            p = sampling.base_probs(head.logits(base_hidden), objective.serving, history)
     return LOSSES[objective.loss].summed(logits, target, p, objective.serving.temperature), hits
 
 
@@ -187,6 +217,8 @@ def chain_loss(
     chunk_tokens: int | None = None,
     objective: Objective = Objective(),
     base_hidden: torch.Tensor | None = None,
+    texts: Texts | None = None,
+    share: Share | None = None,
 ) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted mean over steps of the per-step mean loss: cross-entropy against the greedy
     targets, or a distribution loss against the base's processed distribution (`objective`).
@@ -197,12 +229,21 @@ def chain_loss(
     the backward pass instead of kept: at real size (vocabulary 248,320) the fp32 logits of
     one 4x510-token, 3-step batch would be 6 GiB. `head_hidden` is (K, B, T, D) from
     `MTPHead.forward`; `labels` is (K, B, T); `base_hidden` (B, T, D), the base's post-norm
-    hidden states, is needed by a distribution loss: step k at anchor i fits p from H_{i+k},
-    whose argmax is its greedy label.
+    hidden states, is needed by a loss that reads p: step k at anchor i fits p from H_{i+k},
+    whose argmax is its greedy label; under penalties p is penalized over the answer before
+    x_{i+k+1}, read from `texts`.
+
+    With `share` (this process's part of a step over several processes), step k's loss is this
+    process's summed loss over the step's scored pairs on every process, times the processes: the
+    gradients' mean over processes (DDP's) is then the gradient of the step's mean over all its pairs,
+    what one process computes, however unevenly the windows and their pairs fall.
     """
     soft = fits_distribution(objective.loss)
     if soft and base_hidden is None:
         raise ValueError(f"a {objective.loss} loss needs the base's hidden states (base_hidden)")
+    penalized = soft and objective.serving.penalized
+    if penalized and texts is None:
+        raise ValueError(f"a {objective.loss} loss under {objective.serving.label()}'s penalties needs the texts they read (texts)")
     if chunk_tokens is None:
         chunk_tokens = memory.logit_rows(head_hidden.device, head.vocab_size, LOSSES[objective.loss].bytes_per_logit,
                                          DEFAULT_LOGITS_CHUNK_TOKENS)
@@ -215,11 +256,12 @@ def chain_loss(
     for k, weight in enumerate(weights):
         scored = labels[k] != IGNORE
         count = int(scored.sum())
+        mean_over = count if share is None else share.scored[k] / share.processes
         if count == 0:
             stats.append(StepStats(0, 0.0, 0))
             continue
         hidden, target = head_hidden[k][scored], labels[k][scored]
-        parents = None
+        parents = rows = anchors = None
         if soft:
             rows, anchors = scored.nonzero(as_tuple=True)
             parents = base_hidden[rows, anchors + k + 1]  # (N, D): step k + 1 predicts x_{i+k+2}, from H_{i+k+1}
@@ -227,7 +269,8 @@ def chain_loss(
         agree = 0
         for start in range(0, count, chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            inputs = (head, hidden[chunk], target[chunk], None if parents is None else parents[chunk], objective)
+            history = texts.histories(rows[chunk], anchors[chunk] + k + 2) if penalized else None
+            inputs = (head, hidden[chunk], target[chunk], None if parents is None else parents[chunk], objective, history)
             if torch.is_grad_enabled():
                 part, hits = checkpoint(_chunk_loss_sum, *inputs, use_reentrant=False)
             else:
@@ -235,6 +278,6 @@ def chain_loss(
             loss_sum = loss_sum + part
             agree += int(hits)
         loss = loss_sum / count
-        total = total + weight * loss
+        total = total + weight * (loss if share is None else loss_sum / mean_over)
         stats.append(StepStats(count, float(loss.detach()) * count, agree))
     return total, stats

@@ -136,7 +136,8 @@ def sample_corpus(path: Path = SAMPLE_DATA_PATH) -> Iterator[str]:
                 yield message["content"]
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corpus: Iterable[str] | None = None) -> Path:
+def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corpus: Iterable[str] | None = None,
+                    special_markers: bool = False) -> Path:
     """Train a byte-level BPE and write a directory AutoTokenizer loads offline.
 
     `vocab_size` is the TOTAL size including the five added tokens, so a model with
@@ -145,7 +146,8 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corp
     `<|im_start|>`, `<|im_end|>`, `<think>`, `</think>`. If a small `corpus` supports
     fewer merges than asked for, the vocabulary is smaller (never larger) and the added
     tokens follow the learned ones; `added_token_ids` gives their ids either way.
-    `corpus` defaults to the shipped sample conversations (data/sample.jsonl).
+    `corpus` defaults to the shipped sample conversations (data/sample.jsonl). With `special_markers`
+    the think tags are registered as special tokens, as some families' tokenizers do (Qwen's do not).
     Returns `out_dir`.
     """
     learned_size = vocab_size - len(ADDED_TOKENS)
@@ -173,7 +175,10 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, corp
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
+    if special_markers:
+        tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in THINK_TOKENS])
+    else:
+        tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in THINK_TOKENS])
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from occamy_mtp.evaluation.served import served_with_contexts
 from occamy_mtp.evaluation.metrics import paired_difference_se, within_noise
 from occamy_mtp.model.head import MTPHead
 from occamy_mtp.model.sharding import Sharding
-from occamy_mtp.model.loss import Objective, StepStats, chain_batch, chain_loss, collate, served_choice
+from occamy_mtp.model.loss import IGNORE, Objective, Share, StepStats, Texts, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
 from occamy_mtp.targets.base import TargetSource
@@ -170,9 +170,10 @@ def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict |
         # This process's share of the step's windows.
         windows = step_windows(run.windows.train, state.step, settings.windows_per_step, settings.seed)
         try:
-            step = train_step(model, head, run.targets, windows[accelerator.process_index :: world], optimizer,
+            step = train_step(model, head, run.targets, process_share(windows, accelerator.process_index, world), optimizer,
                               settings, weights, act_dtype, backward=accelerator.backward,
-                              clip_grad_norm=accelerator.clip_grad_norm_, objective=objective)
+                              clip_grad_norm=accelerator.clip_grad_norm_, objective=objective, processes=world,
+                              summed=lambda tensor: accelerator.reduce(tensor, reduction="sum"))
         except NonFiniteStep as err:
             _stop(run_dir, state.step + 1, str(err), lr)
         state.step += 1
@@ -252,11 +253,13 @@ def build_objective(train_plan: TrainPlan) -> Objective:
 
 def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window], optimizer, settings: TrainSettings,
                loss_weights: tuple[float, ...], act_dtype: torch.dtype, *, backward=None, clip_grad_norm=None,
-               objective: Objective = Objective()) -> StepOutput:
+               objective: Objective = Objective(), processes: int = 1, summed=None) -> StepOutput:
     """One optimizer step on `windows`: the base's targets (no grad), the head's chain, the loss, the update.
 
     `model` is `head` as the caller runs it (wrapped by accelerate for several
-    processes, or `head` itself); `backward` and `clip_grad_norm` default to torch's.
+    processes, or `head` itself); `backward` and `clip_grad_norm` default to torch's. Over several
+    `processes`, `windows` is this process's share of the step and `summed` sums a tensor over the
+    processes: the loss is then the step's mean over every process's scored pairs (`chain_loss`'s share).
     Raises NonFiniteStep, before anything is kept, on a non-finite loss or update.
     """
     device = head.fc.weight.device
@@ -267,9 +270,14 @@ def train_step(model, head: MTPHead, targets: TargetSource, windows: list[Window
 
     choice = served_choice(head, base.hidden, base.greedy, batch, objective.serving)  # the base's own, as served
     chain = chain_batch(batch.input_ids, choice, batch.assistant, batch.lengths, settings.draft_steps, objective.embed_text)
+    share = None
+    if processes > 1:
+        scored = summed((chain.labels != IGNORE).flatten(1).sum(dim=1).to(torch.float64))  # (K,) every process's
+        share = Share(tuple(int(n) for n in scored.tolist()), processes)
     with head_autocast(head, device, act_dtype):
         hidden = model(chain.step_token_ids, base.hidden, detach_chain=settings.detach_chain)  # (K, B, T, D)
-        loss, stats = chain_loss(head, hidden, chain.labels, loss_weights, objective=objective, base_hidden=base.hidden)
+        loss, stats = chain_loss(head, hidden, chain.labels, loss_weights, objective=objective, base_hidden=base.hidden,
+                                 texts=Texts.of(batch), share=share)
     if not torch.isfinite(loss.detach()):
         raise NonFiniteStep(f"the loss is {float(loss.detach()):g}")
     (backward or torch.Tensor.backward)(loss)
@@ -372,6 +380,17 @@ def window_order(num_windows: int, seed: int, epoch: int) -> list[int]:
 
 def steps_per_epoch(num_windows: int, windows_per_step: int) -> int:
     return math.ceil(num_windows / windows_per_step)
+
+
+def process_share(windows: list[Window], rank: int, processes: int) -> list[Window]:
+    """Process `rank`'s windows of a step: every `processes`-th from its own. A process the step leaves
+    without one (an epoch's last step holds what remains) takes the step's first window with nothing
+    scored: it runs the base and the head as the others do (their collectives, the gradients' mean)
+    and adds nothing to the loss."""
+    share = windows[rank::processes]
+    if share or not windows:
+        return share
+    return [dataclasses.replace(windows[0], answer_start=len(windows[0].input_ids))]
 
 
 def step_windows(windows: list[Window], step: int, windows_per_step: int, seed: int) -> list[Window]:
