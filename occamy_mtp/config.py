@@ -346,6 +346,9 @@ class OutputSettings:
     """Run directory: checkpoints, the trained tensors, exported files, TRAINING.json."""
     expert_layout: str = "donor"
     """Expert layout of the exported head: donor (as read), fused or per_expert."""
+    base_model_id: str = ""
+    """The base's Hub id (org/name) for the card's `base_model`; empty: read from a Hub snapshot's path,
+    else left out of the card's metadata (the Hub refuses a local directory's name there)."""
 
 
 @dataclass(frozen=True)

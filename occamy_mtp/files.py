@@ -400,3 +400,20 @@ def save_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: 
     """One safetensors file, written atomically and reproducibly."""
     with atomic_path(path) as tmp:
         write_safetensors(tmp, tensors, metadata)
+
+
+def link_beside(source: Path, link: Path) -> None:
+    """`link` made the same file as `source` (a hard link; a copy where the filesystem has none), replacing
+    what `link` was in one rename: a reader sees the old file or the new, never half of one."""
+    tmp = temporary_path(link)
+    tmp.unlink()  # temporary_path makes the file; os.link wants the name free
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            with space_errors(link, Path(source).stat().st_size, f"{link.parent} lacks {link.name}; {source} is whole"):
+                shutil.copyfile(source, tmp)
+        os.replace(tmp, link)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

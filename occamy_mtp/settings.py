@@ -65,16 +65,29 @@ class RunDir:
     metrics = property(lambda self: self.root / "metrics.json")
     plot = property(lambda self: self.root / "acceptance.png")
     card = property(lambda self: self.root / "README.md")
-    """The head's model card (`export.card`), for `hf upload` of the directory."""
+    """The head's model card (`export.card`), unless the user's own README.md is there (then the card is
+    in `upload` alone)."""
+    upload = property(lambda self: self.root / "upload")
+    """What `hf upload` publishes, and nothing else: the card as README.md and links to the files it lists."""
     record = property(lambda self: self.root / ckpt_io.EXPORT_RECORD)
     export_incomplete = property(lambda self: self.root / ckpt_io.EXPORT_INCOMPLETE)
     """There while export renames its outputs into place: readers refuse the set (`check_export_set`)."""
     hash_cache = property(lambda self: self.root / ".file-hashes.json")
     """Known sha256 of the base's and donor's files, by path, size and mtime."""
 
-    def export_outputs(self) -> tuple[Path, ...]:
-        """What export writes, in the order it renames them: TRAINING.json, which records the others' hashes, last."""
-        return (self.head, self.head_config, self.metrics, self.plot, self.card, self.record)
+    def export_outputs(self, card: bool = True) -> tuple[Path, ...]:
+        """What export writes, in the order it renames them: TRAINING.json, which records the others' hashes, last;
+        the card at the root only with `card` (`card.writes_root_card`)."""
+        return (self.head, self.head_config, self.metrics, self.plot, *((self.card,) if card else ()), self.upload_card,
+                self.record)
+
+    @property
+    def upload_card(self) -> Path:
+        return self.upload / "README.md"
+
+    def published(self) -> tuple[Path, ...]:
+        """The files the card lists, which `upload` links beside it."""
+        return (self.head, self.head_config, self.metrics, self.plot, self.record)
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:06d}.pt"

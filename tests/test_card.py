@@ -4,6 +4,7 @@ configuration, and the comparison of a run's head with a reference record (issue
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 import re
@@ -13,6 +14,7 @@ import yaml
 from PIL import Image
 
 from occamy_mtp import record as rec
+from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.export.card import acceptance_table, hub_id, model_card
 from occamy_mtp.run import RunDir
 from occamy_mtp.commands import compare as compare_command
@@ -26,7 +28,7 @@ def test_export_writes_a_card_that_says_what_the_record_says(exported):
     record = json.loads(run_dir.record.read_text())
     front = yaml.safe_load(card.split("---")[1])
     assert front["library_name"] == "occamy-mtp" and "speculative-decoding" in front["tags"]
-    assert front["base_model"] == "base"  # a local base: its directory's name
+    assert "base_model" not in front and "output.base_model_id" in card  # a local base: no Hub id to give
     assert record["outputs"]["mtp-trained.safetensors"] in card
     assert f"{record['derived']['trainable_parameters']:,} of the head's {record['derived']['head_parameters']:,}" in card
     # one row per serving configuration and served step count, donor and trained counts as the metrics have them
@@ -41,7 +43,62 @@ def test_export_writes_a_card_that_says_what_the_record_says(exported):
     assert rows[0].endswith(f"| {(greedy_k1['mean_accept_length'] - donor_k1) / (ceiling - donor_k1):.1%} |")
     for command in ("assemble_head.py --base", "--speculative-algorithm NEXTN", "vllm serve", "hf upload"):
         assert command in card
+    for k in metrics["served_steps"]:  # 1 and the largest
+        assert f"--speculative-num-steps {k} " in card and f'"num_speculative_tokens": {k}}}' in card
+    assert "0.5.12 or later" in card and "describes the head file alone" in card
     assert "## Not validated" in card
+    # what hf upload publishes: the card and the files it lists, the same files as the run's, nothing else
+    assert f"hf upload ORG/NAME {run_dir.upload}" in card
+    assert sorted(p.name for p in run_dir.upload.iterdir()) == sorted(
+        ["README.md", ckpt_io.HEAD_FILE, ckpt_io.HEAD_CONFIG_FILE, "metrics.json", "TRAINING.json", "acceptance.png"])
+    assert (run_dir.upload / "README.md").read_text() == card
+    for path in run_dir.published():
+        assert (run_dir.upload / path.name).read_bytes() == path.read_bytes()
+        assert f"`{path.name}`" in card
+
+
+def test_a_user_s_readme_in_the_output_directory_is_kept_and_the_card_names_the_hub_ids(exported, tmp_path):
+    """A README.md the library did not write stays as it is (the card goes into upload/ alone); the base's Hub id
+    comes from output.base_model_id, its license from the base's own card; paths with spaces are quoted."""
+    import shutil
+
+    from occamy_mtp.export.exporter import export
+    from test_faults import run_config_like
+
+    root = tmp_path / "my run"
+    shutil.copytree(RunDir.of(exported).root, root)
+    mine = "# My notes\n\nNot a model card.\n"
+    (root / "README.md").write_text(mine)
+    config = run_config_like(exported, root, base_model_id="acme/occamy")
+    lines = []
+    export(plan_of(config), allow_worse=True, log=lines.append)
+    assert (root / "README.md").read_text() == mine
+    assert any("is not a card occamy-mtp wrote, so it is left as it is" in line for line in lines)
+    card = (root / "upload" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == "acme/occamy" and "license" not in front  # the tiny base has no card of its own
+    assert f"hf upload ORG/NAME '{root}/upload'" in card and f"--head '{root}/mtp-trained.safetensors'" in card
+    # the next export finds its own card at the root of a fresh run and replaces it
+    (root / "README.md").unlink()
+    export(plan_of(config), allow_worse=True, log=lines.append)
+    assert (root / "README.md").read_text() == card
+
+
+def test_the_card_takes_the_license_of_the_base_s_own_card(exported, tmp_path):
+    from occamy_mtp.export.card import base_card_license, front_matter
+
+    record = json.loads(RunDir.of(exported).record.read_text())
+    assert base_card_license(str(tmp_path)) is None  # no card
+    (tmp_path / "README.md").write_text("---\nlicense: apache-2.0\nbase_model: Qwen/Qwen3.6-35B-A3B\n---\n# Occamy\n")
+    assert base_card_license(str(tmp_path)) == "apache-2.0"
+    front = front_matter_of(model_card(record, "/runs/x", base_card_license(str(tmp_path))))
+    assert front["license"] == "apache-2.0"
+    (tmp_path / "README.md").write_text("# no metadata\n")
+    assert base_card_license(str(tmp_path)) is None and front_matter(tmp_path / "README.md") == {}
+
+
+def front_matter_of(card: str) -> dict:
+    return yaml.safe_load(card.split("---")[1])
 
 
 def test_the_picture_has_a_panel_per_serving_configuration(exported, tmp_path):

@@ -5,12 +5,18 @@ does not: YAML metadata (base_model, library_name, tags), a one-paragraph summar
 trained, from which donor, on how many windows, what stayed frozen), the training facts, the
 served acceptance per serving configuration (donor beside trained, accepted / proposed, and the
 ceiling where it is known), what was not validated, the commands that serve the head, its hash
-and the files. Publishing is `hf upload ORG/NAME OUTPUT_DIR` (no uploader of our own).
+and the files. Export writes it into `upload/` beside links to the files it lists, so that publishing
+is `hf upload ORG/NAME OUTPUT_DIR/upload` (no uploader of our own) and nothing else of the run (the
+base's text of the user's prompts, checkpoints) goes with it; and at the run's root as README.md,
+unless a README.md that this library did not write is there (`writes_root_card`).
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
+
+import yaml
 
 from occamy_mtp.console import plural
 from occamy_mtp.evaluation.breakdown import one_line
@@ -32,6 +38,35 @@ def hub_id(path: str) -> str | None:
 
 def _model_name(identity: dict) -> str:
     return hub_id(identity["path"]) or Path(identity["path"]).name
+
+
+def front_matter(path: Path) -> dict:
+    """The YAML metadata block a model card opens with (`---` lines), {} for a file without one or that
+    cannot be read as one."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")[:65536]
+    except OSError:
+        return {}
+    if not text.startswith("---"):
+        return {}
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def writes_root_card(path: Path) -> bool:
+    """Whether export may write the card at `path` (the run's README.md): nothing is there, or a card this
+    library wrote (`library_name: occamy-mtp`). A user's own file there is never replaced."""
+    return not path.exists() or (path.is_file() and front_matter(path).get("library_name") == LIBRARY_NAME)
+
+
+def base_card_license(base_path: str) -> str | None:
+    """The `license` of the base's own card (its README.md's metadata), where it has one: a head derived
+    from the base is published under the base's terms."""
+    value = front_matter(Path(base_path) / "README.md").get("license")
+    return str(value) if value else None
 
 
 def _count(accepted: float, proposed: float) -> str:
@@ -86,9 +121,10 @@ def where_lost(metrics: dict) -> list[str]:
             *lines, ""]
 
 
-def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
-    """README.md for the exported head described by `record` (a TRAINING.json)."""
+def model_card(record: dict, head_dir: str = "OUTPUT_DIR", license: str | None = None) -> str:
+    """README.md for the exported head described by `record` (a TRAINING.json); `license` the base card's."""
     settings, derived, metrics = record["settings"], record["derived"], record["metrics"]
+    base_model_id = settings.get("output", {}).get("base_model_id") or hub_id(record["base"]["path"])
     data, train = settings["data"], settings["train"]
     base, donor = _model_name(record["base"]), _model_name(record["donor"])
     selection = record["training"]["selection"]
@@ -112,7 +148,8 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
     largest = max(steps)
     front = [
         "---",
-        f"base_model: {hub_id(record['base']['path']) or base}",
+        *([f"base_model: {base_model_id}"] if base_model_id else []),
+        *([f"license: {license}"] if license else []),
         f"library_name: {LIBRARY_NAME}",
         "tags:",
         *[f"- {tag}" for tag in TAGS],
@@ -127,6 +164,11 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
          f"lm_head stayed frozen. It learned from {answers[data['answers']]} {derived['train_windows']:,} train windows "
          f"({data['context_tokens']} context + up to {data['answer_tokens']} answer tokens each, from "
          f"{record['dataset']['conversations_kept']:,} conversations), {fitted}."),
+        "",
+        (f"This card describes the head file alone (`{ckpt_io.HEAD_FILE}`, every `mtp.*` tensor), not a whole model: "
+         f"it is served with the base's own weights, assembled into a servable directory as under Use."
+         + ("" if base_model_id else " The base's Hub id is not known to the run (set `output.base_model_id` at export "
+            "to name it in the metadata).")),
         "",
         "## Training",
         "",
@@ -179,23 +221,12 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
         "(the base directory is never modified):",
         "",
         "```bash",
-        f"python assemble_head.py --base /path/to/{base} --head {head_dir}/{ckpt_io.HEAD_FILE} --out /path/to/{base}-mtp",
+        f"python assemble_head.py --base {shlex.quote(f'/path/to/{base}')} --head {shlex.quote(f'{head_dir}/{ckpt_io.HEAD_FILE}')} "
+        f"--out {shlex.quote(f'/path/to/{base}-mtp')}",
         "```",
         "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path /path/to/{base}-mtp \\",
-        f"    --speculative-algorithm NEXTN --speculative-num-steps {largest} \\",
-        f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {largest + 1}",
-        "```",
-        "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve /path/to/{base}-mtp --speculative-config '{{\"method\": \"mtp\", \"num_speculative_tokens\": {largest}}}'",
-        "```",
-        "",
+        *_serve_commands(shlex.quote(f"/path/to/{base}-mtp"), sorted({1, largest})),
+
         "## Files",
         "",
         "| file | what |",
@@ -217,7 +248,22 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR") -> str:
         "- The head's bytes depend on the machine that trained it: " + (record.get("reproducibility") or {}).get(
             "depends_on", "see TRAINING.json."),
         "",
-        "To publish: `hf upload ORG/NAME " + head_dir + "` (the whole output directory, this card included).",
+        f"To publish: `hf upload ORG/NAME {shlex.quote(head_dir + '/upload')}`: export's `upload/` folder holds this card "
+        "and links to the files above, and nothing else of the run (not the base's text of the training prompts, "
+        "not the checkpoints).",
         "",
     ]
     return "\n".join(front)
+
+
+def _serve_commands(model: str, steps: list[int]) -> list[str]:
+    """The SGLang and vLLM commands that serve the assembled `model` (a quoted path) with each draft step count."""
+    lines = ["SGLang (0.5.12 or later for drafts of more than one step: earlier versions ran steps 2 and up one "
+             "position late; occamy-mtp's docs/reference/ENGINES.md):", "", "```bash"]
+    for k in steps:
+        lines += [f"python -m sglang.launch_server --model-path {model} --speculative-algorithm NEXTN \\",
+                  f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    lines += ["```", "", "vLLM:", "", "```bash"]
+    lines += [f"vllm serve {model} --speculative-config '{{\"method\": \"mtp\", \"num_speculative_tokens\": {k}}}'"
+              for k in steps]
+    return lines + ["```", ""]

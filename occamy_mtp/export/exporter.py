@@ -40,7 +40,7 @@ from occamy_mtp.evaluation.decoder_check import reference_decoder_check
 from occamy_mtp.evaluation.report import format_served
 from occamy_mtp.evaluation.plot import plot_served
 from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_noise
-from occamy_mtp.export.card import model_card
+from occamy_mtp.export.card import base_card_license, model_card, writes_root_card
 from occamy_mtp.base.frozen import BaseFacts
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock
 from occamy_mtp.settings import ExportPlan, Fingerprint, Measuring, Plan, RunDir
@@ -248,9 +248,15 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
                   for name, path in (("base", settings.base), ("donor", settings.donor_head))}
 
     head_bytes = sum(t.numel() * t.element_size() for t in disk.values())
-    with files.atomic_paths(list(run_dir.export_outputs()), incomplete=run_dir.export_incomplete,
+    root_card = writes_root_card(run_dir.card)
+    if not root_card:
+        log(f"export: {run_dir.card} is not a card occamy-mtp wrote, so it is left as it is; the card is "
+            f"{run_dir.upload_card}")
+    outputs = run_dir.export_outputs(root_card)
+    run_dir.upload.mkdir(exist_ok=True)
+    with files.atomic_paths(list(outputs), incomplete=run_dir.export_incomplete,
                             needed_bytes=head_bytes) as temporaries:
-        tmp = dict(zip(run_dir.export_outputs(), temporaries))
+        tmp = dict(zip(outputs, temporaries))
         files.write_safetensors(tmp[run_dir.head], disk, metadata={"format": "pt", "producer": "occamy-mtp", "expert_layout": layout})
         check = verify_export(tmp[run_dir.head], donor_disk, trained_disk)
         tmp[run_dir.head_config].write_text(files.json_text(head_config))
@@ -267,8 +273,13 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
         errors = rec.validate_record(record)
         if errors:
             raise ExportError("TRAINING.json does not fit its schema:\n  " + "\n  ".join(errors))
-        tmp[run_dir.card].write_text(model_card(record, str(run_dir.root)))
+        card = model_card(record, str(run_dir.root), base_card_license(settings.base))
+        for path in (run_dir.card, run_dir.upload_card):
+            if path in tmp:
+                tmp[path].write_text(card)
         tmp[run_dir.record].write_text(files.json_text(record))
+    for path in run_dir.published():
+        files.link_beside(path, run_dir.upload / path.name)
     files.write_json(run_dir.hash_cache, hash_cache)
     return record
 
