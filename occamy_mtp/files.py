@@ -215,6 +215,51 @@ def space_errors(path: Path, needed_bytes: int | None = None, kept: str = "",
         raise DiskFull(f"{full}; {kept}" if kept else str(full)) from None
 
 
+@contextlib.contextmanager
+def appended_lines(path: Path, needed_bytes: int | None = None, kept: str = "") -> Iterator:
+    """A text stream appending whole lines to `path` (`open_owned`, "a"). A lack of space anywhere, in a
+    write, a flush or the close, is one `DiskFull` line ending with `kept` (`space_errors`), and the file
+    is left holding whole lines only: a line torn by the failed write is cut off, the lines before it
+    stay."""
+    path = Path(path)
+    stream = open_owned(path, "a")
+    start = stream.tell()
+
+    def whole_lines() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+        with contextlib.suppress(OSError, ValueError):
+            stream.close()
+        with contextlib.suppress(OSError):
+            _cut_torn_line(path, start)
+
+    with space_errors(path, needed_bytes, kept, cleanup=whole_lines):
+        try:
+            yield stream
+        finally:
+            if not stream.closed:
+                stream.close()  # in the handler: a flush that finds the disk full is one line too
+
+
+def _cut_torn_line(path: Path, start: int) -> None:
+    """Cut `path` back to its last newline at or after `start` (to `start` when none): what a failed
+    append left of its last line."""
+    with open_owned(path, "r+b") as raw:
+        end = raw.seek(0, os.SEEK_END)
+        position = end
+        while position > start:
+            step = min(65536, position - start)
+            raw.seek(position - step)
+            chunk = raw.read(step)
+            found = chunk.rfind(b"\n")
+            if found >= 0:
+                position = position - step + found + 1
+                break
+            position -= step
+        if position < end:
+            raw.truncate(position)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:

@@ -286,7 +286,7 @@ def test_corrupt_index(donor, tmp_path):
     shutil.copytree(written.path, bad)
     index = bad / ckpt_io.INDEX_NAME
     index.write_text('{"weight_map": {"mtp.fc.weight": ')
-    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not readable JSON"):
         SafetensorsCheckpoint(bad)
     index.write_text(json.dumps({"metadata": {}, "weights": {}}))
     with pytest.raises(CheckpointError, match="weight_map") as info:

@@ -159,6 +159,58 @@ class _Usage:
         self.total, self.used, self.free = 10 * free + 1, 9 * free, free
 
 
+class _FullAtClose:
+    """A stream whose close finds the disk full after half of what it held reached the file, as a
+    buffered append's last flush does."""
+
+    def __init__(self, stream):
+        self._stream, self._held = stream, []
+
+    def write(self, text):
+        self._held.append(text)
+
+    def flush(self):
+        pass
+
+    def tell(self):
+        return self._stream.tell()
+
+    @property
+    def closed(self):
+        return self._stream.closed
+
+    def close(self):
+        if not self._stream.closed:
+            held = "".join(self._held)
+            self._stream.write(held[: len(held) // 2])
+            self._stream.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["write", "close"])
+def test_an_append_that_fills_the_disk_is_one_line_and_keeps_whole_lines(tmp_path, monkeypatch, where):
+    """Self-generation's stores append through `files.appended_lines`: a full disk in a write or in the
+    close (the last flush) is one DiskFull, the lines before it stay and a torn last line is cut off."""
+    path = tmp_path / "store.jsonl"
+    path.write_text('{"a": 1}\n')
+    if where == "close":
+        real = files.open_owned
+        monkeypatch.setattr(files, "open_owned", lambda p, mode, **k: _FullAtClose(real(p, mode, **k)) if mode == "a"
+                            else real(p, mode, **k))
+    with pytest.raises(files.DiskFull, match=r"No space left|store.jsonl.*the lines before are kept") as caught:
+        with files.appended_lines(path, kept="the lines before are kept") as stream:
+            stream.write('{"b": 2}\n')
+            stream.write('{"c": 3, "long": "' + "x" * 100 + '"}\n')
+            if where == "write":
+                stream.write('{"d": 4, "torn')
+                stream.flush()
+                raise OSError(errno.ENOSPC, "No space left on device")
+    assert "\n" not in str(caught.value).strip() and str(caught.value).endswith("the lines before are kept")
+    text = path.read_text()
+    assert text.endswith("\n") and all(json.loads(line) for line in text.splitlines())
+    assert text.startswith('{"a": 1}\n{"b": 2}\n')
+
+
 def test_disk_full_names_the_path_the_space_needed_and_free(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: _Usage(4096))
     full = files.disk_full(tmp_path / "x.pt", RuntimeError(TORCH_SAVE_FULL), needed_bytes=3 * 2**20)

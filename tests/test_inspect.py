@@ -277,9 +277,34 @@ def test_reports_unreadable_checkpoints(donor, tmp_path, capsys):
     shutil.copytree(written.path, corrupt)
     (corrupt / ckpt_io.INDEX_NAME).write_text("{ not json")
     code, report = run_json(capsys, corrupt)
-    assert code == 1 and "not valid JSON" in report["problems"][0] and ckpt_io.INDEX_NAME in report["problems"][0]
+    assert code == 1 and "not readable JSON" in report["problems"][0] and ckpt_io.INDEX_NAME in report["problems"][0]
     # What the config says is still reported.
     assert report["head_parameters"] == head_numel_on_disk(written.path)
 
     code, report = run_json(capsys, tmp_path / "nowhere")
     assert code == 1 and "no such config file" in report["problems"][0]
+
+
+@pytest.mark.parametrize("what", ["config.json", "a head file", "a training checkpoint"])
+def test_inspect_and_train_on_a_file_that_is_not_text_say_so_in_one_line(donor, tmp_path, capsys, what):
+    """A config.json of binary bytes (or a head file or a training checkpoint given where a checkpoint
+    directory belongs): one line naming the file, from inspect and from train, no traceback."""
+    from occamy_mtp.commands import train as train_command
+
+    written, _ = donor
+    target = tmp_path / "binary"
+    shutil.copytree(written.path, target)
+    binary = bytes(range(256)) * 8
+    if what == "config.json":
+        (target / "config.json").write_bytes(binary)
+        given = target
+    else:
+        given = tmp_path / ("mtp-trained.safetensors" if what == "a head file" else "step-000064.pt")
+        given.write_bytes(binary)
+    code, report = run_json(capsys, given)
+    assert code == 1 and report["problems"] and ("not readable JSON" in report["problems"][0]
+                                                 or "not a checkpoint directory" in report["problems"][0])
+    capsys.readouterr()
+    assert train_command.main(["--config", "configs/demo.yaml", f"model.base={given}", f"output.dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and str(given.name) in err[-1] and "Traceback" not in "\n".join(err), err

@@ -4,6 +4,7 @@ the frozen base; each dequantization and the NVFP4 activations against a plain r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,38 @@ def _rewrite(directory: Path, change) -> None:
     ckpt_io.save_sharded(directory, tensors, max_shard_bytes=400_000)
 
 
+@pytest.mark.parametrize("where", ["bf16 weight", "fp8 scale", "fp8 code kept"])
+def test_a_nan_in_a_base_weight_or_scale_is_refused_naming_the_tensor(bases, tmp_path, capsys, where):
+    """A NaN in a scale is refused by the base's facts and inspect before anything loads; a NaN in a
+    weight (or a NaN code of an FP8 weight kept in FP8) by the load, naming the tensor."""
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.commands import inspect as inspect_command
+
+    attention = "model.language_model.layers.3.self_attn.o_proj"
+    source = bases["bf16"] if where == "bf16 weight" else bases[q.FP8]
+    broken = _copy(source, tmp_path / "broken")
+
+    def poison(tensors):
+        if where == "bf16 weight":
+            tensors[f"{attention}.weight"][0, 0] = float("nan")
+        elif where == "fp8 scale":
+            tensors[f"{attention}.weight_scale_inv"][0, 0] = float("nan")
+        else:
+            codes = tensors[f"{attention}.weight"]
+            codes.view(torch.uint8)[0, 0] = 0x7F  # e4m3fn's NaN
+    _rewrite(broken, poison)
+    name = f"{attention}.weight_scale_inv" if where == "fp8 scale" else f"{attention}.weight"
+    if where == "fp8 scale":
+        with pytest.raises(q.QuantizationError, match=f"{name} holds NaN"):
+            BaseFacts(broken)
+        assert inspect_command.main([str(broken), "--json"]) == 1
+        assert any(f"{name} holds NaN" in problem for problem in json.loads(capsys.readouterr().out)["problems"])
+        return
+    BaseFacts(broken)  # the weights are read by the load
+    with pytest.raises(ckpt_io.CheckpointError, match=f"{name} holds NaN or infinite values"):
+        ckpt_io.load_base(broken, dtype=torch.float32, fp8_weights="fp8" if where == "fp8 code kept" else "dequantized")
+
+
 def test_a_missing_or_misshapen_scale_is_refused_naming_the_tensor(bases, tmp_path):
     missing = _copy(bases[q.FP8], tmp_path / "missing")
     key = "model.language_model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"
@@ -545,6 +578,66 @@ def test_two_served_bases_of_one_name_are_refused_before_anything_runs(tmp_path)
     plan = plan_of(load_config(None, [f"output.dir={tmp_path / 'run'}"]))
     with pytest.raises(ConfigError, match="two bases are named 'base'"):
         evaluate_on_bases(plan, tmp_path / "head", tmp_path / "eval", torch.device("cpu"), [tmp_path / "a" / "base", tmp_path / "b" / "base"])
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.parametrize("declaration", ["missing", "null"])
+def test_an_fp8_base_whose_declaration_is_lost_is_named_before_anything_loads(bases, tmp_path, capsys, declaration):
+    """config.json without its quantization_config (or with null): the base's facts, inspect and the load
+    each say that the declaration is missing, in one line, before a weight is read."""
+    import shutil
+
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.commands import inspect as inspect_command
+
+    lost = tmp_path / "lost"
+    shutil.copytree(bases[q.FP8], lost)
+    config = json.loads((lost / "config.json").read_text())
+    holder = config if "quantization_config" in config else config["text_config"]
+    if declaration == "missing":
+        del holder["quantization_config"]
+    else:
+        holder["quantization_config"] = None
+    (lost / "config.json").write_text(json.dumps(config))
+    message = r"no quantization_config \(missing or null\).*tensors hold quantization scales"
+    with pytest.raises(q.QuantizationError, match=message):
+        BaseFacts(lost)
+    assert inspect_command.main([str(lost), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert any(re.search(message, problem) for problem in report["problems"]), report["problems"]
+
+
+@pytest.mark.parametrize("other", ["vocabulary", "family", "tokenizer"])
+def test_a_served_base_that_is_another_model_is_refused_before_anything_runs(bases, tmp_path, other):
+    """`evaluate --served-base` of a base with another vocabulary, another family (model_type) or another
+    tokenizer: one ConfigError naming --served-base, before the run's own evaluation starts (nothing
+    written under --out)."""
+    import shutil
+
+    from occamy_mtp.config import ConfigError
+    from occamy_mtp.evaluation.served_base import evaluate_on_bases
+    from occamy_mtp.settings import plan_of
+
+    served = tmp_path / "served"
+    shutil.copytree(bases[q.FP8], served)
+    config_path = served / "config.json"
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config", config)
+    if other == "vocabulary":
+        text["vocab_size"] += 64
+        message = "vocab_size"
+    elif other == "family":
+        text["model_type"] = config["model_type"] = "llama"
+        message = "model_type|architectures|family|not supported|llama"
+    else:
+        tokenizer = json.loads((served / "tokenizer_config.json").read_text())
+        tokenizer["chat_template"] = "{{ messages[0].content }}"
+        (served / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+        message = "its tokenizer is not the run's"
+    config_path.write_text(json.dumps(config))
+    plan = plan_of(_run_config(bases, bases["bf16"], tmp_path / "run", "eval.serving=[{temperature: 0}]"))
+    with pytest.raises(ConfigError, match=f"--served-base {served}: .*({message})"):
+        evaluate_on_bases(plan, bases["bf16"], tmp_path / "eval", torch.device("cpu"), [served])
     assert not (tmp_path / "eval").exists()
 
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from occamy_mtp.config import ConfigError
+from occamy_mtp.errors import OccamyError
 from occamy_mtp.evaluation.evaluate import EVALUATION_FILE, evaluate_run
 from occamy_mtp.files import sha256_file, write_json
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -35,6 +36,41 @@ def on_base(plan: Plan, base: Path, out: Path) -> Plan:
     setup = dataclasses.replace(setup, model=model, data=data, store_root=Path(out) / "self-generated", unset=unset)
     inputs = {**plan.evaluate.inputs, "base": str(base)}
     return dataclasses.replace(plan, setup=setup, evaluate=dataclasses.replace(plan.evaluate, inputs=inputs))
+
+
+def check_served_bases(plan: Plan, bases: list[Path]) -> None:
+    """Each served base is the run's base in another form (another precision, another file layout): the
+    same family and shape, the same vocabulary and tokenizer, its config and quantization readable; a
+    ConfigError naming `--served-base` and the first difference otherwise, before anything loads."""
+    from occamy_mtp.base.frozen import BaseFacts
+    from occamy_mtp.data.windows import load_tokenizer, tokenizer_identity
+
+    run_model = plan.setup.model
+    run = BaseFacts(run_model.base).text_config
+    run_tokenizer = None
+    for base in bases:
+        try:
+            served = BaseFacts(base).text_config
+        except OccamyError as err:
+            raise ConfigError(f"--served-base {base}: {err}") from None
+        for name in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers"):
+            ours, theirs = getattr(run, name, None), getattr(served, name, None)
+            if ours != theirs:
+                raise ConfigError(f"--served-base {base}: {name} {theirs!r}, the run's base {run_model.base} has {ours!r}: "
+                                  "a served base is the run's base in another form (precision, layout), not another model")
+        if run_model.tokenizer or not _has_tokenizer(Path(base)):
+            continue  # the run's tokenizer (model.tokenizer) reads both bases' text
+        run_tokenizer = run_tokenizer or load_tokenizer(run_model)
+        theirs = load_tokenizer(dataclasses.replace(run_model, base=str(base)))
+        same = {k: v for k, v in tokenizer_identity(run_tokenizer).items() if k != "name_or_path"} == \
+            {k: v for k, v in tokenizer_identity(theirs).items() if k != "name_or_path"} and run_tokenizer.get_vocab() == theirs.get_vocab()
+        if not same:
+            raise ConfigError(f"--served-base {base}: its tokenizer is not the run's ({run_model.base}): other tokens or another "
+                              "chat template; give both the same tokenizer files, or model.tokenizer")
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def trained_on(head_path: Path) -> dict | None:
@@ -90,6 +126,7 @@ def evaluate_on_bases(plan: Plan, head_path: Path, out: Path, device, bases: lis
     if twice:  # each base's evaluation goes to out/served-on-<name>
         raise ConfigError(f"--served-base: two bases are named {twice[0]!r}; their evaluations would share "
                           f"{Path(out) / ('served-on-' + twice[0])}: give each its own directory name")
+    check_served_bases(plan, bases)  # before the run's own evaluation: minutes on the demo, hours at real size
     report, printed = evaluate_run(plan, head_path, out, device, **options)
     identity = trained_on(Path(head_path))
     sections, warnings = {}, []

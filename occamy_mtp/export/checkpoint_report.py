@@ -205,6 +205,8 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
     problems += head_problems
     try:  # a quantized base as the library reads it: every scale checked, the weights' shapes dequantized
         readable = ckpt_io.dequantized(ckpt, config.quantization_config)
+        if hasattr(readable, "check_scales"):
+            readable.check_scales()
     except QuantizationError as err:
         problems.append(str(err))
     else:

@@ -30,9 +30,10 @@ from safetensors import safe_open
 
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.families import FAMILIES, MULTIMODAL_TYPES, family_of
+from occamy_mtp import files
 from occamy_mtp.files import save_safetensors, sha256_file, write_json
 from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_KEPT, keep_layer, keeps_fp8
-from occamy_mtp.model.quantized import (FP8, dequantized, emulate_activations, emulate_fp8_activations,
+from occamy_mtp.model.quantized import (FP8, DequantizedCheckpoint, dequantized, emulate_activations, emulate_fp8_activations,
                                         emulated_activations)
 
 
@@ -142,11 +143,8 @@ class SafetensorsCheckpoint:
         self._handles: dict[str, object] = {}
 
     def _read_index(self, index_path: Path) -> dict[str, str]:
-        try:
-            index = json.loads(index_path.read_text())
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        index = files.read_json_object(index_path, CheckpointError, "JSON of a safetensors index")
+        weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index_path}: expected an object with a 'weight_map' of tensor name -> file name")
         for filename in sorted(set(weight_map.values())):
@@ -323,12 +321,7 @@ def read_config(path: Path) -> ModelConfig:
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
         raise CheckpointError(f"{config_path}: no such config file")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{config_path}: expected a JSON object")
+    raw = files.read_json_object(config_path, CheckpointError, "JSON of a model config")
     multimodal = "text_config" in raw
     if multimodal:
         if not isinstance(raw["text_config"], dict):
@@ -453,6 +446,29 @@ def _read_source(ckpt: SafetensorsCheckpoint, source: _Source, dtype: torch.dtyp
     return out
 
 
+FINITE_CHECK_ELEMENTS = 2**26  # a weight is checked this many elements at a time: a bounded temporary
+
+
+def _refuse_non_finite(tensor: torch.Tensor, ckpt, source: _Source) -> None:
+    """CheckpointError naming the checkpoint tensor(s) when `tensor`, a base weight as loaded (or its FP8
+    codes as kept), holds a NaN or an infinity: one read of the weight on the device it loads to, a
+    bounded temporary at a time, so that a corrupt base is refused at its load, not found in the
+    head's loss hours later."""
+    flat = tensor.detach().reshape(-1)
+    fp8 = flat.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    for start in range(0, flat.numel(), FINITE_CHECK_ELEMENTS):
+        chunk = flat[start:start + FINITE_CHECK_ELEMENTS]
+        if fp8:  # e4m3fn's only non-finite code is NaN, 0x7F / 0xFF
+            bad = bool(((chunk.view(torch.uint8) & 0x7F) == 0x7F).any()) if flat.dtype == torch.float8_e4m3fn else \
+                not bool(torch.isfinite(chunk.float()).all())
+        else:
+            bad = not bool(torch.isfinite(chunk).all())
+        if bad:
+            keys = ", ".join(source.keys[:2]) + (", ..." if len(source.keys) > 2 else "")
+            raise CheckpointError(f"{ckpt.directory}: {keys} holds NaN or infinite values (a corrupt or badly converted "
+                                  "checkpoint): the base must be finite to train on it")
+
+
 def _read_fp8_source(ckpt, source: _Source, device) -> tuple[torch.Tensor, tuple[int, ...], tuple[torch.Tensor, ...]]:
     """An FP8 weight as stored, stacked as `_read_source` stacks it: (float8_e4m3fn codes of the module
     tensor's shape, each row part's rows, each part's multipliers). A fused gate_up_proj has two parts,
@@ -572,7 +588,7 @@ def head_checkpoint(source: Path):
     config_path = Path(source) / "config.json"
     try:
         raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    except json.JSONDecodeError:
+    except (OSError, ValueError, RecursionError):
         raw = {}  # not a base's config: nothing declares a quantization there
     return dequantized(ckpt, declared_quantization(raw if isinstance(raw, dict) else {}))
 
@@ -703,7 +719,10 @@ def quantization_of(directory: Path, config: ModelConfig):
     """The base's quantization (`quantized.Scheme`), every quantized weight's scales checked by name
     and shape from the headers alone; None when the base is not quantized. A scheme the library
     cannot read is a `quantized.QuantizationError` naming it and the supported ones."""
-    return getattr(dequantized(SafetensorsCheckpoint(directory), config.quantization_config), "scheme", None)
+    readable = dequantized(SafetensorsCheckpoint(directory), config.quantization_config)
+    if isinstance(readable, DequantizedCheckpoint):
+        readable.check_scales()
+    return getattr(readable, "scheme", None)
 
 
 def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, device, place_layer=None,
@@ -735,12 +754,16 @@ def load_base_weights(model, ckpt: SafetensorsCheckpoint, dtype: torch.dtype, de
         fp8 = {}
         if keep_fp8 and index is not None:
             fp8 = {name: source for name, source in parts[index].items() if all(ckpt.is_fp8(k) for k in source.keys)}
-        model.load_state_dict({name: _read_source(ckpt, source, dtype, device) for name, source in parts[index].items()
-                               if name not in fp8}, strict=False, assign=True)
+        read = {name: _read_source(ckpt, source, dtype, device) for name, source in parts[index].items() if name not in fp8}
+        for name, tensor in read.items():
+            _refuse_non_finite(tensor, ckpt, parts[index][name])
+        model.load_state_dict(read, strict=False, assign=True)
         if fp8:
             within = f"{LAYERS_PREFIX}{index}."
-            keep_layer(model.model.layers[index], {name[len(within):]: _read_fp8_source(ckpt, source, device)
-                                                   for name, source in fp8.items()}, ckpt.scheme.block, dtype, buffers)
+            held = {name[len(within):]: _read_fp8_source(ckpt, source, device) for name, source in fp8.items()}
+            for name, (codes, _, _) in held.items():
+                _refuse_non_finite(codes, ckpt, fp8[within + name])
+            keep_layer(model.model.layers[index], held, ckpt.scheme.block, dtype, buffers)
         if index is not None and place_layer is not None:
             layer = model.model.layers[index]
             place_layer(layer.requires_grad_(False).eval())

@@ -21,7 +21,7 @@ from occamy_mtp.console import Progress
 from occamy_mtp.errors import OccamyError
 from occamy_mtp import __version__
 from occamy_mtp.base.frozen import BaseIdentity
-from occamy_mtp.files import open_owned, space_errors, write_json
+from occamy_mtp.files import appended_lines, open_owned, space_errors, write_json
 from occamy_mtp.data import reader, windows
 from occamy_mtp.config import TURN_CHOICES
 from occamy_mtp.selfgen.store import EmbeddedWriter
@@ -437,7 +437,7 @@ def regenerate_answers(
         regenerated = sum(not missing_flags[i] for batch in batches if any(missing_flags[i] for i in batch) for i in batch)
         out_path.parent.mkdir(parents=True, exist_ok=True)
         kept = "the records written before are kept, and the rerun writes only the rest"
-        with open_owned(out_path, "a") as stream, space_errors(out_path, kept=kept):
+        with appended_lines(out_path, kept=kept) as stream:
             for index, continuation in writer.answers(contexts, missing_flags, max_new_tokens, eos, quiet):  # the bar shows it
                 prompt = selected[index]
                 record = make_record(tokenizer, prompt, continuation.tokens, eos, end_of_turn_id)

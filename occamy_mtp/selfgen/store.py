@@ -357,7 +357,7 @@ class SelfGeneratedStore:
 
         kept = "the continuations written before are kept, and the rerun writes only the rest"
         needed = sum(missing) * (self.identity["max_new_tokens"] * LINE_BYTES_PER_TOKEN + LINE_BYTES_FIXED)
-        with files.open_owned(store_path, "a") as stream, files.space_errors(store_path, needed, kept):
+        with files.appended_lines(store_path, needed, kept) as stream:
             try:
                 for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
                                                           self.identity["stop_token_ids"], log):
