@@ -401,6 +401,19 @@ def test_divergence_is_located_with_the_reference_margin(tmp_path):
     assert "first differing output token at 3" in V.format_summary(report)
 
 
+def test_logprobs_that_differ_in_their_last_bits_do_not_fail_identical_tokens_unless_asked():
+    """A verify pass over 1 + K positions rounds otherwise than a one-token step: the same tokens with
+    logprobs 2e-6 apart are exact under the command's default tolerance, not under 0."""
+    reference = {"token_ids": [5, 6, 7], "tokens": None, "text": "abc", "logprobs": [-0.5, -1.25, -0.125]}
+    candidate = {**reference, "logprobs": [-0.5, -1.25 + 2e-6, -0.125]}
+    default = V.DEFAULT_LOGPROB_TOLERANCE
+    judged = V.compare_responses(reference, candidate, default)
+    assert judged["exact"] and judged["max_logprob_diff"] == pytest.approx(2e-6, rel=1e-3)
+    assert not V.compare_responses(reference, candidate, 0.0)["exact"]
+    other = {**candidate, "token_ids": [5, 6, 8]}
+    assert not V.compare_responses(reference, other, default)["exact"]  # tokens still decide
+
+
 def _vllm_server(name: str) -> ReplayServer:
     fixture = _fixture(f"vllm-0.32.0-chat-{name}.json")
     metrics = [(FIXTURES / f"vllm-0.32.0-metrics-{name}-{i}.txt").read_text() for i in range(3)]

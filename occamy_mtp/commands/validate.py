@@ -20,7 +20,7 @@ from occamy_mtp.engines.openai import (
     CHAT, COMPLETIONS, DEFAULT_MAX_TOKENS, DEFAULT_TIMEOUT_SECONDS, DEFAULT_TOP_LOGPROBS, RequestSettings,
 )
 from occamy_mtp.serve.validate import (
-    is_url, ACCEPTANCE_PASS_MODES, DEFAULT_COLD_WARM, DEFAULT_MAX_CONSECUTIVE_ERRORS, DEFAULT_PROMPTS,
+    is_url, ACCEPTANCE_PASS_MODES, DEFAULT_COLD_WARM, DEFAULT_LOGPROB_TOLERANCE, DEFAULT_MAX_CONSECUTIVE_ERRORS, DEFAULT_PROMPTS,
     DEFAULT_SAMPLES, format_summary, heldout_prefixes, heldout_window_contexts, prompt_set, rendered_prompts,
     RESPONSES_FILE, validate, validate_sampled, ValidationError,
 )
@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--top-logprobs", type=int, default=DEFAULT_TOP_LOGPROBS, help="alternatives per token, to diagnose a divergence")
     cli.add_argument("--no-engine-fields", action="store_true", help="do not ask for SGLang's per-request speculative counts")
     cli.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
-    cli.add_argument("--logprob-tolerance", type=float, default=0.0, help="largest |logprob difference| still counted as exact")
+    cli.add_argument("--logprob-tolerance", type=float, default=DEFAULT_LOGPROB_TOLERANCE,
+                     help="largest |logprob difference| still counted as exact (default: tokens decide, and the largest "
+                          "difference is reported: a verify pass over 1 + K positions rounds otherwise than a one-token "
+                          "step, so logprobs differ in their last bits even where every token is the same; 0: bit-equal)")
     cli.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_SECONDS, help="wall-clock seconds for each whole request")
     cli.add_argument("--max-consecutive-errors", type=int, default=DEFAULT_MAX_CONSECUTIVE_ERRORS)
     cli.add_argument("--allow-no-drafts", action="store_true", help="the candidate need not speculate (two servers without MTP)")

@@ -216,6 +216,12 @@ def _sequence(response: dict, by_ids: bool):
     return response["tokens"]
 
 
+DEFAULT_LOGPROB_TOLERANCE = math.inf
+"""`validate --logprob-tolerance`'s default: tokens decide, logprobs are reported. A verify pass over 1 + K
+positions rounds otherwise than a one-token step, so an MTP server's logprobs differ from the plain one's
+in their last bits (2e-6 in float32 against the library's own reference server) with every token the same."""
+
+
 def compare_responses(reference: dict, candidate: dict, tolerance: float) -> dict:
     """Token identity (ids when both give them, else token strings, else the text) and the
     largest logprob difference (over the tokens both have logprobs for, before the first
@@ -512,8 +518,11 @@ def format_summary(report: dict) -> str:
     lines = [f"validation: reference {report['reference']} vs candidate {report['candidate']} ({report['endpoint']}, "
              f"max_tokens {report['max_tokens']}, greedy, thinking {'on' if report.get('thinking') else 'off'})"]
     fixed = report["fixed"]
-    lines.append(f"fixed prompts: {fixed['exact']}/{fixed['of']} exact matches (tokens, and logprobs within "
-                 f"{report['logprob_tolerance']:g}); max |logprob difference| {report['max_logprob_diff']:.3e}")
+    tolerance = report["logprob_tolerance"]  # inf (null once written as JSON): not judged
+    judged = ("tokens; logprobs not judged" if tolerance is None or math.isinf(tolerance)
+              else f"tokens, and logprobs within {report['logprob_tolerance']:g}")
+    lines.append(f"fixed prompts: {fixed['exact']}/{fixed['of']} exact matches ({judged}); max |logprob difference| "
+                 f"{report['max_logprob_diff']:.3e}")
     cw = report["cold_warm"]
     lines.append(f"cold/warm: reference {cw['reference']['exact']}/{cw['reference']['of']}, candidate {cw['candidate']['exact']}/{cw['candidate']['of']}")
     divergence = report["divergence"]
