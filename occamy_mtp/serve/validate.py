@@ -590,7 +590,7 @@ def _gather(sources: dict[str, str | None], runs: dict, out_dir: Path, collect_o
 
 
 def validate(reference: str, candidate: str | None, prompts: list[ValidationPrompt], out_dir: Path, settings: RequestSettings,
-             cold_warm: int = DEFAULT_COLD_WARM, tolerance: float = 0.0, tokenizer=None,
+             cold_warm: int = DEFAULT_COLD_WARM, tolerance: float = DEFAULT_LOGPROB_TOLERANCE, tokenizer=None,
              max_consecutive_errors: int = DEFAULT_MAX_CONSECUTIVE_ERRORS, log=None,
              require_drafts: bool = True, acceptance_pass: str = "auto") -> dict | None:
     """Collect (or load) both runs, compare, write the files; None when only recording the reference.
