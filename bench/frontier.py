@@ -55,7 +55,7 @@ LEVERS = {
                   ["train.loss=top1-certainty"]),
     "margin": ("loss", "top-1 weighted by p(the base's choice) - p(the head's) (train.loss=top1-margin)",
                ["train.loss=top1-margin"]),
-    "kl": ("loss", "KL(p || q) to the base's processed distribution at thinking-general (train.loss=kl)", ["train.loss=kl"]),
+    "kl": ("loss", "KL from the base's processed distribution at thinking-general to the head's (train.loss=kl)", ["train.loss=kl"]),
     "tv": ("loss", "the total variation to it, one minus a sampled draft's acceptance (train.loss=tv)", ["train.loss=tv"]),
 }
 
