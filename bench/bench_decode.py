@@ -1,4 +1,4 @@
-"""The base's decode step at real size: the static batch decoder against `greedy_generate`, beside the read bound.
+"""The base's decode step at real size: the static batch decoder against `plain_decode`, beside the read bound.
 
     PYTHONPATH=/tmp/site:. python3 bench/bench_decode.py --out $OUT/decode.json     # H200, fla carried as a wheel
     PYTHONPATH=. .venv/bin/python bench/bench_decode.py --tiny --device cpu --batches 4 --legacy-batch 4
@@ -18,7 +18,7 @@ bench_fullsize.py). Per batch size:
 * `--temperatures 0,0.7 --top-p 0.8`: the decoder greedy and sampled (each token drawn from the
   processed distribution inside the captured step: a sort of the vocabulary for top-p, a
   cumulative sum and a search), each batch timed under each;
-* `--legacy-batch`: `generate.greedy_generate`, the generator this replaces, timed as the
+* `--legacy-batch`: `generate.plain_decode`, the generator this replaces, timed as the
   slope between 8 and 40 new tokens;
 * `--windows N --default-batch B`: the whole self-generation of N windows (the default
   recipe's 320), every continuation the full budget (random weights never stop: the worst case);
@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fullsize import profile_call, randomise  # noqa: E402
 
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
-from occamy_mtp.base.fastdecode import BatchDecoder, fast_greedy_generate  # noqa: E402
-from occamy_mtp.base.generate import greedy_generate  # noqa: E402
+from occamy_mtp.base.fastdecode import BatchDecoder, fast_plain_decode  # noqa: E402
+from occamy_mtp.base.generate import plain_decode  # noqa: E402
 from occamy_mtp.base import moe_kernels  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 from timing import sync  # noqa: E402
@@ -160,15 +160,15 @@ def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_ne
 
 
 def time_legacy(base, batch: int, prompt_tokens: int, device) -> dict:
-    """greedy_generate's per-step time: the slope between 8 and 40 new tokens, after a warm-up of the same batch."""
+    """plain_decode's per-step time: the slope between 8 and 40 new tokens, after a warm-up of the same batch."""
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, base.config.vocab_size, (batch, prompt_tokens), generator=generator).tolist()
-    greedy_generate(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=batch)
+    plain_decode(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=batch)
     seconds = {}
     for new in (8, 40):
         sync(device)
         started = time.perf_counter()
-        greedy_generate(base, prompts, max_new_tokens=new, eos_token_ids=set(), batch_size=batch)
+        plain_decode(base, prompts, max_new_tokens=new, eos_token_ids=set(), batch_size=batch)
         sync(device)
         seconds[new] = time.perf_counter() - started
     per_step = (seconds[40] - seconds[8]) / 32
@@ -231,7 +231,7 @@ def time_windows(base, windows: int, batch: int, prompt_tokens: int, new_tokens:
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     started = time.perf_counter()
-    out = fast_greedy_generate(base, prompts, max_new_tokens=new_tokens, eos_token_ids=set(), batch_size=batch)
+    out = fast_plain_decode(base, prompts, max_new_tokens=new_tokens, eos_token_ids=set(), batch_size=batch)
     sync(device)
     seconds = time.perf_counter() - started
     return {"windows": windows, "batch": batch, "new_tokens": new_tokens, "seconds": seconds,
@@ -247,7 +247,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=382, help="the decoder's budget (positions = prompt + this - 1)")
     parser.add_argument("--timed-new-tokens", type=int, default=64)
-    parser.add_argument("--legacy-batch", type=int, default=64, help="0: skip greedy_generate")
+    parser.add_argument("--legacy-batch", type=int, default=64, help="0: skip plain_decode")
     parser.add_argument("--windows", type=int, default=0, help="time the self-generation of this many windows")
     parser.add_argument("--default-batch", type=int, default=160)
     parser.add_argument("--reference-runners", action="store_true", help="time the reference decoder's base at batch 1")

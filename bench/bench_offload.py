@@ -20,13 +20,13 @@ with the library's own pieces, each with its wall time and peak:
   128 + 382 tokens, `--steps` steps after one untimed;
 - `selection`: `evaluation.served.served_acceptance` on `--selection-windows` windows at 1 and 3
   draft steps (selection and export's evaluation are such passes: one base forward a batch of 4);
-- `decode`: `base.generate.greedy_generate` (the decoder self-generation uses on a sharded base)
+- `decode`: `base.generate.plain_decode` (the decoder self-generation uses on a sharded base)
   on `--decode-batch` contexts of 128 tokens, `--decode-tokens` new tokens, beside the same with one
   new token: their difference over the steps between is one decode step, where the recipe spends
   its base forwards (a continuation is up to 382 of them).
 
 With `--placement resident` the base stays on the card (no cap) and the same phases run, with
-`greedy_generate` too, so that the two differ in the placement only.
+`plain_decode` too, so that the two differ in the placement only.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from occamy_mtp.base.generate import greedy_generate
+from occamy_mtp.base.generate import plain_decode
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 from occamy_mtp.config import Serving, TrainSettings, step_loss_weights
 from occamy_mtp.data.windows import Window
@@ -167,9 +167,9 @@ def main() -> int:
     result["decode"] = []
     for batch in [int(b) for b in args.decode_batch.split(",") if b.strip()]:
         contexts = [w.input_ids for w in windows(batch, CONTEXT_TOKENS)]
-        one, peak_one, _ = timed(device, lambda: greedy_generate(base, contexts, max_new_tokens=1, eos_token_ids=set(),
+        one, peak_one, _ = timed(device, lambda: plain_decode(base, contexts, max_new_tokens=1, eos_token_ids=set(),
                                                                  batch_size=batch))
-        many, peak_many, out = timed(device, lambda: greedy_generate(base, contexts, max_new_tokens=args.decode_tokens,
+        many, peak_many, out = timed(device, lambda: plain_decode(base, contexts, max_new_tokens=args.decode_tokens,
                                                                      eos_token_ids=set(), batch_size=batch))
         step = (many - one) / (args.decode_tokens - 1)
         entry = {"batch": batch, "prefill_and_first_token_seconds": one, "new_tokens": args.decode_tokens,

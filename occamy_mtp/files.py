@@ -192,8 +192,8 @@ def disk_full(path: Path, err: BaseException, needed_bytes: int | None = None) -
         no_space = free < needed_bytes
     if not no_space:
         return None
-    needed = f"about {_size(needed_bytes)} is needed, " if needed_bytes else ""
-    free_text = f"{_size(free)} is free" if free is not None else "the free space could not be read"
+    needed = f"about {size_text(needed_bytes)} is needed, " if needed_bytes else ""
+    free_text = f"{size_text(free)} is free" if free is not None else "the free space could not be read"
     return DiskFull(f"{path}: no space left on the device holding {directory} ({needed}{free_text}); "
                     "free some space and run the command again")
 
@@ -260,7 +260,8 @@ def _cut_torn_line(path: Path, start: int) -> None:
             raw.truncate(position)
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """A byte count as people read it: 1.5 GiB, 3.2 MiB, 12.0 KiB, 100 bytes (never 0.0 GiB)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"

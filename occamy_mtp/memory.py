@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from occamy_mtp.errors import OccamyError
+from occamy_mtp.files import size_text
 
 GIB = 2**30
 MARGIN_BYTES = 2 * GIB
@@ -98,16 +99,16 @@ def fitting(what: str, row_bytes: int, upper: int, device: torch.device, model: 
     if count < 1:
         held = ""
         if model is not None:
-            held = f"the model holds {held_bytes(model) / GIB:.1f} GiB of weights, "
+            held = f"the model holds {size_text(held_bytes(model))} of weights, "
         raise NotEnoughMemory(
             f"not enough GPU memory for one {what}: {held}this process has "
-            f"{torch.cuda.memory_allocated(device) / GIB:.1f} GiB allocated and may allocate {available / GIB:.2f} GiB more "
-            f"of the card's {total / GIB:.1f} GiB; a {what} needs {row_bytes / 2**20:.0f} MiB beside a margin of "
-            f"{margin / GIB:.1f} GiB. Use a GPU with more memory (or free the one in use)"
+            f"{size_text(torch.cuda.memory_allocated(device))} allocated and may allocate {size_text(available)} more "
+            f"of the card's {size_text(total)}; a {what} needs {size_text(row_bytes)} beside a margin of "
+            f"{size_text(margin)}. Use a GPU with more memory (or free the one in use)"
         )
     bound = "its upper bound" if count == upper else "what fits"
-    return Sizing(int(count), f"{count} {what}s ({bound}): {available / GIB:.1f} GiB free for this process, "
-                              f"{row_bytes / 2**20:.1f} MiB a {what}, {margin / GIB:.1f} GiB kept free")
+    return Sizing(int(count), f"{count} {what}s ({bound}): {size_text(available)} free for this process, "
+                              f"{size_text(row_bytes)} a {what}, {size_text(margin)} kept free")
 
 
 def logit_rows(device: torch.device, vocab_size: int, bytes_per_logit: float, upper: int) -> int:

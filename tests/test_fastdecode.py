@@ -1,13 +1,13 @@
 """The static batch decoder (`occamy_mtp.base.fastdecode`) against the generator it replaces on a GPU
-(`generate.greedy_generate`) and against the base's full forward, on tiny float32 models."""
+(`generate.plain_decode`) and against the base's full forward, on tiny float32 models."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from occamy_mtp.base.fastdecode import BatchDecoder, StaticHeadRunner, fast_greedy_generate
-from occamy_mtp.base.generate import greedy_generate
+from occamy_mtp.base.fastdecode import BatchDecoder, StaticHeadRunner, fast_plain_decode
+from occamy_mtp.base.generate import plain_decode
 from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
 from occamy_mtp.testing.interpreter import run_interpreted
 from occamy_mtp.testing.numerics import assert_close, rounding_bound
@@ -32,15 +32,15 @@ def prompts_of(lengths, seed=0, vocab=1000):
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def test_the_batch_decoder_writes_greedy_generate_s_tokens(base):
+def test_the_batch_decoder_writes_plain_decode_s_tokens(base):
     prompts = prompts_of((1, 9, 4, 17, 2))
-    expected = greedy_generate(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
-    got = fast_greedy_generate(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    expected = plain_decode(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
+    got = fast_plain_decode(base, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
     assert got == expected and all(len(c) == 12 for c in got)
 
 
-def test_the_batch_decoder_samples_greedy_generate_s_tokens(base):
-    """Sampled: each row draws from its own stream at its own positions, as greedy_generate does."""
+def test_the_batch_decoder_samples_plain_decode_s_tokens(base):
+    """Sampled: each row draws from its own stream at its own positions, as plain_decode does."""
     from occamy_mtp.sampling import TextSampling
 
     sharp = type(base)(base.config).float().eval().requires_grad_(False)
@@ -50,17 +50,17 @@ def test_the_batch_decoder_samples_greedy_generate_s_tokens(base):
     sampling = TextSampling(temperature=0.7, top_p=0.8, top_k=50, seed=1)
     prompts = prompts_of((1, 9, 4, 17, 2), seed=2)
     uniforms = [sampling.uniforms(f"row-{i}", 12) for i in range(len(prompts))]
-    expected = greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5, sampling=sampling,
+    expected = plain_decode(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5, sampling=sampling,
                                uniforms=uniforms)
-    assert expected != greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
-    got = fast_greedy_generate(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3, sampling=sampling,
+    assert expected != plain_decode(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=5)
+    got = fast_plain_decode(sharp, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3, sampling=sampling,
                                uniforms=uniforms)
     assert got == expected
 
 
-def test_the_batch_decoder_samples_under_penalties_as_greedy_generate_does(base):
+def test_the_batch_decoder_samples_under_penalties_as_plain_decode_does(base):
     """Penalized sampling (a preset's presence penalty, and the others): each row's answer so far and its
-    prompt, read from the decoder's fixed buffers, penalize its logits as greedy_generate's do."""
+    prompt, read from the decoder's fixed buffers, penalize its logits as plain_decode's do."""
     from occamy_mtp.sampling import TextSampling
 
     sharp = type(base)(base.config).float().eval().requires_grad_(False)
@@ -72,19 +72,19 @@ def test_the_batch_decoder_samples_under_penalties_as_greedy_generate_does(base)
     prompts = prompts_of((1, 9, 4, 17, 2), seed=2)
     uniforms = [penalized.uniforms(f"row-{i}", 12) for i in range(len(prompts))]
     kwargs = dict(max_new_tokens=12, eos_token_ids=set(), sampling=penalized, uniforms=uniforms)
-    expected = greedy_generate(sharp, prompts, batch_size=5, **kwargs)
+    expected = plain_decode(sharp, prompts, batch_size=5, **kwargs)
     plain = TextSampling(temperature=0.7, top_p=0.9, top_k=50, seed=1)
-    assert expected != greedy_generate(sharp, prompts, batch_size=5, **{**kwargs, "sampling": plain})
-    assert fast_greedy_generate(sharp, prompts, batch_size=3, **kwargs) == expected
+    assert expected != plain_decode(sharp, prompts, batch_size=5, **{**kwargs, "sampling": plain})
+    assert fast_plain_decode(sharp, prompts, batch_size=3, **kwargs) == expected
 
 
-def test_it_stops_at_the_stop_tokens_as_greedy_generate_does(base):
+def test_it_stops_at_the_stop_tokens_as_plain_decode_does(base):
     prompts = prompts_of((5, 3, 11), seed=1)
-    free = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
+    free = plain_decode(base, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
     stop = {free[0][3], free[2][6]}  # tokens the base writes: rows stop there
-    expected = greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3)
+    expected = plain_decode(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3)
     assert any(len(c) < 10 for c in expected)
-    assert fast_greedy_generate(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3) == expected
+    assert fast_plain_decode(base, prompts, max_new_tokens=10, eos_token_ids=stop, batch_size=3) == expected
 
 
 def test_every_step_s_logits_are_the_full_forward_s(base):
@@ -122,7 +122,7 @@ def test_a_prefill_leaves_the_state_one_step_a_token_leaves(base, monkeypatch, c
     """`prefill` (a few rows and up to PREFILL_CHUNK tokens a pass, each pass's attention over the
     keys written so far, the Gated DeltaNet's chunked rule from the last pass's state) against the
     step fed the same tokens one position at a time: the same keys and values, conv windows and
-    recurrent states to float32 rounding; and the decoder that prefills writes greedy_generate's tokens."""
+    recurrent states to float32 rounding; and the decoder that prefills writes plain_decode's tokens."""
     prefill_against_steps(base, monkeypatch, chunk, rows_a_pass)
 
 
@@ -174,7 +174,7 @@ def prefill_against_steps(base, monkeypatch, chunk: int, rows_a_pass: int, recur
             unit, reductions = (recurrent_unit, recurrent_reductions) if what == "recurrent states" else (torch.float32, REDUCTIONS)
             bound = rounding_bound(want[layer], unit, reductions=reductions, width=width)
             assert_close(got[layer], want[layer], bound, f"{what} of layer {layer} after a prefill of {length} positions")
-    expected = greedy_generate(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=5)
+    expected = plain_decode(base, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=5)
     assert prefilled.generate(prompts, max_new_tokens=8, eos_token_ids=set()) == expected
 
 
@@ -212,7 +212,7 @@ def decode_through_the_kernels() -> None:
     decoder = BatchDecoder(model, batch=3, positions=24, cuda_graph=False)
     assert decode_kernels.available(decoder.recurrent_states)
     prompts = prompts_of((1, 9, 4), seed=5)
-    expected = greedy_generate(model, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=3)
+    expected = plain_decode(model, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=3)
     assert decoder.generate(prompts, max_new_tokens=8, eos_token_ids=set()) == expected
     text = prompts[1] + expected[1]
     runner = StaticRunner(model, positions=len(text), span=4)  # spans of 4 through the same kernels
@@ -220,7 +220,7 @@ def decode_through_the_kernels() -> None:
     assert logits[len(prompts[1]) - 1 : -1].argmax(-1).tolist() == expected[1]
 
 
-def test_the_decoder_through_its_triton_kernels_writes_greedy_generate_s_tokens():
+def test_the_decoder_through_its_triton_kernels_writes_plain_decode_s_tokens():
     pytest.importorskip("triton")
     run_interpreted(__file__, "decode_through_the_kernels()")
 
@@ -261,11 +261,11 @@ def test_the_captured_step_writes_the_eager_step_s_tokens_on_gpu():
     model, _ = random_models(tiny_text_config(), seed=3)
     model = model.to(device="cuda", dtype=torch.bfloat16).eval().requires_grad_(False)
     prompts = prompts_of((3, 12, 7, 1, 9, 4))
-    eager = fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6, cuda_graph=False)
-    graphed = fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6, cuda_graph=True)
-    reference = greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6)
+    eager = fast_plain_decode(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6, cuda_graph=False)
+    graphed = fast_plain_decode(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6, cuda_graph=True)
+    reference = plain_decode(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6)
     assert graphed == eager  # the graph replays the very kernels of the eager step
-    # bf16: another summation order than greedy_generate's (recurrent against chunked prefill,
+    # bf16: another summation order than plain_decode's (recurrent against chunked prefill,
     # grouped against looped experts) may part a row at a near tie, not most of them
     assert sum(a == b for a, b in zip(graphed, reference)) >= len(prompts) // 2
 
@@ -283,10 +283,10 @@ def test_the_captured_penalized_step_writes_the_eager_step_s_tokens_on_gpu():
     prompts = prompts_of((3, 12, 7, 1, 9, 4))
     uniforms = [sampling.uniforms(f"row-{i}", 20) for i in range(len(prompts))]
     kwargs = dict(max_new_tokens=20, eos_token_ids=set(), batch_size=6, sampling=sampling, uniforms=uniforms)
-    eager = fast_greedy_generate(model, prompts, cuda_graph=False, **kwargs)
-    assert fast_greedy_generate(model, prompts, cuda_graph=True, **kwargs) == eager
+    eager = fast_plain_decode(model, prompts, cuda_graph=False, **kwargs)
+    assert fast_plain_decode(model, prompts, cuda_graph=True, **kwargs) == eager
     unpenalized = TextSampling(temperature=1.0, top_p=0.95, top_k=20, seed=2)
-    assert eager != fast_greedy_generate(model, prompts, cuda_graph=False, **{**kwargs, "sampling": unpenalized})
+    assert eager != fast_plain_decode(model, prompts, cuda_graph=False, **{**kwargs, "sampling": unpenalized})
 
 
 @pytest.mark.gpu
@@ -303,10 +303,10 @@ def test_the_captured_sampled_step_writes_the_eager_step_s_tokens_on_gpu():
     prompts = prompts_of((3, 12, 7, 1, 9, 4))
     uniforms = [sampling.uniforms(f"row-{i}", 20) for i in range(len(prompts))]
     kwargs = dict(max_new_tokens=20, eos_token_ids=set(), batch_size=6, sampling=sampling, uniforms=uniforms)
-    eager = fast_greedy_generate(model, prompts, cuda_graph=False, **kwargs)
-    graphed = fast_greedy_generate(model, prompts, cuda_graph=True, **kwargs)
+    eager = fast_plain_decode(model, prompts, cuda_graph=False, **kwargs)
+    graphed = fast_plain_decode(model, prompts, cuda_graph=True, **kwargs)
     assert graphed == eager
-    assert graphed != fast_greedy_generate(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6)
+    assert graphed != fast_plain_decode(model, prompts, max_new_tokens=20, eos_token_ids=set(), batch_size=6)
 
 
 @pytest.mark.parametrize("draft_steps", [1, 3])

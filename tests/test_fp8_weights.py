@@ -181,8 +181,8 @@ def test_the_base_kept_in_fp8_computes_what_the_dequantized_base_computes(bases,
     each layer itself): equal outputs, every layer's weights written after another layer's, from
     buffers filled with NaN, so that a weight read before it is written would show."""
     from occamy_mtp.base.fastbase import FastBasePass, torch_kernels
-    from occamy_mtp.base.fastdecode import fast_greedy_generate
-    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.base.fastdecode import fast_plain_decode
+    from occamy_mtp.base.generate import plain_decode
 
     kept, dequantized = _both(bases, dtype)
     def poisoned():  # whatever a forward reads that it did not write is NaN, and shows in its outputs
@@ -202,9 +202,9 @@ def test_the_base_kept_in_fp8_computes_what_the_dequantized_base_computes(bases,
     experts = next(w.module for w in held.weights if w.routed)
     assert torch.equal(experts.gate_up_proj[[1, 3]], reference["mlp.experts.gate_up_proj"][[1, 3]])
     prompts = [ids[0, :9].tolist(), ids[1, :14].tolist()]
-    decoded = [greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids={-1}, batch_size=2) for m in (poisoned(), dequantized)]
+    decoded = [plain_decode(m, prompts, max_new_tokens=8, eos_token_ids={-1}, batch_size=2) for m in (poisoned(), dequantized)]
     assert decoded[0] == decoded[1]
-    static = [fast_greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2)
+    static = [fast_plain_decode(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2)
               for m in (poisoned(), dequantized)]  # the static decoder, its layers unrolled
     assert static[0] == static[1]
     windows = [ids[0].tolist(), ids[1, :21].tolist(), ids[1, :2].tolist()]
@@ -296,7 +296,7 @@ def test_the_base_kept_in_fp8_on_the_gpu_computes_what_the_dequantized_base_comp
     """On the card: transformers' forward, the static decoder (its steps captured in a CUDA graph, the
     writes and the experts' mask inside) and the packed pass, against the base read dequantized."""
     from occamy_mtp.base.fastbase import FastBasePass
-    from occamy_mtp.base.fastdecode import fast_greedy_generate
+    from occamy_mtp.base.fastdecode import fast_plain_decode
 
     kept = ckpt_io.load_base(bases["fp8"], dtype=torch.bfloat16, device="cuda")  # auto: kept in FP8 on CUDA
     dequantized = ckpt_io.load_base(bases["fp8"], dtype=torch.bfloat16, device="cuda", fp8_weights="dequantized")
@@ -305,7 +305,7 @@ def test_the_base_kept_in_fp8_on_the_gpu_computes_what_the_dequantized_base_comp
     with torch.no_grad():
         assert torch.equal(kept(input_ids=ids).logits, dequantized(input_ids=ids).logits)
     prompts = [ids[0, :9].tolist(), ids[1, :14].tolist()]
-    decoded = [fast_greedy_generate(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2, cuda_graph=True)
+    decoded = [fast_plain_decode(m, prompts, max_new_tokens=8, eos_token_ids=set(), batch_size=2, cuda_graph=True)
                for m in (kept, dequantized)]
     assert decoded[0] == decoded[1]
     windows = [ids[0].tolist(), ids[1, :21].tolist()]

@@ -180,7 +180,7 @@ def test_generate_resumes_only_onto_text_the_same_base_computed_the_same_way(bas
 def test_generate_writes_what_the_opened_base_writes(bases, tmp_path, sample_tokenizer):
     """Under W8A8 emulation the text is the emulated base's own greedy continuation (the command opens
     the base through the one door, so every model.* setting reaches it)."""
-    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.base.generate import plain_decode
     from occamy_mtp.commands import generate as generate_command
     from occamy_mtp.selfgen.regenerate import read_prompts
     from occamy_mtp.testing.tokenizer import SAMPLE_DATA_PATH
@@ -197,9 +197,9 @@ def test_generate_writes_what_the_opened_base_writes(bases, tmp_path, sample_tok
     metas = [json.loads(line)["meta"] for line in out.read_text().splitlines()]
     written = {(m["source_hash"], m["turn_index"]): m["generated_token_ids"] for m in metas}
     stop = {int(t) for t in json.loads((tmp_path / "out.jsonl.meta.json").read_text())["settings"]["eos_token_ids"]}
-    expected = {p.key: greedy_generate(emulated, [p.prompt_ids], max_new_tokens=6, eos_token_ids=stop, batch_size=1)[0]
+    expected = {p.key: plain_decode(emulated, [p.prompt_ids], max_new_tokens=6, eos_token_ids=stop, batch_size=1)[0]
                 for p in prompts}
-    other = {p.key: greedy_generate(plain, [p.prompt_ids], max_new_tokens=6, eos_token_ids=stop, batch_size=1)[0]
+    other = {p.key: plain_decode(plain, [p.prompt_ids], max_new_tokens=6, eos_token_ids=stop, batch_size=1)[0]
              for p in prompts}
     assert len(written) == len(prompts) > 0 and written == expected
     assert other != expected  # the emulation changes this text: the check above can tell the two apart
@@ -236,8 +236,8 @@ def test_on_a_gpu_the_fast_paths_run_an_opened_base_and_stand_aside_for_an_emula
     decoder's runner): on for a plain FP8 base opened on CUDA, and the static decoder writes what
     transformers' decoding writes there; off for the same base with its activations emulated (the fast
     paths read the weights directly and would skip the emulation)."""
-    from occamy_mtp.base.fastdecode import fast_greedy_generate, static_decoding
-    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.base.fastdecode import fast_plain_decode, static_decoding
+    from occamy_mtp.base.generate import plain_decode
     from occamy_mtp.evaluation.decode import BaseRunner, base_runner_for
 
     plain = FrozenBase.open(settings(bases[q.FP8], dtype="bfloat16", fp8_weights="fp8"), "cuda")
@@ -245,7 +245,7 @@ def test_on_a_gpu_the_fast_paths_run_an_opened_base_and_stand_aside_for_an_emula
     assert plain.fp8_layers == len(plain.model.layers) and static_decoding(plain)
     assert not static_decoding(emulated) and isinstance(base_runner_for(emulated, 64), BaseRunner)
     prompts = [[5, 9, 200, 31], [7], [300, 2, 2, 2, 41, 18]]
-    fast = fast_greedy_generate(plain, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
-    reference = greedy_generate(plain.module, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    fast = fast_plain_decode(plain, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
+    reference = plain_decode(plain.module, prompts, max_new_tokens=12, eos_token_ids=set(), batch_size=3)
     # bf16: the static decoder's other summation order may part a row at a near tie, not most of them
     assert sum(a == b for a, b in zip(fast, reference)) >= 2

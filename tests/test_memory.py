@@ -119,9 +119,9 @@ def test_expandable_segments_are_read_as_torch_reads_its_settings(monkeypatch, a
 def test_not_even_one_row_is_an_error_naming_the_model_and_the_card(monkeypatch):
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
     fake_cuda(monkeypatch, free=2 * GIB + 100 * 2**20, total=80 * GIB, allocated=70 * GIB, reserved=70 * GIB)
-    with pytest.raises(memory.NotEnoughMemory, match=r"one row: the model holds 0\.0 GiB of weights, this process has 70\.0 GiB "
-                                                      r"allocated and may allocate 2\.10 GiB more of the card's 80\.0 GiB; "
-                                                      r"a row needs 200 MiB"):
+    with pytest.raises(memory.NotEnoughMemory, match=r"one row: the model holds 4\.0 MiB of weights, this process has 70\.0 GiB "
+                                                      r"allocated and may allocate 2\.1 GiB more of the card's 80\.0 GiB; "
+                                                      r"a row needs 200\.0 MiB"):
         memory.fitting("row", 200 * 2**20, 160, torch.device("cuda"), model)
 
 
@@ -176,7 +176,7 @@ def test_logits_chunks_take_the_positions_that_fit_and_none_are_sized_off_the_gp
     assert memory.logit_rows(torch.device("cpu"), vocab, per_logit, 4096) == 4096  # a CPU: nothing is sized
     fake_cuda(monkeypatch, free=2 * GIB + row - 1, total=80 * GIB, allocated=77 * GIB, reserved=77 * GIB)
     with pytest.raises(memory.NotEnoughMemory, match=r"one position's logits: this process has 77\.0 GiB allocated .* "
-                                                      r"needs 2 MiB beside a margin of 2\.0 GiB"):
+                                                      r"needs 2\.4 MiB beside a margin of 2\.0 GiB"):
         memory.logit_rows(torch.device("cuda"), vocab, per_logit, 4096)
 
 

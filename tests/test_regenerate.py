@@ -20,7 +20,7 @@ import torch
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.base.frozen import BaseFacts, BaseIdentity
 from occamy_mtp.config import ModelSettings
-from occamy_mtp.base.generate import greedy_generate
+from occamy_mtp.base.generate import plain_decode
 from occamy_mtp.selfgen import regenerate as G
 from occamy_mtp.selfgen import store
 from occamy_mtp.data.reader import DataError, Message
@@ -152,7 +152,7 @@ def test_batched_greedy_equals_one_by_one_full_forward(family):
     eos = {reference_greedy(base, prompts[0], 3, set())[2]}
 
     expected = [reference_greedy(base, p, max_new_tokens, eos) for p in prompts]
-    got = greedy_generate(base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=4)
+    got = plain_decode(base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos, batch_size=4)
 
     assert got == expected
     assert len(got[0]) == 3 and got[0][-1] in eos
@@ -188,27 +188,27 @@ def test_sampled_generation_is_the_one_by_one_draws_and_batch_free():
     prompts = [torch.randint(0, text_config.vocab_size, (n,), generator=generator).tolist() for n in (3, 11, 1, 6)]
     uniforms = [sampling.uniforms(f"context-{i}", 7) for i in range(len(prompts))]
     expected = [reference_sampled(base, p, u, sampling, set()) for p, u in zip(prompts, uniforms)]
-    greedy = greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4)
+    greedy = plain_decode(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4)
     assert expected != greedy  # sampling changed the text
     for batch_size in (1, 4):
-        got = greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=batch_size,
+        got = plain_decode(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=batch_size,
                                 sampling=sampling, uniforms=uniforms)
         assert got == expected, batch_size
     with pytest.raises(ValueError, match="one uniform stream per prompt"):
-        greedy_generate(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4, sampling=sampling)
+        plain_decode(base, prompts, max_new_tokens=7, eos_token_ids=set(), batch_size=4, sampling=sampling)
     with pytest.raises(ValueError, match="fewer than max_new_tokens=9"):
-        greedy_generate(base, prompts, max_new_tokens=9, eos_token_ids=set(), batch_size=4, sampling=sampling,
+        plain_decode(base, prompts, max_new_tokens=9, eos_token_ids=set(), batch_size=4, sampling=sampling,
                           uniforms=uniforms)
 
 
-def test_greedy_generate_rejects_bad_arguments(random_base):
+def test_plain_decode_rejects_bad_arguments(random_base):
     _, base = random_base
     with pytest.raises(ValueError, match="prompt 1 is empty"):
-        greedy_generate(base, [[1], []], max_new_tokens=2, eos_token_ids={0}, batch_size=2)
+        plain_decode(base, [[1], []], max_new_tokens=2, eos_token_ids={0}, batch_size=2)
     with pytest.raises(ValueError, match="batch_size"):
-        greedy_generate(base, [[1]], max_new_tokens=2, eos_token_ids={0}, batch_size=0)
+        plain_decode(base, [[1]], max_new_tokens=2, eos_token_ids={0}, batch_size=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        greedy_generate(base, [[1]], max_new_tokens=0, eos_token_ids={0}, batch_size=1)
+        plain_decode(base, [[1]], max_new_tokens=0, eos_token_ids={0}, batch_size=1)
 
 
 # ---------------------------------------------------------------------------- records
@@ -293,7 +293,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, sample_tokenize
     # of the second are complete, the next line is cut mid-write.
     killed = tmp_path / "killed.jsonl"
     calls = {"n": 0}
-    real_greedy = store.greedy_generate
+    real_greedy = store.plain_decode
 
     def killed_after_first_batch(*args, **kwargs):
         calls["n"] += 1
@@ -301,7 +301,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_file(chats, sample_tokenize
             raise KeyboardInterrupt
         return real_greedy(*args, **kwargs)
 
-    monkeypatch.setattr(store, "greedy_generate", killed_after_first_batch)
+    monkeypatch.setattr(store, "plain_decode", killed_after_first_batch)
     with pytest.raises(KeyboardInterrupt):
         regenerate(chats, sample_tokenizer, base_dir, base, killed)
     monkeypatch.undo()

@@ -180,7 +180,7 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
     import copy
 
     from occamy_mtp.base.frozen import FrozenBase, Placement
-    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.base.generate import plain_decode
     from occamy_mtp.model.sharding import placement, shard
     from occamy_mtp.sampling import TextSampling
     from occamy_mtp.targets.base import base_outputs
@@ -218,9 +218,9 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
     for sampling, uniforms in [(TextSampling(), None),
                                (TextSampling(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5),
                                 [torch.rand(10, generator=generator, dtype=torch.float64) for _ in prompts])]:
-        expected = greedy_generate(whole, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
+        expected = plain_decode(whole, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
                                    uniforms=uniforms)
-        assert greedy_generate(sharded, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
+        assert plain_decode(sharded, prompts, max_new_tokens=10, eos_token_ids={7}, batch_size=2, sampling=sampling,
                                uniforms=uniforms) == expected
 
 
@@ -272,7 +272,7 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     import copy
 
     from occamy_mtp.base.frozen import Placement
-    from occamy_mtp.base.generate import greedy_generate
+    from occamy_mtp.base.generate import plain_decode
     from occamy_mtp.model.sharding import placement, shard
     from occamy_mtp.targets.base import base_outputs
     from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
@@ -291,8 +291,8 @@ def test_a_base_held_in_host_memory_computes_on_the_gpu_what_the_resident_one_co
     a, b = base_outputs(whole, ids), base_outputs(held, ids)
     assert torch.equal(a.hidden, b.hidden) and torch.equal(a.greedy, b.greedy)
     prompts = [ids[0, :5].tolist(), ids[1, :13].tolist(), ids[2, :2].tolist()]
-    assert (greedy_generate(held, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
-            == greedy_generate(whole, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3))
+    assert (plain_decode(held, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3)
+            == plain_decode(whole, prompts, max_new_tokens=10, eos_token_ids=set(), batch_size=3))
 
 
 def test_the_loader_shards_each_layer_before_it_reads_the_next(single_thread, one_process_group, tmp_path,

@@ -22,7 +22,7 @@ chunked rule in a prefill; elsewhere the modules' own and the kernels' PyTorch r
 decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
 after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a
 copy. `tests/test_fastdecode.py` holds the step, the prefill and the span against
-`generate.greedy_generate`, against one step a token and against the full forward.
+`generate.plain_decode`, against one step a token and against the full forward.
 `StaticHeadRunner` runs the MTP head's one layer the same way for the reference decoder's
 drafts (its keys and values in a static buffer, its extends and greedy chains captured),
 held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdecode.py.
@@ -322,7 +322,7 @@ class BatchDecoder:
         logits = base.lm_head(self.hidden)  # (B, V)
         self.logits.copy_(logits)
         if self.sampling.greedy:
-            chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in greedy_generate
+            chosen = logits.argmax(dim=-1)  # ties go to the lowest id, as in plain_decode
         else:
             history = self._penalty_history(position) if self.sampling.penalized else None
             chosen = draw(self.sampling.probs(logits, history), self.uniforms.index_select(1, position)[:, 0])
@@ -514,7 +514,7 @@ class BatchDecoder:
                  uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
         """Continuations of `prompts` (at most `batch`), greedy or drawn as the decoder's `sampling`
         says with one stream of `uniforms` per prompt: up to `max_new_tokens` ids each, ending with
-        the first token of `eos_token_ids` when one is generated (as `generate.greedy_generate`)."""
+        the first token of `eos_token_ids` when one is generated (as `generate.plain_decode`)."""
         if not 1 <= len(prompts) <= self.batch:
             raise ValueError(f"1 to {self.batch} prompts a batch, got {len(prompts)}")
         check_prompts(prompts, max_new_tokens)
@@ -856,14 +856,14 @@ def static_head_decoding(head) -> bool:
 
 def static_decoding(base) -> bool:
     """Whether self-generation decodes `base` with `BatchDecoder`: a base of a family with fast paths,
-    on CUDA (elsewhere `generate.greedy_generate`, whose cost there is not the launches)."""
+    on CUDA (elsewhere `generate.plain_decode`, whose cost there is not the launches)."""
     return base.lm_head.weight.device.type == "cuda" and runs_fast_paths(base)
 
 
-def fast_greedy_generate(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
+def fast_plain_decode(base, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Collection[int],
                          batch_size: int, cuda_graph: bool | None = None, sampling: TextSampling = GREEDY_TEXT,
                          uniforms: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
-    """`generate.greedy_generate` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
+    """`generate.plain_decode` through `BatchDecoder`: `batch_size` prompts at a time, one decoder for all."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not prompts:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from occamy_mtp import families
+from occamy_mtp import files as files_module
 from occamy_mtp.config import ConfigError, ModelSettings
 from occamy_mtp.memory import held_bytes
 from occamy_mtp.model import checkpoint as ckpt_io
@@ -172,9 +173,9 @@ class FrozenBase:
         keeps its shard, on `device` or in host memory). `facts`: the base's, when the caller has them."""
         facts = facts or BaseFacts(model.base)
         files = ckpt_io.SafetensorsCheckpoint(Path(model.base)).files()
-        size = sum(f.stat().st_size for f in files) / 2**30
+        size = files_module.size_text(sum(f.stat().st_size for f in files))
         load_to = "cpu" if sharding is not None else device
-        log(f"base: loading {model.base} ({len(files)} safetensors files, {size:.1f} GiB) to {load_to} as {model.dtype}")
+        log(f"base: loading {model.base} ({len(files)} safetensors files, {size}) to {load_to} as {model.dtype}")
         # Sharded, each layer is placed as it is read: no process holds the whole base.
         place_layer = None if sharding is None else functools.partial(shard_layer, sharding=sharding, device=torch.device(device))
         module, loaded = ckpt_io.open_base(model.base, dtype=ckpt_io.DTYPES[model.dtype], device=load_to,

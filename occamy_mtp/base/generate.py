@@ -1,6 +1,7 @@
 """Batched decoding with the frozen base: how the base writes its own text.
 
-`greedy_generate` is what the self-generated store (`occamy_mtp.selfgen.store`) and the
+`plain_decode` (transformers' forward with its cache, one step at a time: the plain decoder beside the
+static one, `base.fastdecode.BatchDecoder`) is what the self-generated store (`occamy_mtp.selfgen.store`) and the
 answer-regeneration command (`occamy_mtp.selfgen.regenerate`) decode with: greedy, or sampled under a
 `sampling.TextSampling` from one seeded uniform stream per prompt, until one of the stop
 tokens (`data.windows.stop_token_ids`).
@@ -42,7 +43,7 @@ def check_uniforms(prompts: Sequence[Sequence[int]], sampling: TextSampling, uni
 
 
 @torch.no_grad()
-def greedy_generate(
+def plain_decode(
     base,
     prompts: Sequence[Sequence[int]],
     *,
@@ -52,7 +53,7 @@ def greedy_generate(
     sampling: TextSampling = GREEDY_TEXT,
     uniforms: Sequence[torch.Tensor] | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of `prompts` by the frozen base, `batch_size` prompts at a time; under a
+    """Continuations of `prompts` by the frozen base, greedy, `batch_size` prompts at a time; under a
     sampled `sampling`, the j-th new token of prompt r is `sampling.draw(p, uniforms[r][j])`, p the
     base's processed distribution there, so a continuation depends on its own stream only.
 

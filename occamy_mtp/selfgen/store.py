@@ -20,8 +20,8 @@ from occamy_mtp import files
 from occamy_mtp.files import token_ids_sha256
 from occamy_mtp.memory import MARGIN_BYTES, fitting
 from occamy_mtp.base.frozen import BaseIdentity
-from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_greedy_generate, static_decoding
-from occamy_mtp.base.generate import greedy_generate, idle_decode
+from occamy_mtp.base.fastdecode import DEFAULT_MAX_BATCH, PREFILL_PASS_BYTES, BatchDecoder, fast_plain_decode, static_decoding
+from occamy_mtp.base.generate import plain_decode, idle_decode
 from occamy_mtp.model.sharding import gathered, is_sharded, share
 from occamy_mtp.data.windows import Window
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
@@ -91,10 +91,10 @@ def self_generate(
 ) -> list[Continuation]:
     """The base's continuations of `contexts` (greedy, or sampled with each context's own stream),
     batched (`batch_size` 0: as many as fit, `EmbeddedWriter.batch_for`): `fastdecode` where it
-    runs (`static_decoding`), else `generate.greedy_generate`."""
+    runs (`static_decoding`), else `generate.plain_decode`."""
     stop = frozenset(int(t) for t in stop_token_ids)
     size = EmbeddedWriter(base, batch_size, sampling).batch_for(contexts, max_new_tokens, log)
-    generate = fast_greedy_generate if static_decoding(base) else greedy_generate
+    generate = fast_plain_decode if static_decoding(base) else plain_decode
     generated = generate(base, contexts, max_new_tokens=max_new_tokens, eos_token_ids=stop, batch_size=size,
                          sampling=sampling, uniforms=context_uniforms(sampling, contexts, max_new_tokens))
     return [Continuation(tuple(ids), bool(ids) and ids[-1] in stop) for ids in generated]
@@ -129,7 +129,7 @@ class EmbeddedWriter:
     greedy or under `sampling`.
 
     On CUDA a Qwen3.5-MoE base decodes through `fastdecode.BatchDecoder` (static state,
-    one CUDA graph a step); elsewhere through `generate.greedy_generate`. Batches are fixed
+    one CUDA graph a step); elsewhere through `generate.plain_decode`. Batches are fixed
     chunks of the sorted contexts, and a batch with any context missing is generated
     whole, so a resumed run computes every continuation in the same batch as an
     uninterrupted one. A sampled continuation draws from its context's own uniform
@@ -147,7 +147,7 @@ class EmbeddedWriter:
         return EmbeddedWriter(self.base, self.batch_size, sampling)
 
     def details(self) -> dict:
-        decoder = "occamy_mtp.base.fastdecode.BatchDecoder" if self.static else "occamy_mtp.base.generate.greedy_generate"
+        decoder = "occamy_mtp.base.fastdecode.BatchDecoder" if self.static else "occamy_mtp.base.generate.plain_decode"
         return {"decoder": decoder, "text": self.sampling.label(),
                 "batch_size": self.batch_size or "sized to the memory (data.self_generate_batch_size 0)"}
 
@@ -198,9 +198,9 @@ class EmbeddedWriter:
                 log(f"  batch {number}/{len(todo)} written ({time.perf_counter() - started:.0f} s)")
 
     def _decoder(self, contexts, todo, max_new_tokens):
-        """prompts, stop ids, uniform streams -> continuations: one static decoder for every batch, or greedy_generate."""
+        """prompts, stop ids, uniform streams -> continuations: one static decoder for every batch, or plain_decode."""
         if not self.static:
-            return lambda prompts, stop, uniforms: greedy_generate(
+            return lambda prompts, stop, uniforms: plain_decode(
                 self.base, prompts, max_new_tokens=max_new_tokens, eos_token_ids=frozenset(stop), batch_size=len(prompts),
                 sampling=self.sampling, uniforms=uniforms)
         longest = max(len(contexts[i]) for batch in todo for i in batch)
