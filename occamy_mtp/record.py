@@ -382,18 +382,49 @@ SAME, EXPLAINED, UNEXPLAINED = "same", "explained", "unexplained"
 
 def compare_heads(record: dict, reference: dict) -> tuple[str, str]:
     """(SAME, EXPLAINED or UNEXPLAINED; the report): the head's sha256 beside the reference's and,
-    when they differ, what explains it (`record_differences`), or that nothing does."""
+    when they differ, what explains it (`record_differences`), or that nothing does; then the served
+    figures beside the reference's (`figure_differences`), which the bytes do not decide: the same head
+    can be measured with other roundings (another CPU's kernels, evaluation batches sized otherwise)."""
     ours, theirs = record["outputs"][ckpt_io.HEAD_FILE], reference["outputs"][ckpt_io.HEAD_FILE]
+    figures = _figures_line(record, reference)
     if ours == theirs:
-        return SAME, f"head sha256 {ours}: the same bytes as the reference's"
+        return SAME, f"head sha256 {ours}: the same bytes as the reference's\n{figures}"
     reasons = record_differences(record, reference)
     lines = [f"head sha256 {ours}: not the reference's {theirs}"]
     if not reasons:
         lines.append("NOT expected: the inputs, settings, code and arithmetic all match the reference's")
-        return UNEXPLAINED, "\n".join(lines)
+        return UNEXPLAINED, "\n".join(lines + [figures])
     lines.append("expected: the run differs from the reference in what decides the bytes:")
     lines += [f"  - {reason}" for reason in reasons]
-    return EXPLAINED, "\n".join(lines)
+    return EXPLAINED, "\n".join(lines + [figures])
+
+
+def served_figures(record: dict) -> dict[tuple[str, str, str], float]:
+    """Every served mean accept length of a TRAINING.json: (head, configuration, drafts) -> figure."""
+    heldout = (record.get("metrics") or {}).get("heldout") or {}
+    return {(head, label, k): figure["mean_accept_length"]
+            for head, part in heldout.items() if isinstance(part, dict)
+            for label, serving in (part.get("serving") or {}).items()
+            for k, figure in (serving.get("served") or {}).items() if "mean_accept_length" in figure}
+
+
+def figure_differences(record: dict, reference: dict) -> list[tuple[tuple[str, str, str], float, float]]:
+    """(key, ours, theirs) of every served figure the two records both hold and that differs."""
+    ours, theirs = served_figures(record), served_figures(reference)
+    return [(key, ours[key], theirs[key]) for key in sorted(ours) if key in theirs and ours[key] != theirs[key]]
+
+
+def _figures_line(record: dict, reference: dict) -> str:
+    ours, theirs = served_figures(record), served_figures(reference)
+    shared = [key for key in ours if key in theirs]
+    if not shared:
+        return "figures: none to compare (a record without served figures)"
+    differ = figure_differences(record, reference)
+    if not differ:
+        return f"figures: all {len(shared)} served accept lengths equal the reference's"
+    (head, label, k), a, b = max(differ, key=lambda d: abs(d[1] - d[2]))
+    return (f"figures: {len(differ)} of {len(shared)} served accept lengths differ from the reference's, by at most "
+            f"{abs(a - b):.2g} ({head} head, {label}, {k}-step: {a:.6f} here, {b:.6f} in the reference)")
 
 
 def read_record(path: Path) -> dict:

@@ -133,7 +133,14 @@ def test_a_card_of_sampled_counts_says_they_are_expected():
 
 def test_compare_tells_the_same_head_an_explained_and_an_unexplained_difference(exported, tmp_path, capsys):
     record = json.loads(RunDir.of(exported).record.read_text())
-    assert rec.compare_heads(record, record)[0] == rec.SAME
+    status, report = rec.compare_heads(record, record)
+    assert status == rec.SAME and "figures: all" in report and "equal the reference's" in report
+    moved = copy.deepcopy(record)  # the same bytes, a figure measured with another rounding
+    served = moved["metrics"]["heldout"]["trained"]["serving"]["greedy"]["served"]["1"]
+    served["mean_accept_length"] += 1e-6
+    status, report = rec.compare_heads(moved, record)
+    assert status == rec.SAME and "the same bytes" in report
+    assert "figures: 1 of" in report and "by at most 1e-06 (trained head, greedy, 1-step" in report
 
     other = copy.deepcopy(record)
     other["outputs"]["mtp-trained.safetensors"] = "0" * 64
