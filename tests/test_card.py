@@ -111,6 +111,29 @@ def test_the_picture_has_a_panel_per_serving_configuration(exported, tmp_path):
     assert Image.open(two).size[0] > 1.8 * Image.open(one).size[0]
 
 
+def test_the_picture_says_what_its_bars_are_with_their_errors_and_the_ceiling_s_value(exported):
+    """Each bar is a mean accept length with its standard error; the ceiling's value is printed; no value
+    label sits where the ceiling's dashed line crosses it."""
+    from occamy_mtp.evaluation.plot import LABEL_HEIGHT, served_figure
+
+    metrics = json.loads(RunDir.of(exported).metrics.read_text())
+    figure = served_figure(metrics)
+    axes = figure.axes[0]
+    assert axes.get_ylabel().startswith("mean accept length")
+    label = metrics["serving"][0]["label"]
+    error_bars = [c for c in axes.containers if getattr(c, "errorbar", None) is not None]
+    assert len(error_bars) == len(metrics["heldout"])  # one set a head
+    texts = [t.get_text() for t in axes.texts]
+    for k in metrics["served_steps"]:
+        value = metrics["ceiling"][label][str(k)]["mean_accept_length"]
+        assert f"{value:.2f}" in texts
+    lines = [metrics["ceiling"][label][str(k)]["mean_accept_length"] for k in metrics["served_steps"]]
+    for text in axes.texts:
+        if "\n(" in text.get_text():  # a bar's label: its bottom is not just below a ceiling line
+            y = text.xy[1]
+            assert not any(y - 0.02 < line < y + LABEL_HEIGHT for line in lines), (text.get_text(), y, lines)
+
+
 def test_hub_snapshots_are_named_by_their_repository():
     assert hub_id("/root/.cache/huggingface/hub/models--Qwen--Qwen3.6-35B-A3B/snapshots/abc") == "Qwen/Qwen3.6-35B-A3B"
     assert hub_id("/ckpt/occamy") is None

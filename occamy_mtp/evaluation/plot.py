@@ -91,10 +91,23 @@ def serving_words(serving: dict) -> str:
 
 
 def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
-    """Write the served figures of `metrics` (export's metrics.json) to `path`: one panel per serving
-    configuration, one bar group per served step count, donor beside trained; each bar is the mean
-    accept length (tokens per pass of the base), labelled with it and the first step's acceptance;
-    a dashed line marks the ceiling, a perfect drafter's accept length (`metrics["ceiling"]`), where it is given."""
+    """Write `served_figure(metrics)` to `path`."""
+    figure = served_figure(metrics)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, format=image_format)
+    return path
+
+
+LABEL_HEIGHT = 0.65  # a bar's two-line label (7 pt), in accept-length units of the panels' scale
+
+
+def served_figure(metrics: dict):
+    """The served figures of `metrics` (export's metrics.json) as a matplotlib Figure: one panel per serving
+    configuration, one bar group per served step count, donor beside trained; each bar is the mean accept
+    length (tokens a verify pass emits) with one standard error, labelled with it and the first step's
+    acceptance; a dashed line marks the ceiling, a perfect drafter's accept length (`metrics["ceiling"]`),
+    its value printed at its end, and a label the line would cross is set above it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -107,30 +120,34 @@ def plot_served(metrics: dict, path: Path, image_format: str = "png") -> Path:
     top = max(steps) + 1
     for axes, serving in zip(axes_row, servings):
         label = serving["label"]
+        ceiling = metrics.get("ceiling", {}).get(label)
         others = iter(COLORS * len(heads))
         for n, head in enumerate(heads):
             served = [metrics["heldout"][head]["serving"][label]["served"][str(k)] for k in steps]
             x = [i + (n - (len(heads) - 1) / 2) * width for i in range(len(steps))]
-            bars = axes.bar(x, [s["mean_accept_length"] for s in served], width=width, label=head,
-                            color=DONOR_COLOR if head == "donor" else next(others))
-            for bar, s in zip(bars, served):
+            errors = [s.get("mean_accept_length_se") or 0.0 for s in served]
+            bars = axes.bar(x, [s["mean_accept_length"] for s in served], width=width, label=head, yerr=errors,
+                            capsize=2, error_kw={"elinewidth": 0.8}, color=DONOR_COLOR if head == "donor" else next(others))
+            for i, (bar, s, error) in enumerate(zip(bars, served, errors)):
+                y = bar.get_height() + error
+                line = ceiling[str(steps[i])]["mean_accept_length"] if ceiling else None
+                if line is not None and y - 0.02 <= line <= y + LABEL_HEIGHT:
+                    y = line + 0.02  # above the ceiling's line, not struck through by it
                 axes.annotate(f"{s['mean_accept_length']:.2f}\n({s['acceptance'][0]:.0%})",
-                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-        ceiling = metrics.get("ceiling", {}).get(label)
+                              (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
         for i, k in enumerate(steps if ceiling else []):  # a perfect drafter's accept length
-            axes.hlines(ceiling[str(k)]["mean_accept_length"], i - 0.45, i + 0.45, colors="black", linestyles="dashed",
-                        linewidth=0.8, label="ceiling" if i == 0 else None)
+            value = ceiling[str(k)]["mean_accept_length"]
+            axes.hlines(value, i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                        linewidth=0.8, label="ceiling (a perfect drafter)" if i == 0 else None)
+            axes.annotate(f"{value:.2f}", (i + 0.45, value), ha="left", va="center", fontsize=6)
         axes.set_xticks(range(len(steps)), [f"{k} draft{'s' * (k != 1)}" for k in steps])
         words = serving_words(serving).replace(" (", "\n(").replace(", top-k", ",\ntop-k")  # a preset: its name above
         axes.set_title(words + (" (selected)" if label == metrics.get("selected_serving") and len(servings) > 1 else "")
                        + _how_far(metrics, label, steps), fontsize=7)
         axes.set_ylim(0, top + 0.6)
-    axes_row[0].set_ylabel("tokens per pass of the base")
+    axes_row[0].set_ylabel("mean accept length\n(tokens a verify pass emits)", fontsize=8)
     axes_row[0].legend(fontsize=7, loc="upper left")
-    figure.suptitle("Tokens per pass of the base, donor head vs trained head\n"
+    figure.suptitle("Mean accept length, donor head vs trained head, ± one standard error\n"
                     "(higher is faster; first-draft acceptance in brackets)", fontsize=9)
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format=image_format)
-    return path
+    return figure
