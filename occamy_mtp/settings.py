@@ -34,6 +34,7 @@ from occamy_mtp.config import (
 )
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, text_sampling
+from occamy_mtp.selfgen.store import STORE_FILE
 from occamy_mtp.targets.cache import DEFAULT_MAX_SHARD_BYTES
 
 
@@ -167,6 +168,9 @@ class Setup:
     unset: dict
     """model.base, model.donor_head and data.files where they still hold the shipped configs'
     placeholder (`config.placeholders`): the checks refuse them, all at once."""
+    new_store_root: Path | None = None
+    """Where a store the run does not hold yet is written (`evaluate --out`'s self-generated/: an evaluation
+    writes into its own directory, never into the run's); None: under `store_root` like the others."""
 
     def texts(self, serving: Serving) -> tuple[TextSampling, ...]:
         return self.serving_texts[serving.label()]
@@ -174,7 +178,11 @@ class Setup:
     def store_dir(self, sampling: TextSampling = GREEDY_TEXT) -> Path:
         """Where the continuations written under `sampling` are stored: the greedy ones in the store
         directory itself, sampled ones in a folder of it named after their settings."""
-        return self.store_root if sampling.greedy else self.store_root / f"sampled-{sampling.label()}"
+        name = "" if sampling.greedy else f"sampled-{sampling.label()}"
+        held = self.store_root / name if name else self.store_root
+        if self.new_store_root is None or (held / STORE_FILE).is_file():
+            return held
+        return self.new_store_root / name if name else self.new_store_root
 
     def stored_texts(self) -> list[TextSampling]:
         """Every way this run's base may write text, greedy first, each once."""

@@ -177,6 +177,10 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
     continuations = [f"t0.7-p0.8-seed{j}" for j in range(EvalSettings().sampled_continuations)]
     assert set(stores) == {"greedy", *continuations} and report["self_generated"]["max_new_tokens"] == 8
     assert all(0 < store["generated_tokens"] <= 16 for store in stores.values())
+    # texts the run never wrote go under --out, never into the run's directory
+    assert (out / "self-generated" / "self-generated.jsonl").is_file() and not (tmp_path / "run" / "self-generated").exists()
+    assert (out / "self-generated" / "sampled-t0.7-p0.8-seed0" / "self-generated.jsonl").is_file()
+    assert "2 heldout prompts (" in printed  # greedy, the first configuration: one text a prompt
     for head_report in report["heads"].values():
         assert list(head_report["serving"]) == ["greedy", "t0.7-p0.8"]
         for label, by_serving in head_report["serving"].items():

@@ -9,6 +9,7 @@ report and its plot (docs/guide/EVALUATION.md).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -53,6 +54,8 @@ def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *
     if reference_decoder and penalized:
         raise ConfigError(f"--reference-decoder samples without penalties, and eval.serving's {', '.join(penalized)} "
                           "set some; leave those out of eval.serving for the decoder check")
+    if not setup.data.self_generated_dir:  # a text the run has not written goes under --out, not into the run
+        setup = dataclasses.replace(setup, new_store_root=Path(out) / "self-generated")
     facts = check_inputs(setup)
     refuse_inside_models(setup.model, [("--out", out)])
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)

@@ -67,7 +67,7 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
     width = 18
     lines = [
         "served acceptance (exact): the reference speculative decoder on the base's own continuation of "
-        f"{first['texts']} heldout {plural(first['texts'], 'prompt')} (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
+        f"{prompts_of(first)} (<= {max_new_tokens} new tokens each), per serving configuration: greedy "
         "(decoder replay), sampled (the decoder's expected counts given each of the base's sampled continuations); "
         "± one standard error over contexts",
         f"  {'':<48}" + "".join(f"{name:>{width}}" for name in columns),
@@ -169,3 +169,11 @@ def format_decoder_checks(checks_by_head: dict) -> str:
                                  f"decodes; z of accepted drafts {check['z']['accepted']:+.2f}, of verify passes "
                                  f"{check['z']['verify_passes']:+.2f}")
     return "".join(lines)
+
+
+def prompts_of(figure: dict) -> str:
+    """How many heldout prompts a served figure covers, and how many texts of each: "32 heldout prompts",
+    or "32 heldout prompts x 4 continuations" where the base sampled several of each."""
+    texts, contexts = figure["texts"], figure.get("contexts") or figure["texts"]
+    words = f"{contexts} heldout {plural(contexts, 'prompt')}"
+    return words + (f" x {texts // contexts} continuations" if texts > contexts else "")

@@ -20,7 +20,7 @@ import yaml
 
 from occamy_mtp.console import plural
 from occamy_mtp.evaluation.breakdown import one_line
-from occamy_mtp.evaluation.report import share_of_ceiling, with_error
+from occamy_mtp.evaluation.report import prompts_of, share_of_ceiling, with_error
 from occamy_mtp.evaluation.plot import serving_words
 from occamy_mtp.model import checkpoint as ckpt_io
 
@@ -184,8 +184,8 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR", license: str | None =
         "",
         "## Validation",
         "",
-        (f"Served acceptance on {metrics['heldout']['trained']['serving'][metrics['serving'][0]['label']]['served'][str(steps[0])]['texts']} "
-         "heldout prompts: the library's reference speculative decoder (draft K tokens with the head's argmax, "
+        (f"Served acceptance on {prompts_of(metrics['heldout']['trained']['serving'][metrics['serving'][0]['label']]['served'][str(steps[0])])}"
+         ": the library's reference speculative decoder (draft K tokens with the head's argmax, "
          "verify with the base, keep the accepted prefix and the base's token) on the base's own continuation of "
          "each prompt, per serving configuration. Greedy counts are the decoder's; sampled ones are its expected "
          "counts given the text the base sampled there (a draft is accepted with the base's processed probability "
