@@ -325,12 +325,17 @@ def write_missing(stores: Stores, needed: dict[TextSampling, list[Window]], writ
                   keep: bool = True) -> None:
     """`writer` (`continuation_writer`) writes the continuations of the `needed` windows
     (`self_generated_needed`) the stores lack; with `keep=False` it decodes them and nothing is
-    stored (`run_windows_together`). Without a writer, a SelfGenError when any is missing."""
-    for sampling, windows in needed.items():
-        store = stores[sampling]
-        missing = store.missing(windows)
-        if not missing:
-            continue
+    stored (`run_windows_together`). Without a writer, a SelfGenError when any is missing. Before the
+    first store, one line says how many stores and continuations are to be written in all, and each
+    store's line says which of them it is."""
+    lacking = {sampling: missing for sampling, windows in needed.items() if (missing := stores[sampling].missing(windows))}
+    total = sum(len(missing) for missing in lacking.values())
+    if lacking and writer is not None and len(lacking) > 1:
+        log(f"self-generated windows: {total:,} continuations to write into {len(lacking)} stores (one a way the base "
+            "writes: the train text, each serving configuration's seeds)")
+    done = 0
+    for number, (sampling, missing) in enumerate(lacking.items(), start=1):
+        store, windows = stores[sampling], needed[sampling]
         if writer is None:
             raise SelfGenError(
                 f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
@@ -338,10 +343,13 @@ def write_missing(stores: Stores, needed: dict[TextSampling, list[Window]], writ
                 "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
                 "servers that write them (data.self_generate_endpoints)"
             )
+        if len(lacking) > 1:
+            log(f"self-generated windows: store {number} of {len(lacking)} ({done:,} of {total:,} continuations written)")
         if keep:
             store.generate(writer.for_text(sampling), windows, log)
         else:
             store.follow(writer.for_text(sampling), windows)
+        done += len(missing)
 
 
 def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer | None = None,

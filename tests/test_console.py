@@ -51,3 +51,35 @@ def test_kernel_fallbacks_are_one_note_with_cuda_and_none_without(monkeypatch):
     with_cuda = fallback_records(monkeypatch, cuda=True)
     assert len(with_cuda) == 2 and console.FLA_INSTALL_HINT in with_cuda[0] and with_cuda[1] == "something else"
     assert fallback_records(monkeypatch, cuda=False) == ["something else"]
+
+
+def test_self_generation_says_how_many_stores_and_continuations_are_ahead():
+    """Several stores to write: one line with the totals first, then each store's place among them."""
+    from occamy_mtp.run import write_missing
+    from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
+
+    class Store:
+        def __init__(self, lacking):
+            self.lacking, self.written = lacking, 0
+
+        def missing(self, windows):
+            return windows[: self.lacking]
+
+        def generate(self, writer, windows, log):
+            self.written = len(self.missing(windows))
+
+    class Writer:
+        def for_text(self, sampling):
+            return sampling
+
+    sampled = [TextSampling(0.7, 0.8, 0, seed) for seed in range(2)]
+    stores = {GREEDY_TEXT: Store(3), sampled[0]: Store(0), sampled[1]: Store(5)}
+    lines = []
+    write_missing(stores, {text: list(range(6)) for text in stores}, Writer(), log=lines.append)
+    assert lines[0].startswith("self-generated windows: 8 continuations to write into 2 stores")
+    assert lines[1:] == ["self-generated windows: store 1 of 2 (0 of 8 continuations written)",
+                         "self-generated windows: store 2 of 2 (3 of 8 continuations written)"]
+    assert [s.written for s in stores.values()] == [3, 0, 5]
+    lines.clear()
+    write_missing({GREEDY_TEXT: Store(2)}, {GREEDY_TEXT: [0, 1]}, Writer(), log=lines.append)
+    assert lines == []  # one store: its own lines say it all
