@@ -88,9 +88,19 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def trained(tmp_path_factory, models):
     root = tmp_path_factory.mktemp("e2e-run")
     config = write_config(root / "run.yaml", models, root / "out")
-    ok(run(["train.py", "--config", str(config)]))
-    ok(run(["export.py", "--config", str(config), "--allow-worse"]))
-    return {"config": config, "out": root / "out"}
+    trained = ok(run(["train.py", "--config", str(config)]))
+    exported = ok(run(["export.py", "--config", str(config), "--allow-worse"]))
+    return {"config": config, "out": root / "out", "stderr": trained.stderr + exported.stderr}
+
+
+def test_a_run_without_deepspeed_says_nothing_of_it(trained):
+    """DeepSpeed, where it is installed, warns about the accelerator when it is imported: a plain run never
+    imports it (accelerate's unwrap_model would)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed: nothing would import it")
+    assert "real_accelerator" not in trained["stderr"] and "DeepSpeed" not in trained["stderr"], trained["stderr"][-2000:]
 
 
 def test_outputs_exist_and_only_trainable_tensors_changed(trained, models):

@@ -133,7 +133,11 @@ def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict |
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
                                   eps=settings.adam_eps, weight_decay=settings.weight_decay)
     model, optimizer = accelerator.prepare(run.models.head, optimizer)
-    head: MTPHead = accelerator.unwrap_model(model)
+    # The head itself: DDP wraps the module it is given. (accelerate's unwrap_model would import DeepSpeed
+    # wherever it is installed, and DeepSpeed warns about the accelerator on import, in runs that do not use it.)
+    head: MTPHead = run.models.head
+    if getattr(model, "module", model) is not head:
+        raise RuntimeError("accelerate.prepare wrapped a copy of the head, not the head")
     act_dtype = ckpt_io.DTYPES[train_plan.dtype]
     total_steps = settings.epochs * steps_per_epoch(len(run.windows.train), settings.windows_per_step)
     weights = train_plan.step_weights
