@@ -308,6 +308,56 @@ def test_expert_mlp_under_triton_s_interpreter():
     run_interpreted(__file__, "compare_expert_mlp_with_reference()")
 
 
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, block: tuple[int, int]) -> moe_kernels.Fp8Experts:
+    """The weights quantized as the family's checkpoints store them: e4m3 codes, one multiplier a block
+    (each block's largest |value| over 448, times a spread so that the multipliers differ)."""
+    def quantize(weight):
+        rows, cols = weight.shape[-2:]
+        nr, nc = -(-rows // block[0]), -(-cols // block[1])
+        padded = torch.nn.functional.pad(weight.float(), (0, nc * block[1] - cols, 0, nr * block[0] - rows))
+        blocks = padded.unflatten(-1, (nc, block[1])).unflatten(-3, (nr, block[0]))  # (E, nr, br, nc, bc)
+        scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-6) / 448.0  # (E, nr, nc)
+        full = scale.repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :cols]
+        return (weight.float() / full).to(torch.float8_e4m3fn), scale
+    inter = gate_up.shape[1] // 2
+    gate, gate_scales = quantize(gate_up[:, :inter])
+    up, up_scales = quantize(gate_up[:, inter:])
+    down_codes, down_scales = quantize(down)
+    return moe_kernels.Fp8Experts(torch.cat([gate, up], dim=1), gate_scales, up_scales, down_codes, down_scales, block)
+
+
+def compare_fp8_expert_mlp_with_dequantized() -> None:
+    """Run in a process started with TRITON_INTERPRET=1: the kernels read FP8 codes and multipliers and give
+    what they give on the weights dequantized first, bit for bit (float32 here, as the interpreter needs)."""
+    for tokens, num_experts, top_k, dim, inter, block in ((9, 12, 3, 48, 40, (16, 16)), (40, 8, 2, 64, 32, (16, 32))):
+        x, rows, offsets, gate_up, down = expert_case(tokens, num_experts, top_k, dim, inter, seed=tokens)
+        fp8 = fp8_experts(gate_up, down, block)
+        blocks = ((16, 32, 4, 3), (32, 16, 4, 3))
+        got = moe_kernels.expert_mlp(x, rows, offsets, None, None, fp8=fp8, up_blocks=blocks[0], down_blocks=blocks[1])
+        want = moe_kernels.expert_mlp(x, rows, offsets, *fp8.dequantized(torch.float32), up_blocks=blocks[0],
+                                      down_blocks=blocks[1])
+        assert torch.equal(got, want), float((got - want).abs().max())
+
+
+def test_fp8_expert_mlp_under_triton_s_interpreter():
+    if not _triton_importable():
+        pytest.skip("needs triton (installed with the test extra on Linux x86-64)")
+    run_interpreted(__file__, "compare_fp8_expert_mlp_with_dequantized()")
+
+
+def test_fp8_experts_dequantize_as_the_checkpoint_s_reference():
+    """`Fp8Experts.dequantized` is `quantized.dequantize_fp8` part by part (the load's dequantization)."""
+    from occamy_mtp.model.quantized import dequantize_fp8
+
+    _, _, _, gate_up, down = expert_case(3, 4, 2, 40, 24, seed=3)
+    fp8 = fp8_experts(gate_up, down, (16, 16))
+    gate_up_deq, down_deq = fp8.dequantized(torch.bfloat16)
+    assert torch.equal(gate_up_deq[:, :24], dequantize_fp8(fp8.gate_up_codes[:, :24], fp8.gate_scales, (16, 16)).bfloat16())
+    assert torch.equal(gate_up_deq[:, 24:], dequantize_fp8(fp8.gate_up_codes[:, 24:], fp8.up_scales, (16, 16)).bfloat16())
+    assert torch.equal(down_deq, dequantize_fp8(fp8.down_codes, fp8.down_scales, (16, 16)).bfloat16())
+    assert float((gate_up_deq.float() - gate_up).abs().max()) < 0.1 * float(gate_up.abs().max())  # a quantization of it
+
+
 # -- the compiled kernels on a GPU ---------------------------------------------------------
 
 
@@ -343,6 +393,21 @@ def test_compiled_combine_beyond_int32_offsets():
     got = moe_kernels.combine(expert_out, inverse, weights)[:, -1].float()
     expected = marks[tokens * top_k - 1 - torch.arange(tokens, device="cuda") * top_k]
     assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 160, 256])
+def test_compiled_fp8_expert_mlp_is_the_dequantized_one_bit_for_bit(tokens):
+    """Qwen3.5-35B-A3B widths and the family's 128 x 128 blocks: the kernels reading FP8 codes give what
+    they give on the weights dequantized to bf16 first, bit for bit (the same tiles, each weight the same
+    bf16 value, the same fp32 sums in the same order)."""
+    x, rows, offsets, gate_up, down = expert_case(tokens, 256, 8, 2048, 512, seed=tokens, device="cuda")
+    fp8 = fp8_experts(gate_up, down, (128, 128))
+    x = x.bfloat16()
+    got = moe_kernels.expert_mlp(x, rows, offsets, None, None, fp8=fp8)
+    want = moe_kernels.expert_mlp(x, rows, offsets, *fp8.dequantized(torch.bfloat16))
+    assert torch.equal(got, want), float((got.float() - want.float()).abs().max())
 
 
 @pytest.mark.gpu

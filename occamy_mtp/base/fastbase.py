@@ -19,7 +19,7 @@ from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.base.frozen import runs_fast_paths
-from occamy_mtp.model.fp8_weights import materialize, materialize_experts
+from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_ATTRIBUTE, materialize, materialize_experts
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
@@ -304,8 +304,15 @@ def grouped_experts(
 
     if (shared is None) != (shared_gate is None):
         raise ValueError("grouped_experts: pass both shared and shared_gate, or neither")
-    materialize_experts(experts, top_k_index)  # a layer kept in FP8 writes the routed experts' weights now
     tokens, top_k = top_k_index.shape
+    silu = type(experts.act_fn).__name__ in _SILU_CLASSES
+    codes = fp8_experts(experts)
+    # Kept in FP8, a decode-sized batch's expert GEMMs read the codes (`moe_kernels.expert_mlp`'s fp8); any
+    # other batch has the routed experts' weights written to the model's dtype now, and reads those.
+    reads_codes = (codes is not None and fused_glue and silu and tokens <= moe_kernels.EXPERT_MAX_TOKENS
+                   and x.is_cuda and x.dtype == torch.bfloat16 and moe_kernels.available(x))
+    if not reads_codes:
+        materialize_experts(experts, top_k_index)
     num_experts = experts.gate_up_proj.shape[0]
     if fused_glue and moe_kernels.available(x) and tokens * top_k <= moe_kernels.ALIGN_MAX_PAIRS:
         rows, inverse, offsets = moe_kernels.align(top_k_index, num_experts)  # one kernel: decode-sized batches
@@ -319,7 +326,9 @@ def grouped_experts(
         rows = order // top_k
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-    silu = type(experts.act_fn).__name__ in _SILU_CLASSES
+    if reads_codes:
+        out = moe_kernels.expert_mlp(x, rows, offsets, None, None, fp8=codes)  # (S, D) in expert order
+        return moe_kernels.combine(out, inverse, top_k_weights, shared, shared_gate)
     if fused_glue and silu and tokens <= moe_kernels.EXPERT_MAX_TOKENS and expert_kernels_apply(x, experts):
         out = moe_kernels.expert_mlp(x, rows, offsets, experts.gate_up_proj, experts.down_proj)  # (S, D) in expert order
         return moe_kernels.combine(out, inverse, top_k_weights, shared, shared_gate)
@@ -337,6 +346,25 @@ def grouped_experts(
     if shared is not None:
         routed = routed + torch.sigmoid(shared_gate) * shared
     return routed
+
+
+def fp8_experts(experts) -> moe_kernels.Fp8Experts | None:
+    """The FP8 codes and multipliers of a fused experts module whose layer is kept in FP8
+    (`model.fp8_weights`), as `moe_kernels.expert_mlp` reads them; None for any other. Made once a module."""
+    held = getattr(experts, FP8_ATTRIBUTE, None)
+    if held is None:
+        return None
+    cached = getattr(experts, "_occamy_fp8_experts", None)
+    if cached is not None:
+        return cached
+    stacks = {w.name: w for w in held.weights if w.routed and w.module is experts}
+    gate_up, down = stacks.get("gate_up_proj"), stacks.get("down_proj")
+    if gate_up is None or down is None or len(gate_up.scales) != 2 or len(down.scales) != 1:
+        return None
+    codes = moe_kernels.Fp8Experts(gate_up.codes, gate_up.scales[0], gate_up.scales[1], down.codes, down.scales[0],
+                                   gate_up.block)
+    object.__setattr__(experts, "_occamy_fp8_experts", codes)  # a plain attribute: not a submodule or a buffer
+    return codes
 
 
 def expert_kernels_apply(x: torch.Tensor, experts) -> bool:

@@ -30,6 +30,7 @@ All are for the frozen base's forward only (no autograd).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -200,14 +201,31 @@ if triton is not None:
 
 
     @triton.jit
+    def _weight_tile(weight_rows, scales, rows, ks, mask, k_dim, fp8: tl.constexpr, scale_rows: tl.constexpr,
+                     scale_cols: tl.constexpr, n_scale_cols, dtype: tl.constexpr):
+        """The (block_k, block_n) tile of weights `rows` x `ks` (`weight_rows` points at the expert's first
+        row), in `dtype`; from FP8 codes, each times its (scale_rows x scale_cols) block's multiplier in
+        fp32, rounded once to `dtype`: what dequantizing the weight first writes, element for element."""
+        tile = tl.load(weight_rows + rows[None, :].to(tl.int64) * k_dim + ks[:, None], mask=mask, other=0.0)
+        if fp8:
+            scale = tl.load(scales + (rows[None, :] // scale_rows) * n_scale_cols + ks[:, None] // scale_cols,
+                            mask=mask, other=0.0)
+            tile = (tile.to(tl.float32) * scale).to(dtype)
+        return tile
+
+    @triton.jit
     def _expert_gemm_kernel(
-        a, rows, offsets, weight, out, out_dim,
+        a, rows, offsets, weight, out, out_dim, scales, up_scales, n_scale_rows, n_scale_cols,
         k_dim: tl.constexpr, gate_up: tl.constexpr, m_tiles: tl.constexpr,
         block_m: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr,
+        fp8: tl.constexpr, scale_rows: tl.constexpr, scale_cols: tl.constexpr,
     ):
         """out[s, cols] for every pair s of one expert (program_id 0) and one slice of output
         columns (program_id 1). gate_up: SiLU(a[rows[s]] . gate rows) * (a[rows[s]] . up rows), the
-        gate rows the expert's first out_dim, the up rows its next out_dim; else a[s] . weight rows."""
+        gate rows the expert's first out_dim, the up rows its next out_dim; else a[s] . weight rows.
+        fp8: the weights are float8_e4m3fn codes with one fp32 multiplier a (scale_rows x scale_cols)
+        block (`scales`, the gate's or the only part's, (E, n_scale_rows, n_scale_cols); `up_scales`,
+        the up rows'), each tile dequantized as it is read (`_weight_tile`)."""
         expert = tl.program_id(0)
         cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
         col_mask = cols < out_dim
@@ -215,6 +233,8 @@ if triton is not None:
         start = tl.where(expert > 0, tl.load(offsets + tl.maximum(expert - 1, 0)), 0)
         weight_rows = 2 * out_dim if gate_up else out_dim
         first_weight = weight + expert.to(tl.int64) * weight_rows * k_dim
+        expert_scales = scales + expert.to(tl.int64) * n_scale_rows * n_scale_cols
+        expert_up_scales = up_scales + expert.to(tl.int64) * n_scale_rows * n_scale_cols
         for tile in tl.static_range(m_tiles):  # a constant trip count (the interpreters of every Triton)
             first = start + tile * block_m
             if first < end:  # the expert's rows ran out: nothing to read
@@ -231,11 +251,13 @@ if triton is not None:
                     k_mask = ks < k_dim
                     a_tile = tl.load(a + source[:, None] * k_dim + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                     w_mask = k_mask[:, None] & col_mask[None, :]
-                    w_tile = tl.load(first_weight + cols[None, :].to(tl.int64) * k_dim + ks[:, None], mask=w_mask, other=0.0)
+                    w_tile = _weight_tile(first_weight, expert_scales, cols, ks, w_mask, k_dim, fp8, scale_rows,
+                                          scale_cols, n_scale_cols, a.dtype.element_ty)
                     acc += tl.dot(a_tile, w_tile)
                     if gate_up:
-                        up_rows = (out_dim + cols[None, :]).to(tl.int64)
-                        acc_up += tl.dot(a_tile, tl.load(first_weight + up_rows * k_dim + ks[:, None], mask=w_mask, other=0.0))
+                        up_tile = _weight_tile(first_weight + out_dim * k_dim, expert_up_scales, cols, ks, w_mask, k_dim,
+                                               fp8, scale_rows, scale_cols, n_scale_cols, a.dtype.element_ty)
+                        acc_up += tl.dot(a_tile, up_tile)
                 if gate_up:
                     acc = acc.to(out.dtype.element_ty).to(tl.float32)  # rounded where the grouped GEMM rounds
                     acc_up = acc_up.to(out.dtype.element_ty).to(tl.float32)
@@ -334,22 +356,56 @@ def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return rows, inverse, offsets
 
 
+@dataclass(frozen=True)
+class Fp8Experts:
+    """A fused experts module's weights as an FP8 checkpoint stores them (`model.fp8_weights.Fp8Weight`):
+    float8_e4m3fn codes in transformers' layout and fp32 multipliers, one a (block[0] x block[1]) block
+    of each row part: gate_up's two parts (gate's rows, up's), down's one."""
+
+    gate_up_codes: torch.Tensor  # (E, 2I, D) float8_e4m3fn
+    gate_scales: torch.Tensor  # (E, ceil(I / block[0]), ceil(D / block[1])) float32
+    up_scales: torch.Tensor
+    down_codes: torch.Tensor  # (E, D, I) float8_e4m3fn
+    down_scales: torch.Tensor  # (E, ceil(D / block[0]), ceil(I / block[1])) float32
+    block: tuple[int, int]
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) in `dtype`: each code times its block's multiplier in fp32, rounded
+        once (the plain reference of what `expert_mlp` reads from the codes)."""
+        def part(codes, scale):
+            rows, cols = codes.shape[-2:]
+            full = scale.repeat_interleave(self.block[0], dim=-2)[..., :rows, :].repeat_interleave(self.block[1], dim=-1)
+            return (codes.float() * full[..., :cols]).to(dtype)
+        inter = self.gate_up_codes.shape[1] // 2
+        gate_up = torch.cat([part(self.gate_up_codes[:, :inter], self.gate_scales),
+                             part(self.gate_up_codes[:, inter:], self.up_scales)], dim=1)
+        return gate_up, part(self.down_codes, self.down_scales)
+
+
 def expert_mlp(
     x: torch.Tensor,
     rows: torch.Tensor,
     offsets: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: torch.Tensor | None,
+    down_proj: torch.Tensor | None,
     *,
     up_blocks: tuple[int, int, int, int] | None = None,
     down_blocks: tuple[int, int, int, int] | None = None,
+    fp8: Fp8Experts | None = None,
 ) -> torch.Tensor:
     """`expert_mlp_reference` in two Triton kernels, for up to `EXPERT_MAX_TOKENS` tokens.
 
     On CUDA the products are Triton's `tl.dot` with fp32 accumulation: exact products of bf16
     inputs (TF32 for fp32 inputs, so the library calls it for bf16 only). Triton's interpreter
     multiplies fp32 correctly and bf16 not at all (3.9), so the CPU tests use fp32.
+
+    With `fp8` (gate_up_proj and down_proj then None) the kernels read the FP8 codes and their block
+    multipliers and dequantize each tile in registers as they read it, to x's dtype, exactly as
+    `Fp8Experts.dequantized` does: the products, and so the result, are those of `expert_mlp` on the
+    dequantized weights, bit for bit, from half the bytes.
     """
+    if fp8 is not None:
+        gate_up_proj, down_proj = fp8.gate_up_codes, fp8.down_codes
     tokens, dim = x.shape
     num_experts, double_inter, weight_dim = gate_up_proj.shape
     inter = double_inter // 2
@@ -361,6 +417,8 @@ def expert_mlp(
             f"got {tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)} and {offsets.numel()}"
         )
     if not available(x):
+        if fp8 is not None:
+            return expert_mlp_reference(x, rows, offsets, *fp8.dequantized(x.dtype))
         return expert_mlp_reference(x, rows, offsets, gate_up_proj, down_proj)
     pairs = rows.numel()
     hidden = x.new_empty(pairs, inter)
@@ -370,14 +428,23 @@ def expert_mlp(
     x, rows, offsets = x.contiguous(), rows.contiguous(), offsets.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     m_tiles = triton.cdiv(tokens, EXPERT_BLOCK_M)
-    for a, width, weight, k_dim, result, gate_up, blocks in (
-        (x, inter, gate_up_proj, dim, hidden, True, up_blocks or EXPERT_UP_BLOCKS),
-        (hidden, dim, down_proj, inter, out, False, down_blocks or EXPERT_DOWN_BLOCKS),
+    if fp8 is None:
+        scales = ((x, x), (x, x))  # not read
+        block = (1, 1)
+    else:
+        scales = ((fp8.gate_scales.contiguous(), fp8.up_scales.contiguous()), (fp8.down_scales.contiguous(),) * 2)
+        block = fp8.block
+    for a, width, weight, k_dim, result, gate_up, blocks, (first, second) in (
+        (x, inter, gate_up_proj, dim, hidden, True, up_blocks or EXPERT_UP_BLOCKS, scales[0]),
+        (hidden, dim, down_proj, inter, out, False, down_blocks or EXPERT_DOWN_BLOCKS, scales[1]),
     ):
         block_n, block_k, warps, stages = blocks
         block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
+        n_scale_rows, n_scale_cols = (first.shape[-2], first.shape[-1]) if fp8 is not None else (1, 1)
         _expert_gemm_kernel[(num_experts, triton.cdiv(width, block_n))](
-            a, rows, offsets, weight, result, width, k_dim=k_dim, gate_up=gate_up, m_tiles=m_tiles,
-            block_m=EXPERT_BLOCK_M, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+            a, rows, offsets, weight, result, width, first, second, n_scale_rows, n_scale_cols,
+            k_dim=k_dim, gate_up=gate_up, m_tiles=m_tiles,
+            block_m=EXPERT_BLOCK_M, block_n=block_n, block_k=block_k, fp8=fp8 is not None,
+            scale_rows=block[0], scale_cols=block[1], num_warps=warps, num_stages=stages,
         )
     return out
