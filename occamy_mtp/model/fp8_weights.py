@@ -15,7 +15,9 @@ then the load's cast). So everything the base computes is unchanged; only memory
 
 `materialize(layer, experts=False)` writes a layer's weights but its routed experts', when the layer
 starts; `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
-router chose, once it has. Forward pre-hooks on the layer and its experts module call them for
+router chose, once it has. A decode-sized batch of the fast paths does not write the routed experts at
+all: their GEMMs read the codes and multipliers themselves (`base.fastbase.fp8_experts`,
+`base.moe_kernels.expert_mlp`'s `fp8`). Forward pre-hooks on the layer and its experts module call them for
 transformers' own forward; the fast paths, which unroll the layer, call them themselves
 (`fastbase.decoder_layer`, `fastbase.grouped_experts`). The write is a fixed sequence of kernels on
 fixed buffers, its mask of experts made on the device, so a CUDA graph captures it with the layer.
