@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,10 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
         try:
             return main(argv, **options)
         except OccamyError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            from occamy_mtp.model.sharding import OneProcessOnly
+
+            if not isinstance(err, OneProcessOnly) or os.environ.get("RANK", "0") == "0":  # said once, not once a process
+                print(f"error: {err}", file=sys.stderr, flush=True)
             return 2
 
     return wrapped

@@ -157,6 +157,9 @@ def test_a_one_process_command_refuses_a_launch_of_several(monkeypatch, tmp_path
     err = capsys.readouterr().err
     assert status == 2 and f"{command} runs in one process, and this launch started 2" in err
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+    monkeypatch.setenv("RANK", "1")  # the second process refuses too, and leaves the saying to the first
+    status = main([command, "--config", str(ROOT / "configs" / "demo.yaml"), f"output.dir={tmp_path / 'run'}", *extra])
+    assert status == 2 and capsys.readouterr().err == ""
 
 
 # ----------------------------------------------------------------------------------

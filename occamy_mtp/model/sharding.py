@@ -52,6 +52,10 @@ def _flag(environ: Mapping[str, str], name: str, default: str = "false") -> bool
     return environ.get(name, default).strip().lower() == "true"
 
 
+class OneProcessOnly(ConfigError):
+    """A one-process command launched as several: every process refuses, the first alone says so (`cli.command`)."""
+
+
 def from_launch(environ: Mapping[str, str], command: str | None = None) -> Sharding | None:
     """The sharding `accelerate launch --config_file FILE` asked for (it writes the file's settings
     into the environment), None for a plain launch; a ConfigError naming the setting when the file
@@ -60,7 +64,7 @@ def from_launch(environ: Mapping[str, str], command: str | None = None) -> Shard
     launch of several."""
     processes = environ.get("WORLD_SIZE", "1").strip() or "1"
     if command is not None and processes != "1":
-        raise ConfigError(f"{command} runs in one process, and this launch started {processes}: launch it with "
+        raise OneProcessOnly(f"{command} runs in one process, and this launch started {processes}: launch it with "
                           "--num_processes 1 (the base then sits in this process alone: on the card, or in host "
                           f"memory with {FSDP_CONFIGS}fsdp2-offload.yaml)")
     accumulation = environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1").strip()
