@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from occamy_mtp.config import RunConfig, load_config
+from occamy_mtp.config import OneProcessOnly, RunConfig, load_config
 from occamy_mtp.console import quiet_kernel_fallbacks
 from occamy_mtp.errors import OccamyError
 from occamy_mtp.hub import resolve
@@ -51,8 +51,6 @@ def command(main: Callable[..., int]) -> Callable[..., int]:
         try:
             return main(argv, **options)
         except OccamyError as err:
-            from occamy_mtp.model.sharding import OneProcessOnly
-
             if not isinstance(err, OneProcessOnly) or os.environ.get("RANK", "0") == "0":  # said once, not once a process
                 print(f"error: {err}", file=sys.stderr, flush=True)
             return 2

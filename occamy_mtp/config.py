@@ -27,6 +27,10 @@ class ConfigError(OccamyError, ValueError):
     """A config file or override that does not fit the schema."""
 
 
+class OneProcessOnly(ConfigError):
+    """A one-process command launched as several: every process refuses, the first alone says so (`cli.command`)."""
+
+
 UNSET = "REPLACE_ME"
 """What the defaults and the shipped configs hold where a path must be given: never a Hub id."""
 

@@ -62,11 +62,14 @@ def combine():
     return moe_kernels._combine_kernel, signature, {"top_k": 8, "block": 1024, "has_shared": True}
 
 
-def expert_gemm(gate_up: bool, m_tiles: int):
-    signature = {"a": "*bf16", "rows": "*i64", "offsets": "*i32", "weight": "*bf16", "out": "*bf16", "out_dim": "i32"}
+def expert_gemm(gate_up: bool, m_tiles: int, fp8: bool = False):
+    signature = {"a": "*bf16", "rows": "*i64", "offsets": "*i32", "weight": "*fp8e4nv" if fp8 else "*bf16", "out": "*bf16",
+                 "out_dim": "i32", "scales": "*fp32" if fp8 else "*bf16", "up_scales": "*fp32" if fp8 else "*bf16",
+                 "n_scale_rows": "i32", "n_scale_cols": "i32"}
     block_n, block_k, _, _ = moe_kernels.EXPERT_UP_BLOCKS if gate_up else moe_kernels.EXPERT_DOWN_BLOCKS
     return moe_kernels._expert_gemm_kernel, signature, {"k_dim": 2048 if gate_up else 512, "gate_up": gate_up, "m_tiles": m_tiles,
-                                                        "block_m": moe_kernels.EXPERT_BLOCK_M, "block_n": block_n, "block_k": block_k}
+                                                        "block_m": moe_kernels.EXPERT_BLOCK_M, "block_n": block_n, "block_k": block_k,
+                                                        "fp8": fp8, "scale_rows": 128 if fp8 else 1, "scale_cols": 128 if fp8 else 1}
 
 
 def fp8_dequantize(out: str, routed: bool = False):
@@ -85,6 +88,7 @@ CASES = {
     "route": route(), "silu_mul": silu_mul(), "combine": combine(),
     "expert gate_up, one token": expert_gemm(True, 1), "expert gate_up, 160 tokens": expert_gemm(True, 10),
     "expert down, 160 tokens": expert_gemm(False, 10),
+    "fp8 expert gate_up, one token": expert_gemm(True, 1, fp8=True), "fp8 expert down, 256 tokens": expert_gemm(False, 16, fp8=True),
     "fp8 weights into bf16": fp8_dequantize("*bf16"), "fp8 weights into float32": fp8_dequantize("*fp32"),
     "fp8 routed experts into bf16": fp8_dequantize("*bf16", routed=True),
 }

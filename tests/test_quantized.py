@@ -476,7 +476,7 @@ def test_text_written_without_the_fp8_activations_is_not_taken_for_text_written_
     evaluate_run(plan_of(plain), bases["bf16"], tmp_path / "eval", torch.device("cpu"))
     emulated = _run_config(bases, bases[q.FP8], tmp_path / "run", "model.fp8_activations=fp8")
     with pytest.raises(SelfGenError, match=r"written under other settings \(activations: None in the store, 'fp8' now\)"):
-        evaluate_run(plan_of(emulated), bases["bf16"], tmp_path / "eval-fp8", torch.device("cpu"))
+        evaluate_run(plan_of(emulated), bases["bf16"], tmp_path / "eval", torch.device("cpu"))  # its stores, under --out
     fp8, bf16 = BaseFacts(bases[q.FP8]), BaseFacts(bases["bf16"])
     assert emulated_activations(emulated.model, fp8) == "fp8"
     assert emulated_activations(plain.model, fp8) is None and emulated_activations(emulated.model, bf16) is None

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from occamy_mtp.config import ConfigError
+from occamy_mtp.config import ConfigError, OneProcessOnly
 
 FSDP_CONFIGS = "configs/accelerate/"
 FSDP2, ZERO3 = "fsdp2", "deepspeed-zero3"
@@ -50,10 +50,6 @@ class Sharding:
 
 def _flag(environ: Mapping[str, str], name: str, default: str = "false") -> bool:
     return environ.get(name, default).strip().lower() == "true"
-
-
-class OneProcessOnly(ConfigError):
-    """A one-process command launched as several: every process refuses, the first alone says so (`cli.command`)."""
 
 
 def from_launch(environ: Mapping[str, str], command: str | None = None) -> Sharding | None:
