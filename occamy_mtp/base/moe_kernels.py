@@ -201,16 +201,17 @@ if triton is not None:
 
 
     @triton.jit
-    def _weight_tile(weight_rows, scales, rows, ks, mask, k_dim, fp8: tl.constexpr, scale_rows: tl.constexpr,
+    def _weight_tile(weight_rows, scales, rows, row_mask, k0, ks, mask, k_dim, fp8: tl.constexpr, scale_rows: tl.constexpr,
                      scale_cols: tl.constexpr, n_scale_cols, dtype: tl.constexpr):
         """The (block_k, block_n) tile of weights `rows` x `ks` (`weight_rows` points at the expert's first
         row), in `dtype`; from FP8 codes, each times its (scale_rows x scale_cols) block's multiplier in
-        fp32, rounded once to `dtype`: what dequantizing the weight first writes, element for element."""
+        fp32, rounded once to `dtype`: what dequantizing the weight first writes, element for element.
+        The tile's k columns lie in one block of multipliers (`expert_mlp` sizes block_k so), so a row's
+        multiplier is one load of a row vector, not one a weight."""
         tile = tl.load(weight_rows + rows[None, :].to(tl.int64) * k_dim + ks[:, None], mask=mask, other=0.0)
         if fp8:
-            scale = tl.load(scales + (rows[None, :] // scale_rows) * n_scale_cols + ks[:, None] // scale_cols,
-                            mask=mask, other=0.0)
-            tile = (tile.to(tl.float32) * scale).to(dtype)
+            scale = tl.load(scales + (rows // scale_rows) * n_scale_cols + k0 // scale_cols, mask=row_mask, other=0.0)
+            tile = (tile.to(tl.float32) * scale[None, :]).to(dtype)
         return tile
 
     @triton.jit
@@ -251,12 +252,12 @@ if triton is not None:
                     k_mask = ks < k_dim
                     a_tile = tl.load(a + source[:, None] * k_dim + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
                     w_mask = k_mask[:, None] & col_mask[None, :]
-                    w_tile = _weight_tile(first_weight, expert_scales, cols, ks, w_mask, k_dim, fp8, scale_rows,
-                                          scale_cols, n_scale_cols, a.dtype.element_ty)
+                    w_tile = _weight_tile(first_weight, expert_scales, cols, col_mask, k0, ks, w_mask, k_dim, fp8,
+                                          scale_rows, scale_cols, n_scale_cols, a.dtype.element_ty)
                     acc += tl.dot(a_tile, w_tile)
                     if gate_up:
-                        up_tile = _weight_tile(first_weight + out_dim * k_dim, expert_up_scales, cols, ks, w_mask, k_dim,
-                                               fp8, scale_rows, scale_cols, n_scale_cols, a.dtype.element_ty)
+                        up_tile = _weight_tile(first_weight + out_dim * k_dim, expert_up_scales, cols, col_mask, k0, ks,
+                                               w_mask, k_dim, fp8, scale_rows, scale_cols, n_scale_cols, a.dtype.element_ty)
                         acc_up += tl.dot(a_tile, up_tile)
                 if gate_up:
                     acc = acc.to(out.dtype.element_ty).to(tl.float32)  # rounded where the grouped GEMM rounds
@@ -440,6 +441,11 @@ def expert_mlp(
     ):
         block_n, block_k, warps, stages = blocks
         block_k = min(block_k, max(16, triton.next_power_of_2(k_dim)))
+        if fp8 is not None:  # a tile's k columns within one block of multipliers (`_weight_tile`)
+            block_k = min(block_k, block[1])
+            if block[1] % block_k or block_k < 16:
+                raise ValueError(f"expert_mlp: FP8 blocks of {block[1]} columns need a power-of-two block_k of 16 or "
+                                 f"more that divides them, got {block_k}")
         n_scale_rows, n_scale_cols = (first.shape[-2], first.shape[-1]) if fp8 is not None else (1, 1)
         _expert_gemm_kernel[(num_experts, triton.cdiv(width, block_n))](
             a, rows, offsets, weight, result, width, first, second, n_scale_rows, n_scale_cols,
