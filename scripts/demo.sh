@@ -10,6 +10,12 @@ export OMP_NUM_THREADS=1
 bash scripts/setup.sh
 PY=.venv/bin/python
 $PY -m occamy_mtp demo-models --out runs/demo/models
+# The base's own text ships beside its models (data/demo-text, what the reference run's base wrote:
+# tests/test_demo_text.py holds it to what the library writes), so that the demo does not wait about
+# three minutes for it; OCCAMY_DEMO_WRITE_TEXT=1 has the base write it here instead.
+if [ ! -e runs/demo/self-generated ] && [ -z "${OCCAMY_DEMO_WRITE_TEXT:-}" ]; then
+    mkdir -p runs/demo && cp -r data/demo-text runs/demo/self-generated
+fi
 if [ -f runs/demo/train-summary.json ]; then
     echo "runs/demo already trained; remove runs/demo (keep runs/demo/models) to train again"
 else

@@ -13,4 +13,9 @@ rm -rf runs/reference/run
 $PY train.py --config configs/demo.yaml model.base=runs/reference/models/base model.donor_head=runs/reference/models/donor output.dir=runs/reference/run
 $PY export.py --config configs/demo.yaml model.base=runs/reference/models/base model.donor_head=runs/reference/models/donor output.dir=runs/reference/run
 cp runs/reference/run/TRAINING.json TRAINING.json
-echo "wrote TRAINING.json"
+# The text the base wrote for it is the demo's shipped text (data/demo-text; scripts/demo.sh copies it).
+rm -rf data/demo-text
+(cd runs/reference/run/self-generated && find . -name self-generated.jsonl -o -name self-generated.meta.json) | while read -r f; do
+    mkdir -p "data/demo-text/$(dirname "$f")" && cp "runs/reference/run/self-generated/$f" "data/demo-text/$f"
+done
+echo "wrote TRAINING.json and data/demo-text"
