@@ -484,3 +484,40 @@ def test_a_shard_from_another_cache_is_detected(world, tmp_path):
     files.write_json(directory / C.MANIFEST_NAME, manifest)
     with pytest.raises(C.CacheError, match="written for another cache"):
         C.TargetCache.open(directory, world["identity"])
+
+
+def test_shared_targets_give_the_source_s_outputs_once_computed_and_their_own_copies():
+    """`SharedTargets`: a batch asked for again is not computed again, and what comes back equals what the
+    source computed; another batch is computed; beyond the cap nothing is kept; a reader's copy is its own."""
+    import torch
+
+    from occamy_mtp.targets.base import BaseOutputs, SharedTargets
+
+    class Source:
+        calls = 0
+        base = "the base"
+
+        def outputs(self, input_ids, attention_mask=None):
+            Source.calls += 1
+            hidden = input_ids[..., None].float() * torch.arange(3.0) + Source.calls * 0  # (B, T, 3)
+            return BaseOutputs(hidden, input_ids + 1)
+
+        def provenance(self):
+            return {"source": "test"}
+
+    shared = SharedTargets(Source(), max_bytes=10_000)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    first = shared.outputs(ids, mask)
+    again = shared.outputs(ids.clone(), mask.clone())
+    assert Source.calls == 1 and shared.hits == 1
+    assert torch.equal(again.hidden, first.hidden) and torch.equal(again.greedy, first.greedy)
+    again.hidden.zero_()  # the reader's copy
+    assert torch.equal(shared.outputs(ids, mask).hidden, first.hidden) and Source.calls == 1
+    shared.outputs(ids, None)  # another mask: another batch
+    shared.outputs(ids[:1], mask[:1])
+    assert Source.calls == 3
+    assert shared.base == "the base" and shared.provenance() == {"source": "test"}
+    tiny = SharedTargets(Source(), max_bytes=8)  # nothing fits: every ask computes
+    tiny.outputs(ids, mask), tiny.outputs(ids, mask)
+    assert Source.calls == 5 and tiny.hits == 0

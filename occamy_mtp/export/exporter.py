@@ -17,6 +17,8 @@ bytes against TRAINING.json). Temporaries of a killed export are removed by the 
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import json
 import time
@@ -40,6 +42,7 @@ from occamy_mtp.evaluation.decoder_check import reference_decoder_check
 from occamy_mtp.evaluation.report import format_served
 from occamy_mtp.evaluation.plot import plot_served
 from occamy_mtp.evaluation.metrics import NOISE_STANDARD_ERRORS, difference_noise
+from occamy_mtp.targets.base import SharedTargets
 from occamy_mtp.export.card import base_card_license, model_card, writes_root_card
 from occamy_mtp.base.frozen import BaseFacts
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock
@@ -196,6 +199,7 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
     """Measure the donor and the trained head (`masters`, train.py's tensors) on an opened run, refuse a
     head worse than the donor unless `allow_worse`, and write the export set; returns TRAINING.json's record."""
     run_dir, measuring = run.dir, settings.measuring
+    run = dataclasses.replace(run, targets=SharedTargets(run.targets))  # one base pass over the texts for both heads
     head = run.models.head
     dtype = ckpt_io.DTYPES[settings.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype

@@ -10,6 +10,7 @@ The argmax is taken in chunks of positions (`base.logits.chunked_greedy`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -126,3 +127,48 @@ def plain_compute(base, windows_per_batch: int = 1, logits_chunk_tokens: int | N
 
 def plain_compute_name(windows_per_batch: int = 1) -> str:
     return f"target.base_outputs, {windows_per_batch} window(s) per forward"
+
+
+SHARED_TARGETS_BYTES = 4 * 2**30
+"""What `SharedTargets` keeps at most, in host memory."""
+
+
+class SharedTargets:
+    """A target source that keeps the outputs of each batch it is asked for (in host memory, up to
+    `max_bytes`) and gives them again when the same batch is asked for again: the base's forward over
+    the same texts is computed once for both heads and the ceiling (export, evaluate) and once for
+    every selection step (the validation texts), not once a reader. What it gives is what `source`
+    computed, so every figure is the same; only time changes. Anything else is `source`'s."""
+
+    def __init__(self, source: TargetSource, max_bytes: int = SHARED_TARGETS_BYTES):
+        self.source, self.max_bytes = source, max_bytes
+        self._kept: dict[tuple, BaseOutputs] = {}
+        self._bytes = 0
+        self.hits = 0
+
+    @staticmethod
+    def _key(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple:
+        digest = hashlib.sha256(input_ids.detach().cpu().numpy().tobytes())
+        if attention_mask is not None:
+            digest.update(attention_mask.detach().cpu().numpy().tobytes())
+        return tuple(input_ids.shape), digest.hexdigest()
+
+    def outputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BaseOutputs:
+        key = self._key(input_ids, attention_mask)
+        kept = self._kept.get(key)
+        if kept is not None:
+            self.hits += 1
+            device = input_ids.device
+            return BaseOutputs(kept.hidden.to(device, copy=True), kept.greedy.to(device, copy=True))  # the reader's own
+        out = self.source.outputs(input_ids, attention_mask)
+        size = out.hidden.numel() * out.hidden.element_size() + out.greedy.numel() * out.greedy.element_size()
+        if self._bytes + size <= self.max_bytes:
+            self._kept[key] = BaseOutputs(out.hidden.detach().to("cpu", copy=True), out.greedy.detach().to("cpu", copy=True))
+            self._bytes += size
+        return out
+
+    def provenance(self) -> dict:
+        return self.source.provenance()
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)

@@ -41,7 +41,7 @@ from occamy_mtp.model.sharding import Sharding
 from occamy_mtp.model.loss import IGNORE, Objective, Share, StepStats, Texts, chain_batch, chain_loss, collate, served_choice
 from occamy_mtp.run import Run, check_run, log_stderr, open_run, output_lock, quiet
 from occamy_mtp.settings import Fingerprint, Measuring, Plan, RunDir, TrainPlan
-from occamy_mtp.targets.base import TargetSource
+from occamy_mtp.targets.base import SharedTargets, TargetSource
 
 # Head submodules whose fp32 master weights the forward can use directly: the norms
 # compute in fp32 anyway, and `MTPHead.project` rounds fc's weight to the activation
@@ -152,10 +152,12 @@ def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict |
     if settings.tracker != "none":
         accelerator.init_trackers("occamy-mtp", config=train_plan.tracked)
 
+    validation = SharedTargets(run.targets)  # the validation texts' base pass, computed at the first selection only
+
     def select() -> None:
         """Score the head as served; keep it when it is the best so far (every process agrees)."""
         nonlocal best
-        if selection_step(state, head, run, train_plan.measuring, act_dtype, log):
+        if selection_step(state, head, dataclasses.replace(run, targets=validation), train_plan.measuring, act_dtype, log):
             best = trainable_tensors(head)
 
     select_every = settings.select_every_steps
