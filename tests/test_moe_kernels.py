@@ -405,7 +405,8 @@ def test_compiled_fp8_expert_mlp_computes_the_dequantized_weights_products(token
     tile dequantized in registers to the bf16 value the dequantizing load writes, against float64 from
     those bf16 weights, rounded where the kernels round; the bound of the bf16 kernel's own test
     (`test_compiled_expert_mlp_at_real_width`): the compiler may order a tile's fp32 sums otherwise once
-    it is converted in registers (one token gives the bf16 path's bits; more need not)."""
+    it is converted in registers (on an H100 the bits differ from the bf16 kernel's at some token
+    counts, one among them)."""
     x, rows, offsets, gate_up, down = expert_case(tokens, 256, 8, 2048, 512, seed=tokens, device="cuda")
     fp8 = fp8_experts(gate_up, down, (128, 128))
     gate_up, down = fp8.dequantized(torch.bfloat16)
@@ -419,8 +420,6 @@ def test_compiled_fp8_expert_mlp_computes_the_dequantized_weights_products(token
     allowed = BF16_ULP * exact.abs() + 2.0**-8 * spread + 2.0**-20 * exact.abs().max()
     worst = ((got - exact).abs() / allowed).max()
     assert worst <= 1.0, f"error up to {worst:.2f} of the allowed bound"
-    if tokens == 1:
-        assert torch.equal(got, moe_kernels.expert_mlp(x, rows, offsets, gate_up, down).double())
 
 
 @pytest.mark.gpu
