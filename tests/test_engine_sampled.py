@@ -78,8 +78,8 @@ def test_the_engine_check_s_expectation_holds_for_the_library_s_own_server(world
     assert abs(check["z"]["accepted"]) < 4.5, check["z"]
     if draft == "greedy":  # the walk given the text is certain
         assert_proposals_agree(measured, expected, report["answers"])
-        budget_ends = sum(not answer["finished"] for answer in report["answers"])  # at most one plain step each
-        assert 0 <= expected["verify_passes"] - measured["verify_passes"] <= budget_ends
+        # verify passes on both sides (a plain step where one token is left is no verify pass): equal, and z 0
+        assert expected["verify_passes"] == pytest.approx(measured["verify_passes"], abs=1e-9) and check["z"]["verify_passes"] == 0
 
 
 def test_a_preset_by_name_brings_its_thinking_mode(world, capsys):
@@ -134,7 +134,18 @@ def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_te
     assert report["distribution_shift"]["prompts"] == 4 and abs(report["distribution_shift"]["z"]) < 4.5
     check = report["acceptance_check"]
     assert check["decodes"] == 8 and sum(check["measured"]["accepted"]) > 0 and abs(check["z"]["accepted"]) < 4.5
+    # greedy drafts: the verify passes given the text are certain, the server's count (no plain step at a
+    # budget's end) the expectation's exactly
+    assert check["z"]["verify_passes"] == 0 and check["measured"]["verify_passes"] == check["expected"]["verify_passes"]
     assert "PASSED" in printed.out and "expected on its text" in printed.out
+
+    miscounted = json.loads((tmp_path / "live" / "responses-candidate.json").read_text())
+    for answer in miscounted["answers"]:  # a server that counts one verify pass too many a request
+        answer["counts"]["verify_passes"] += 1
+    (tmp_path / "miscounted.json").write_text(json.dumps(miscounted))
+    assert validate_command.main(["--reference", str(tmp_path / "live" / "responses-reference.json"), "--candidate",
+                                  str(tmp_path / "miscounted.json"), "--out", str(tmp_path / "miscounted"), *flags]) == 1
+    assert "candidate: verify passes z +inf" in capsys.readouterr().err
 
     candidate = json.loads((tmp_path / "live" / "responses-candidate.json").read_text())
     rare = world_rare_token(world)

@@ -134,6 +134,15 @@ class ExpectedCounts:
     """Base passes after the prefill: rounds and plain steps."""
     generated_after_first: int = 0
     """Tokens the text holds after its first generated one."""
+    plain_steps: float = 0.0
+    """Of `passes`, the plain base steps (one token left in the budget: no draft). An engine counts
+    verify passes only (SGLang's spec_verify_ct, the rounds), so a comparison with one takes
+    `verify_passes`."""
+
+    @property
+    def verify_passes(self) -> float:
+        """The rounds that drafted and verified: `passes` less the plain steps."""
+        return self.passes - self.plain_steps
 
 
 def expected_rounds(
@@ -165,7 +174,7 @@ def expected_rounds(
     arrive = [0.0] * (generated + 1)  # arrive[e]: P(a round starts with e tokens emitted)
     arrive[1] = 1.0  # the prefill emits the first token
     proposed, accepted = [0.0] * draft_steps, [0.0] * draft_steps
-    drafted = passes = 0.0
+    drafted = passes = plain = 0.0
     for emitted in range(1, generated):
         weight = arrive[emitted]
         if weight == 0.0:
@@ -173,6 +182,7 @@ def expected_rounds(
         passes += weight
         steps = min(draft_steps, max_new_tokens - emitted - 1)
         if steps == 0:  # one token left: a plain base step
+            plain += weight
             arrive[emitted + 1] += weight
             continue
         anchor = prompt_length + emitted - 2
@@ -190,7 +200,7 @@ def expected_rounds(
             reached = kept
         if emitted + in_text + 1 < generated:  # every draft accepted, then the bonus token
             arrive[emitted + in_text + 1] += weight * reached
-    return ExpectedCounts(proposed, accepted, drafted, passes, length - prompt_length - 1)
+    return ExpectedCounts(proposed, accepted, drafted, passes, length - prompt_length - 1, plain)
 
 
 def replayed_counts(accepted_at: Sequence[int], prompt_length: int, max_new_tokens: int, draft_steps: int) -> ExpectedCounts:
@@ -286,11 +296,15 @@ def summed_acceptance(counts: Sequence[ExpectedCounts], draft_steps: int, genera
 
 
 def z_score(differences: Sequence[float]) -> float:
-    """The mean of independent mean-0 differences over its standard error (0 when they are all 0)."""
+    """The mean of independent mean-0 differences over its standard error: 0 when they are all 0, and
+    infinite (signed) when they are all one same nonzero value (a systematic offset, which no spread
+    excuses: under greedy drafts an engine's verify passes given the text are certain)."""
     count = len(differences)
     mean = sum(differences) / count
     variance = sum((d - mean) ** 2 for d in differences) / max(1, count - 1)
-    return 0.0 if variance == 0 else mean / math.sqrt(variance / count)
+    if variance == 0:
+        return 0.0 if mean == 0 else math.copysign(math.inf, mean)
+    return mean / math.sqrt(variance / count)
 
 
 def jackknife_se(counts: Sequence[ExpectedCounts], clusters: Sequence, draft_steps: int) -> float:

@@ -229,12 +229,15 @@ def compare_sampled(reference: Sequence[dict] | None, candidate: Sequence[dict],
         except ValueError as err:
             failures.append(str(err))
         else:
-            check = sampled_decoder_check(base, head, measured, draft_steps, max_tokens, serving, windows_per_batch)
+            check = sampled_decoder_check(base, head, measured, draft_steps, max_tokens, serving, windows_per_batch,
+                                          engine_counts=True)
             if check["measured"]["verify_passes"] == 0 or sum(check["measured"]["accepted"]) == 0:
                 failures.append("candidate: accepted no drafts (is MTP on, at the K asked?)")
-            elif abs(check["z"]["accepted"]) > Z_LIMIT:
-                failures.append(f"candidate: accepted drafts z {check['z']['accepted']:+.1f} against the library's expectation "
-                                f"(beyond {Z_LIMIT}): the engine does not accept what the contract says it should")
+            else:
+                for name, words in (("accepted", "accepted drafts"), ("verify_passes", "verify passes")):
+                    if abs(check["z"][name]) > Z_LIMIT:
+                        failures.append(f"candidate: {words} z {check['z'][name]:+.1f} against the library's expectation "
+                                        f"(beyond {Z_LIMIT}): the engine does not accept what the contract says it should")
     return {"passed": not failures, "failures": failures, "errors": errors, "fidelity": fidelities,
             "distribution_shift": shift, "acceptance_check": check, "z_limit": Z_LIMIT}
 
