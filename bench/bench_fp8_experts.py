@@ -27,15 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from occamy_mtp.base import moe_kernels
 from occamy_mtp.model.fp8_weights import dequantize_into
-from occamy_mtp.model.quantized import FP8_MAX
+from bench_fp8_write import random_fp8_stack
 from report import write_report
-from timing import sync
+from timing import seconds_of
 
 
 def main() -> int:
@@ -51,13 +50,8 @@ def main() -> int:
     experts, hidden, inter, top_k = (8, 256, 128, 2) if args.tiny else (256, 2048, 512, 8)
     block = (128, 128)
     generator = torch.Generator(device=device).manual_seed(0)
-
-    def stack(rows: int, cols: int):
-        codes = torch.rand(experts, rows, cols, generator=generator, device=device) * 2 * FP8_MAX - FP8_MAX
-        scale = torch.rand(experts, -(-rows // block[0]), -(-cols // block[1]), generator=generator, device=device) * 1e-3
-        return codes.to(torch.float8_e4m3fn), scale
-
-    (gate, gate_s), (up, up_s), (down, down_s) = stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
+    (gate, gate_s), (up, up_s), (down, down_s) = (random_fp8_stack(experts, rows, cols, block, generator, device)
+                                                  for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)))
     fp8 = moe_kernels.Fp8Experts(torch.cat([gate, up], dim=1), gate_s, up_s, down, down_s, block)
     resident = fp8.dequantized(torch.bfloat16)  # the bf16 base's weights (the same values)
     written = (torch.empty_like(resident[0]), torch.empty_like(resident[1]))  # the shared buffer the write fills
@@ -124,14 +118,7 @@ def _timed(step, device: torch.device, repeats: int) -> list[float]:
             step()
         run = graph.replay
     run()
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        started = time.perf_counter()
-        run()
-        sync(device)
-        seconds.append(time.perf_counter() - started)
-    return seconds
+    return seconds_of(run, device, repeats)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from occamy_mtp.model.fp8_weights import dequantize_into
 from occamy_mtp.model.quantized import FP8_MAX
 from report import write_report
-from timing import sync
+from timing import seconds_of
+
+
+def random_fp8_stack(experts: int, rows: int, cols: int, block: tuple[int, int], generator, device):
+    """An experts stack of random e4m3 codes over the format's whole range and random multipliers, one a
+    block: (codes (E, rows, cols), multipliers (E, ceil(rows / block[0]), ceil(cols / block[1])))."""
+    codes = torch.rand(experts, rows, cols, generator=generator, device=device) * 2 * FP8_MAX - FP8_MAX
+    scale = torch.rand(experts, -(-rows // block[0]), -(-cols // block[1]), generator=generator, device=device) * 1e-3
+    return codes.to(torch.float8_e4m3fn), scale
 
 
 def main() -> int:
@@ -39,13 +46,8 @@ def main() -> int:
     experts, hidden, inter = (8, 256, 128) if args.tiny else (256, 2048, 512)
     block = (128, 128)
     generator = torch.Generator(device=device).manual_seed(0)
-
-    def stack(rows: int, cols: int):
-        codes = (torch.rand(experts, rows, cols, generator=generator, device=device) * 2 * FP8_MAX - FP8_MAX)
-        scale = torch.rand(experts, -(-rows // block[0]), -(-cols // block[1]), generator=generator, device=device) * 1e-3
-        return codes.to(torch.float8_e4m3fn), scale
-
-    gate, up, down = stack(inter, hidden), stack(inter, hidden), stack(hidden, inter)
+    gate, up, down = (random_fp8_stack(experts, rows, cols, block, generator, device)
+                      for rows, cols in ((inter, hidden), (inter, hidden), (hidden, inter)))
     gate_up_out = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, device=device)
     down_out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)
 
@@ -61,13 +63,7 @@ def main() -> int:
         used = torch.zeros(experts, dtype=torch.int32, device=device)
         used[torch.randperm(experts, generator=torch.Generator().manual_seed(count))[:count].to(device)] = 1
         write(used)  # untimed: compiles the kernel
-        seconds = []
-        for _ in range(args.repeats):
-            sync(device)
-            started = time.perf_counter()
-            write(used)
-            sync(device)
-            seconds.append(time.perf_counter() - started)
+        seconds = seconds_of(lambda: write(used), device, args.repeats)
         weights = count * 3 * inter * hidden
         scales = sum(s.numel() * 4 for _, s in (gate, up, down)) * count // experts
         moved = weights * 3 + scales

@@ -44,7 +44,7 @@ from occamy_mtp.base import fastbase
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.model.loss import chain_batch, chain_loss
 from occamy_mtp.targets.base import base_outputs
-from timing import sync
+from timing import seconds_of, sync
 
 GIB = 1024**3
 
@@ -72,13 +72,7 @@ def timed(fn, device, warmup: int, repeats: int) -> dict:
         fn()
     sync(device)
     reset_peak(device)
-    seconds = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        seconds.append(time.perf_counter() - start)
+    seconds = seconds_of(fn, device, repeats)
     return {"seconds": seconds, "median_s": statistics.median(seconds), "peak_gib": peak_gib(device)}
 
 

@@ -153,14 +153,7 @@ def test_a_span_ends_at_the_end_of_turn_whether_or_not_the_markers_are_special(t
         assert len(special.train) == len(plain.train) == 4, mode
         assert [(w.input_ids, w.answer_start) for w in special.train] == [(w.input_ids, w.answer_start) for w in plain.train]
         assert all(decode(special_markers, w.input_ids).endswith("<|im_end|>") for w in special.train)
-    conversation = normalise_record(RECORDS[0], "r")
-    prompt_text, _ = windows.render_turn(special_markers, conversation.messages, 1, True)
-    prompt = regenerate.Prompt(conversation, 1, tuple(special_markers(prompt_text, add_special_tokens=False)["input_ids"]), True)
-    end = windows.template_end_of_turn_id(special_markers)
-    written = special_markers("I add them.\n</think>\n\nFour.", add_special_tokens=False)["input_ids"] + [end]
-    record = regenerate.make_record(special_markers, prompt, written, {end}, end)
-    assert record["messages"][-1] == {"role": "assistant", "content": "Four.", "reasoning_content": "I add them."}
-    assert record["meta"]["roundtrip"] == regenerate.ROUNDTRIP_EXACT
+    # and what the base writes round-trips: test_a_generated_thinking_turn_keeps_reasoning_and_answer_apart
 
 
 def test_counts_and_served_prompts(tokenizer, tmp_path):
@@ -233,7 +226,10 @@ def test_a_template_that_rewrites_the_turn_is_a_prefix_mismatch(switchless_dir, 
 # ---------------------------------------------------------------------------- generate
 
 
-def test_a_generated_thinking_turn_keeps_reasoning_and_answer_apart(tokenizer):
+@pytest.mark.parametrize("which", ["tokenizer", "special_markers"])
+def test_a_generated_thinking_turn_keeps_reasoning_and_answer_apart(which, request):
+    """Whether or not the tokenizer marks the reasoning markers special."""
+    tokenizer = request.getfixturevalue(which)
     conversation = normalise_record(RECORDS[0], "r")
     prompt_text, _ = windows.render_turn(tokenizer, conversation.messages, 1, True)
     prompt = regenerate.Prompt(conversation, 1, tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"]), True)
