@@ -62,6 +62,11 @@ class ModelSettings:
 DRAFT_RULES = ("greedy", "sampled")
 
 
+ENGINES = ("vllm", "sglang")
+"""Whose arithmetic a served figure follows where the engines differ (`Serving.engine`)."""
+DEFAULT_ENGINE = ENGINES[0]
+
+
 @dataclass(frozen=True)
 class Serving:
     """How an engine serves: how it samples the base and draws and accepts drafts (`occamy_mtp.sampling`)."""
@@ -92,6 +97,12 @@ class Serving:
     thinking: bool = False
     """Thinking mode: the heldout prompts are rendered with the chat template's enable_thinking, so
     that the base's continuations open with its reasoning (the model card's thinking presets)."""
+    engine: str = "vllm"
+    """The engine whose verification arithmetic the figures follow (`ENGINES`); they differ only under
+    penalties at draft steps 2 and later (docs/reference/CONTRACT.md section 4c): vllm penalizes the
+    j-th drafted position over the output so far and drafts 1..j-1, sglang every position of a round
+    alike over the output committed before it. A preset's name with `-sglang` (thinking-general-sglang)
+    is the preset under SGLang's rule."""
 
     @property
     def greedy(self) -> bool:
@@ -104,14 +115,23 @@ class Serving:
 
     def label(self) -> str:
         """The configuration's name in reports and directory names: a preset's name (instruct-general), or
-        its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts, greedy-thinking."""
+        its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts, greedy-thinking;
+        under SGLang's arithmetic the same with `-sglang` (thinking-general-sglang)."""
+        suffix = "" if self.engine == DEFAULT_ENGINE else f"-{self.engine}"
+        plain = dataclasses.replace(self, engine=DEFAULT_ENGINE)
         for name, preset in PRESETS.items():
-            if preset == self:
-                return name
+            if preset == plain:
+                return name + suffix
         sampled_drafts = not self.greedy and self.draft == "sampled"
         return (sampling_label(self.temperature, self.top_p, self.top_k, self.presence_penalty, self.frequency_penalty,
                                self.repetition_penalty) + ("-sampled-drafts" if sampled_drafts else "")
-                + ("-thinking" if self.thinking else ""))
+                + ("-thinking" if self.thinking else "") + suffix)
+
+    @property
+    def round_start_penalties(self) -> bool:
+        """Whether a round's drafted positions are all penalized over the output committed before it
+        (SGLang's rule), rather than each over the drafts before it too (vLLM's)."""
+        return self.engine == "sglang" and self.penalized
 
 
 # The Qwen3.5/3.6 model card's serving presets (docs/reference/CONTRACT.md section 4c): `eval.serving` takes
@@ -129,13 +149,18 @@ GREEDY = "greedy"
 
 
 def serving_preset(name: str, where: str = "eval.serving") -> Serving:
-    """The preset called `name`, or greedy serving by its label; ConfigError listing the names otherwise."""
-    if name == GREEDY:
-        return Serving()
-    if name not in PRESETS:
-        raise ConfigError(f"{where}: unknown serving preset {name!r}; expected {GREEDY} or one of {', '.join(PRESETS)}, "
-                          "or settings such as {temperature: 0.7, top_p: 0.8}")
-    return PRESETS[name]
+    """The preset called `name`, or greedy serving by its label, either with `-sglang` for SGLang's arithmetic
+    (`Serving.engine`); ConfigError listing the names otherwise."""
+    stem, engine = name, DEFAULT_ENGINE
+    for other in ENGINES:
+        if other != DEFAULT_ENGINE and name.endswith(f"-{other}"):
+            stem, engine = name[: -len(other) - 1], other
+    if stem == GREEDY:
+        return Serving(engine=engine)
+    if stem not in PRESETS:
+        raise ConfigError(f"{where}: unknown serving preset {name!r}; expected {GREEDY} or one of {', '.join(PRESETS)} "
+                          f"(each also with -sglang: SGLang's arithmetic), or settings such as {{temperature: 0.7, top_p: 0.8}}")
+    return dataclasses.replace(PRESETS[stem], engine=engine)
 
 
 def any_penalty(presence: float, frequency: float, repetition: float) -> bool:
@@ -416,7 +441,7 @@ class RunConfig:
 # defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
 _LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", "train_continuations"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
                    ("data", "self_generate_repetition_penalty"))
-_LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking")
+_LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking", "engine")
 _DEFAULTS = {"model": ModelSettings(), "data": DataSettings()}
 # data.train_text's sampling fields, and the data.self_generate_* keys that spelled them before it.
 _TEXT_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -725,6 +750,7 @@ def check(config: RunConfig) -> None:
         ]
     checks += [(s.draft in DRAFT_RULES, f"eval.serving[{i}].draft", _one_of(DRAFT_RULES), s.draft)
                for i, s in enumerate(config.eval.serving)]
+    checks += [(s.engine in ENGINES, f"{prefix}engine", _one_of(ENGINES), s.engine) for prefix, s in texts]
     penalties = [(prefix, s.temperature, s.presence_penalty, s.frequency_penalty, s.repetition_penalty) for prefix, s in texts]
     for prefix, temperature, presence, frequency, repetition in penalties:
         checks += [

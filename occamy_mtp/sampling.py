@@ -110,6 +110,17 @@ def answer_histories(input_ids: torch.Tensor, answer_starts: torch.Tensor, rows:
     return answer, prompt
 
 
+def verified_history_ends(serving: Serving, anchors: torch.Tensor, step: int) -> torch.Tensor:
+    """Where the penalties' history ends (exclusive, `answer_histories`' positions) when draft step
+    `step` (0-based) of the round at `anchors` is verified, whose drafted token is at anchors + step + 2.
+
+    vLLM penalizes each drafted position over the output before it, drafts 1..step included (given
+    the text, the text's tokens): anchors + step + 2. SGLang penalizes every position of the round
+    over the output committed before the round, whose last token, at anchors + 1, the round verifies
+    from: anchors + 2 at every step (docs/reference/CONTRACT.md section 4c). The two agree at step 0."""
+    return anchors + 2 + (0 if serving.round_start_penalties else step)
+
+
 def head_probs(logits: torch.Tensor, serving: Serving) -> torch.Tensor:
     """q: the head's distribution under `serving`'s draft rule (`draft_probs`)."""
     return draft_probs(logits, serving.temperature, serving.draft)

@@ -12,7 +12,7 @@ import torch
 
 from occamy_mtp.config import Serving
 from occamy_mtp.evaluation.breakdown import AXES, TextOdds, breakdown, greedy_odds, largest_loss, one_line, thinking_end
-from occamy_mtp.evaluation.served import _by_anchor, ceiling_texts, heldout_report
+from occamy_mtp.evaluation.served import ceiling_texts, heldout_report
 from test_ceiling import models, prompts, written  # noqa: F401  (the fixture and the texts it writes)
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest.py
@@ -25,7 +25,8 @@ def test_a_walk_by_hand():
     given = [[0.0], [0.5], [1.0], [0.0], [0.0], [0.0]]
     expected = [[0.0], [0.4], [0.9], [0.2], [0.0], [0.0]]
     best = [0.0, 0.0, 0.0, 0.6, 0.95, 0.3]
-    text = TextOdds(given, expected, best, certainty=best, answer_start=2, context_bucket="<256", thinking_end=4)
+    by_anchor = [[best[a + 2] if a + 2 < len(best) else 0.0] for a in range(len(best))]  # position a + 2's, at step 1
+    text = TextOdds(given, expected, by_anchor, certainty=best, answer_start=2, context_bucket="<256", thinking_end=4)
     figures = breakdown([text], max_new_tokens=4, draft_steps=1)
     # anchor 1 (position 3) weight 1; anchor 2 (position 4) weight 0.5 (the draft at 1 rejected: 1 token);
     # anchor 3 (position 5) is past the budget's last draft: 4 tokens, the last a plain step or the bonus
@@ -73,11 +74,13 @@ def test_greedy_odds_are_the_chain_s_outcomes():
     assert greedy_odds([0, 2, 3], 3) == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
 
 
-@pytest.mark.parametrize("serving", [Serving(), Serving(temperature=1.0, top_k=20)], ids=lambda s: s.label())
+@pytest.mark.parametrize("serving", [Serving(), Serving(temperature=1.0, top_k=20),
+                                     Serving(temperature=1.0, top_k=20, presence_penalty=1.5, engine="sglang")],
+                         ids=lambda s: s.label())
 def test_each_axis_partitions_the_served_drafts_and_a_perfect_drafter_loses_nothing(models, serving):  # noqa: F811
     base, head = models
     windows = written(base, prompts(4), 12, serving)
-    perfect = ceiling_texts(base, head, windows, serving, windows_per_batch=2)
+    perfect = ceiling_texts(base, head, windows, serving, windows_per_batch=2, steps=3)
     report = heldout_report(base, head, {serving.label(): windows}, [], [serving], [1, 3], 3, 12, 2,
                             ceiling={serving.label(): perfect})["serving"][serving.label()]
     figures, served = report["breakdown"], report["served"]["3"]
@@ -91,8 +94,7 @@ def test_each_axis_partitions_the_served_drafts_and_a_perfect_drafter_loses_noth
     assert [figures["step"][str(k)]["proposed"] for k in (1, 2, 3)] == pytest.approx(served["proposed"], rel=1e-9)
     assert figures["total"]["ceiling_accepted"] >= figures["total"]["accepted"]
     # the perfect drafter's own walk: its drafts are the base's choices, so nothing is lost
-    own = [TextOdds(_by_anchor(t.hit, 3), _by_anchor(t.best, 3), t.best, t.certainty, w.answer_start, "<256")
-           for w, t in zip(windows, perfect)]
+    own = [TextOdds(*t.by_anchor(3), t.by_anchor(3)[1], t.certainty, w.answer_start, "<256") for w, t in zip(windows, perfect)]
     assert breakdown(own, 12, 3)["total"]["lost"] == pytest.approx(0.0, abs=1e-12)
 
 

@@ -173,6 +173,18 @@ def test_validate_under_a_preset_passes_the_library_s_own_servers_and_fails_a_te
     assert validate_command.main(["--reference", off_url, "--endpoint", "chat", "--out", str(tmp_path / "chat"), *flags]) == 2
     assert "drop --endpoint chat" in capsys.readouterr().err
 
+    # a penalized preset whose engine rule is not the candidate's engine's is refused before any figure (issue 60)
+    for role in ("reference", "candidate"):
+        run = json.loads((tmp_path / "live" / f"responses-{role}.json").read_text())
+        run.update(serving="instruct-general", engine="sglang" if role == "candidate" else run["engine"])
+        (tmp_path / f"sglang-{role}.json").write_text(json.dumps(run))
+    at = flags.index("--serving")
+    general = flags[:at] + ["--serving", "instruct-general"] + flags[at + 2 :]
+    assert validate_command.main(["--reference", str(tmp_path / "sglang-reference.json"), "--candidate",
+                                  str(tmp_path / "sglang-candidate.json"), "--out", str(tmp_path / "sglang"), *general]) == 2
+    err = capsys.readouterr().err
+    assert "served by sglang, whose penalties differ from vllm's" in err and "give --serving instruct-general-sglang" in err
+
 
 def world_rare_token(world) -> int:
     """A token id the demo base gives almost no probability after any context: the last of its vocabulary

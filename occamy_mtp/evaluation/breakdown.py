@@ -76,14 +76,14 @@ class Tally:
 @dataclass(frozen=True)
 class TextOdds:
     """One text's odds as the walk reads them: [anchor a][step k (0-based)] is position a + k + 2's
-    (`served._by_anchor`); `best` and `certainty` per position of the text."""
+    (`served.CeilingText.by_anchor`); `certainty` per position of the text.""" 
 
     given: Sequence[Sequence[float]]
     """The head's: P(step k accepted | the steps before it accepted, the text)."""
     expected: Sequence[Sequence[float]]
     """The head's: the expected acceptance of its draft there."""
-    best: Sequence[float]
-    """A perfect drafter's expected acceptance at each position (the base's processed top probability)."""
+    best: Sequence[Sequence[float]]
+    """A perfect drafter's expected acceptance there (the base's processed top probability)."""
     certainty: Sequence[float]
     """The base's certainty at each position (module docstring)."""
     answer_start: int
@@ -101,7 +101,7 @@ def breakdown(texts: Sequence[TextOdds], max_new_tokens: int, draft_steps: int) 
     for text in texts:
         def visit(anchor: int, k: int, weight: float, text: TextOdds = text) -> None:
             position = anchor + k + 2  # the drafted token's
-            alpha, best = text.expected[anchor][k], text.best[position]
+            alpha, best = text.expected[anchor][k], text.best[anchor][k]
             keys = {
                 "certainty": _bucket(text.certainty[position], CERTAINTY_BUCKETS),
                 "step": str(k + 1),

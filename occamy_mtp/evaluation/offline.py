@@ -181,6 +181,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     Step k at anchor i predicts x_{i+k+1}: p is the base's processed distribution from
     H_{i+k}, q the head's under the draft rule; alpha = sum_x min(p, q), beta = min(p, q)(x) / p(x)
     at the text's token x = x_{i+k+1} (`occamy_mtp.sampling`). Steps k >= 2 embed the text's tokens.
+    Penalties read the answer as the engine of `serving` verifies the round (`sampling.verified_history_ends`).
     """
     batch, targets, chain, hidden = _pass(base, head, windows, draft_steps, device, embed_text=True)
     valid = chain.labels != IGNORE
@@ -199,7 +200,8 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
             chunk = slice(start, start + positions)
-            history = sampling.answer_histories(batch.input_ids, starts, rows[chunk], anchors[chunk] + k + 2) \
+            history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
+                                                sampling.verified_history_ends(serving, anchors[chunk], k)) \
                 if serving.penalized else None
             a, b, out = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
             alpha.append(a)

@@ -104,20 +104,33 @@ class CeilingText:
     """The expected acceptance of the perfect draft: the base's processed top probability (1 under greedy)."""
     certainty: list[float]
     """The base's certainty (`breakdown`): `best` under sampling; under greedy, its softmax's top probability."""
+    later: tuple[tuple[list[float], list[float]], ...] = ()
+    """Under SGLang's penalties (`Serving.round_start_penalties`), (hit, best) per position where it is
+    draft step 2, 3, ...: the base's choice there is penalized over the output before the round, not
+    before the position. Empty where every step reads `hit` and `best`."""
+
+    def by_anchor(self, steps: int) -> tuple[list[list[float]], list[list[float]]]:
+        """(hit, best) as the walk reads them: [anchor a][step k (0-based)] is position a + k + 2's at step k."""
+        hits = [self.hit, *(h for h, _ in self.later)]
+        bests = [self.best, *(b for _, b in self.later)]
+        return (_by_anchor([hits[min(k, len(hits) - 1)] for k in range(steps)]),
+                _by_anchor([bests[min(k, len(bests) - 1)] for k in range(steps)]))
 
 
 @torch.no_grad()
-def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[CeilingText]:
+def _ceiling_batch(targets, head, windows, device, serving: Serving, steps: int = 1) -> list[CeilingText]:
     """Per window of one batch, per position t of its text: a perfect drafter's odds (`CeilingText`).
 
     The perfect drafter drafts argmax p_t, p_t being the base's distribution at t as `serving`
     processes it: greedy serving accepts it always (and the base's greedy text is that token), so
-    both are 1 where the text is the base's greedy choice; sampled serving accepts it with p_t of it."""
+    both are 1 where the text is the base's greedy choice; sampled serving accepts it with p_t of it.
+    Under SGLang's penalties p_t depends on the draft step that drafts t, up to `steps`."""
     batch = collate(windows, device)
     outputs = batch_targets(targets, batch)
     ids = batch.input_ids
-    given = torch.zeros(ids.shape, dtype=torch.float64)
-    expected = torch.zeros(ids.shape, dtype=torch.float64)
+    rounds = steps if serving.round_start_penalties else 1
+    given = torch.zeros((rounds, *ids.shape), dtype=torch.float64)
+    expected = torch.zeros((rounds, *ids.shape), dtype=torch.float64)
     certainty = torch.zeros(ids.shape, dtype=torch.float64)
     # Drafted positions only: a decoder's first draft predicts the answer's second token.
     wanted = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
@@ -126,8 +139,8 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[Cei
     rows, positions = wanted.nonzero(as_tuple=True)  # (N,), (N,): x_t predicted from H_{t-1}
     if serving.greedy:
         hit = (outputs.greedy[rows, positions - 1] == ids[rows, positions]).double().cpu()
-        given[rows.cpu(), positions.cpu()] = hit
-        expected[rows.cpu(), positions.cpu()] = hit
+        given[0][rows.cpu(), positions.cpu()] = hit
+        expected[0][rows.cpu(), positions.cpu()] = hit
     chunk = memory.logit_rows(ids.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
     starts = torch.tensor([w.answer_start for w in windows])
     for start in range(0, len(rows), chunk):
@@ -137,23 +150,29 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving) -> list[Cei
         if serving.greedy:  # the processed distribution is one-hot: the base's certainty is its softmax's
             certainty[where] = torch.softmax(logits.float(), dim=-1).max(-1).values.double().cpu()
             continue
-        history = sampling.answer_histories(ids, starts, rows[part], positions[part]) if serving.penalized else None
-        p = sampling.base_probs(logits, serving, history)  # (n, V)
-        best, choice = p.max(-1)
-        given[where] = (choice == ids[rows[part], positions[part]]).double().cpu()
-        expected[where] = best.double().cpu()
-        certainty[where] = best.double().cpu()
-    return [CeilingText(given[row, :length].tolist(), expected[row, :length].tolist(), certainty[row, :length].tolist())
+        for k in range(rounds):  # position t drafted at step k + 1, from the anchor t - k - 2
+            ends = sampling.verified_history_ends(serving, positions[part] - k - 2, k)
+            history = sampling.answer_histories(ids, starts, rows[part], ends) if serving.penalized else None
+            p = sampling.base_probs(logits, serving, history)  # (n, V)
+            best, choice = p.max(-1)
+            given[k][where] = (choice == ids[rows[part], positions[part]]).double().cpu()
+            expected[k][where] = best.double().cpu()
+            if k == 0:
+                certainty[where] = best.double().cpu()
+    return [CeilingText(given[0, row, :length].tolist(), expected[0, row, :length].tolist(),
+                        certainty[row, :length].tolist(),
+                        tuple((given[k, row, :length].tolist(), expected[k, row, :length].tolist()) for k in range(1, rounds)))
             for row, length in enumerate(batch.lengths.tolist())]
 
 
-def ceiling_texts(targets, head, windows, serving: Serving | None = None, windows_per_batch: int = 4) -> list[CeilingText]:
-    """A perfect drafter's odds on each of `windows` under `serving` (None: greedy), in their order.
-    `head` lends only the base's lm_head (its logits)."""
+def ceiling_texts(targets, head, windows, serving: Serving | None = None, windows_per_batch: int = 4,
+                  steps: int = 1) -> list[CeilingText]:
+    """A perfect drafter's odds on each of `windows` under `serving` (None: greedy), in their order, for
+    rounds of up to `steps` drafts. `head` lends only the base's lm_head (its logits)."""
     serving = serving or Serving()
     device = head.fc.weight.device
     return [text for part in window_batches(targets, head, windows, 0, windows_per_batch)
-            for text in _ceiling_batch(targets, head, part, device, serving)]
+            for text in _ceiling_batch(targets, head, part, device, serving, steps)]
 
 
 def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
@@ -164,21 +183,25 @@ def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int
     the budget is accepted, so the accept length is K + 1 but for the texts' ends. `head` lends only
     the base's lm_head (its logits); the figure is the base's and the serving configuration's.
     `texts`: the windows' `ceiling_texts`, when the caller has them."""
-    texts = texts if texts is not None else ceiling_texts(targets, head, windows, serving, windows_per_batch)
     steps = max(served_steps)
-    walks = [(_by_anchor(t.hit, steps), _by_anchor(t.best, steps), w.answer_start) for w, t in zip(windows, texts)]
+    texts = texts if texts is not None else ceiling_texts(targets, head, windows, serving, windows_per_batch, steps)
+    walks = [(*t.by_anchor(steps), w.answer_start) for w, t in zip(windows, texts)]
     clusters = [context_key(w) for w in windows]
     return {k: expected_acceptance(walks, max_new_tokens, k, clusters=clusters) for k in served_steps}
 
 
-def _by_anchor(values: list[float], steps: int) -> list[list[float]]:
-    """Per-position odds as `expected_rounds` reads them: [anchor a][step k (0-based)] is position a + k + 2's."""
-    return [[values[a + k + 2] if a + k + 2 < len(values) else 0.0 for k in range(steps)] for a in range(len(values))]
+def _by_anchor(values: list[list[float]]) -> list[list[float]]:
+    """Per-position odds of each step (`values[k][t]`) as `expected_rounds` reads them: [anchor a][step k
+    (0-based)] is position a + k + 2's at step k."""
+    length, steps = len(values[0]), len(values)
+    return [[values[k][a + k + 2] if a + k + 2 < length else 0.0 for k in range(steps)] for a in range(length)]
 
 
-def ceilings(targets, head, heldout: dict[str, list], servings, windows_per_batch: int = 4) -> dict[str, list[CeilingText]]:
-    """Per serving configuration (its label), a perfect drafter's odds on the heldout windows the base wrote under it."""
-    return {s.label(): ceiling_texts(targets, head, heldout[s.label()], s, windows_per_batch) for s in servings}
+def ceilings(targets, head, heldout: dict[str, list], servings, windows_per_batch: int = 4,
+             steps: int = 1) -> dict[str, list[CeilingText]]:
+    """Per serving configuration (its label), a perfect drafter's odds on the heldout windows the base wrote
+    under it, for rounds of up to `steps` drafts (the largest served step count)."""
+    return {s.label(): ceiling_texts(targets, head, heldout[s.label()], s, windows_per_batch, steps) for s in servings}
 
 
 def ceiling_report(texts: dict[str, list[CeilingText]], heldout: dict[str, list], servings, served_steps,
@@ -245,7 +268,7 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
 def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = ()) -> list[TextOdds]:
     """A head's odds on each window (`per_text`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them."""
     odds = texts if texts and isinstance(texts[0], tuple) else [(greedy_odds(o.accepted, steps),) * 2 for o in texts]
-    return [TextOdds(given, expected, perfect.best, perfect.certainty, w.answer_start, context_bucket(w.answer_start),
+    return [TextOdds(given, expected, perfect.by_anchor(steps)[1], perfect.certainty, w.answer_start, context_bucket(w.answer_start),
                      thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None)
             for w, (given, expected), perfect in zip(windows, odds, ceiling)]
 

@@ -231,7 +231,7 @@ def chain_loss(
     `MTPHead.forward`; `labels` is (K, B, T); `base_hidden` (B, T, D), the base's post-norm
     hidden states, is needed by a loss that reads p: step k at anchor i fits p from H_{i+k},
     whose argmax is its greedy label; under penalties p is penalized over the answer before
-    x_{i+k+1}, read from `texts`.
+    x_{i+k+1} (before the round, x_{i+2}, under SGLang's rule: `sampling.verified_history_ends`), read from `texts`.
 
     With `share` (this process's part of a step over several processes), step k's loss is this
     process's summed loss over the step's scored pairs on every process, times the processes: the
@@ -269,7 +269,8 @@ def chain_loss(
         agree = 0
         for start in range(0, count, chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
-            history = texts.histories(rows[chunk], anchors[chunk] + k + 2) if penalized else None
+            history = texts.histories(rows[chunk], sampling.verified_history_ends(objective.serving, anchors[chunk], k)) \
+                if penalized else None
             inputs = (head, hidden[chunk], target[chunk], None if parents is None else parents[chunk], objective, history)
             if torch.is_grad_enabled():
                 part, hits = checkpoint(_chunk_loss_sum, *inputs, use_reentrant=False)

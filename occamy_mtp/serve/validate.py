@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from occamy_mtp import files
+from occamy_mtp.config import ENGINES
 from occamy_mtp.engines.http import post_json, RequestFailed, server_identity
 from occamy_mtp.engines.openai import CHAT, ENDPOINT_PATHS, parse_response, RequestSettings
 from occamy_mtp.engines.vllm import counter_delta, read_spec_counters, settled_spec_counters, VLLM_METRICS
@@ -689,10 +690,16 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
             raise ValidationError(f"{path}: recorded under {run['serving']}, not {serving.label()}")
         return run
 
+    if candidate is not None and is_url(candidate):  # before any request is sent: nothing to collect again
+        try:
+            _check_engine(serving, server_identity(candidate, timeout)["engine"], candidate)
+        except RequestFailed:
+            pass  # collecting names the failure
     runs = _gather({"reference": reference, "candidate": candidate}, {}, out_dir,
                    lambda url: collect_sampled(url, prompts, samples, request, tokenizer, serving, log), recorded)
     if candidate is None:
         return None
+    _check_engine(serving, runs["candidate"].get("engine"), candidate)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_path = None if head is None else model.donor_head if head == "donor" else head
     base, drafter = expectation_models(model, head_path, device)
@@ -706,6 +713,15 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
               "prompt_set": runs["reference"]["prompts"], **report}
     files.write_json(out_dir / REPORT_FILE, report)
     return report
+
+
+def _check_engine(serving, served_by: str | None, candidate: str) -> None:
+    """Refuse a penalized `serving` whose engine rule (`Serving.engine`) is not that of the engine serving the
+    candidate (`served_by`, its /v1/models owner; unknown: not refused)."""
+    if serving.penalized and served_by in ENGINES and served_by != serving.engine:
+        raise ValidationError(f"{candidate}: served by {served_by}, whose penalties differ from {serving.engine}'s at draft "
+                              f"steps 2 and later, and --serving {serving.label()} follows {serving.engine}'s rule: give "
+                              f"--serving {replace(serving, engine=served_by).label()}")
 
 
 def rendered_prompts(prompts: list[ValidationPrompt], tokenizer, thinking: bool) -> list[ValidationPrompt]:
