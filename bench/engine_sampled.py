@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     check = None
     if head is not None:
         check = sampled_decoder_check(base, head, measured, args.draft_steps, max_tokens, serving, config.eval.windows_per_batch,
-                                      engine_counts=True)
+                                      engine_counts=True, names=[answer["prompt"] for answer in raw])
     report = {"url": args.url, "model": model, "head": str(head_path), "serving": {"label": serving.label(), **vars(args), **dataclasses.asdict(serving),
               "out": str(args.out), "config": str(args.config)}, "requests": len(raw), "max_tokens": max_tokens,
               "finished": sum(r["finished"] for r in raw), "asked_seconds": asked_seconds, "fidelity": text_fidelity,

@@ -339,10 +339,11 @@ class TrainSettings:
 class EvalSettings:
     draft_steps: int = 3
     """Chained steps measured by the offline acceptance evaluation."""
-    served_steps: tuple[int, ...] = (1, 3)
-    """Draft step counts serving may run (`--speculative-num-steps`): the decoder replay is
-    reported for each, export refuses a head worse than the donor at any, and checkpoint
-    selection scores their mean accept length."""
+    served_steps: tuple[int, ...] = (1, 2, 3)
+    """Draft step counts serving may run (SGLang's `--speculative-num-steps`, vLLM's
+    `num_speculative_tokens`): 1, 2 (vLLM's recipe for Qwen3.5/3.6) and 3 (SGLang's) by default, any up to
+    `draft_steps`. The decoder replay is reported for each, export refuses a head worse than the donor at
+    any, and checkpoint selection scores their mean accept length."""
     decoder_check_windows: int = 1
     """Heldout prompts decoded with the reference speculative decoder at export, for each head
     and served step count, to check the replayed figures against it; 0 skips the check. It
@@ -732,6 +733,9 @@ def check(config: RunConfig) -> None:
             "eval.served_steps",
             f"one or more distinct step counts, each 1 to data.answer_tokens ({config.data.answer_tokens})",
         ),
+        (max(config.eval.served_steps, default=1) <= config.eval.draft_steps, "eval.served_steps",
+         f"step counts up to eval.draft_steps ({config.eval.draft_steps}), the chain the evaluation measures: "
+         "raise eval.draft_steps to serve more"),
         (config.eval.decoder_check_windows >= 0, "eval.decoder_check_windows", ">= 0"),
         (config.output.expert_layout in ("donor", "fused", "per_expert"), "output.expert_layout", "donor, fused or per_expert"),
         (config.train.loss in LOSSES, "train.loss", _one_of(list(LOSSES))),

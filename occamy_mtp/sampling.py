@@ -142,6 +142,13 @@ def draft_probs(logits: torch.Tensor, temperature: float, draft: str) -> torch.T
     return (logits.float() / temperature).softmax(dim=-1)
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) float32: the softmax's largest probability, the head's confidence in its argmax
+    (at temperature 1, as its logits give it: what a verifier reading the draft's own logits sees)."""
+    logits = logits.float()
+    return (logits.amax(dim=-1) - logits.logsumexp(dim=-1)).exp()
+
+
 def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """Expected acceptance of a draft drawn from q and checked against p: sum_x min(p, q) over the last axis."""
     return torch.minimum(p, q).sum(dim=-1)

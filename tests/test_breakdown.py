@@ -126,3 +126,53 @@ def test_the_card_says_where_the_trained_head_still_loses():
     assert lines[2] == ("- thinking-general, 3-step: the trained head's drafts are accepted 25.0% of the time where a "
                         "perfect drafter's would be 40.0%; certainty 0.6-0.9: 24% of the drafts lost, from 12% of the drafts.")
     assert len(lines) == 4 and where_lost({**metrics, "serving": [{"label": "greedy"}]}) == []  # a record before the breakdown
+
+
+def test_calibration_by_hand():
+    """The walk of `test_a_walk_by_hand` with the head's confidence at its drafts: anchor 1 (weight 1, alpha 0.4)
+    sure to 0.85, anchor 2 (weight 0.5, alpha 0.9) to 0.82: one bucket, 0.8-0.9, whose acceptance is
+    (0.4 + 0.45) / 1.5 and confidence (0.85 + 0.41) / 1.5; the error is their distance."""
+    given = [[0.0], [0.5], [1.0], [0.0], [0.0], [0.0]]
+    expected = [[0.0], [0.4], [0.9], [0.2], [0.0], [0.0]]
+    best = [[0.0], [0.6], [0.95], [0.3], [0.0], [0.0]]
+    sure = [[0.0], [0.85], [0.82], [0.1], [0.0], [0.0]]
+    text = TextOdds(given, expected, best, certainty=[0.0] * 6, answer_start=2, context_bucket="<256", confidence=sure)
+    calibration = breakdown([text], max_new_tokens=4, draft_steps=1)["calibration"]
+    assert list(calibration["buckets"]) == ["0.8-0.9"]
+    acceptance, confidence = 0.85 / 1.5, 1.26 / 1.5
+    assert calibration["buckets"]["0.8-0.9"] == pytest.approx({"proposed": 1.5, "acceptance": acceptance, "confidence": confidence})
+    assert calibration["expected_calibration_error"] == pytest.approx(abs(acceptance - confidence))
+    sure[2] = [0.15]  # two buckets now: each its own distance, weighted by its drafts
+    calibration = breakdown([text], max_new_tokens=4, draft_steps=1)["calibration"]
+    assert list(calibration["buckets"]) == ["0.1-0.2", "0.8-0.9"]
+    assert calibration["expected_calibration_error"] == pytest.approx((1.0 * abs(0.4 - 0.85) + 0.5 * abs(0.9 - 0.15)) / 1.5)
+    assert "calibration" not in breakdown([TextOdds(given, expected, best, [0.0] * 6, 2, "<256")], 4, 1)
+
+
+@pytest.mark.parametrize("serving", [Serving(), Serving(temperature=1.0, top_k=20)], ids=lambda s: s.label())
+def test_the_head_s_confidence_is_its_softmax_s_top_probability_where_it_drafted(models, serving):  # noqa: F811
+    """Each served draft's confidence is the head's softmax top-1 there, computed plainly; the reliability table
+    partitions the drafts the breakdown counts."""
+    from occamy_mtp.evaluation.offline import _pass, batch_confidence, head_batches
+
+    base, head = models
+    windows = written(base, prompts(3), 12, serving)
+    results = list(head_batches(base, head, windows, 2, 3, serving))
+    confidence = batch_confidence(results)
+    with torch.no_grad():
+        _, _, _, hidden = _pass(base, head, windows, 2, torch.device("cpu"), embed_text=not serving.greedy)
+        plain = torch.softmax(head.logits(hidden).float(), dim=-1).amax(-1)  # (K, B, T)
+    checked = 0
+    for row, per_anchor in enumerate(confidence):
+        for anchor, steps in enumerate(per_anchor):
+            for k, value in enumerate(steps):
+                if value > 0:
+                    assert value == pytest.approx(float(plain[k, row, anchor]), abs=1e-5)
+                    checked += 1
+    assert checked > 0
+    perfect = ceiling_texts(base, head, windows, serving, windows_per_batch=3, steps=2)
+    figures = heldout_report(base, head, {serving.label(): windows}, [], [serving], [2], 2, 12, 3,
+                             ceiling={serving.label(): perfect})["serving"][serving.label()]["breakdown"]
+    buckets = figures["calibration"]["buckets"]
+    assert sum(b["proposed"] for b in buckets.values()) == pytest.approx(figures["total"]["proposed"], rel=1e-9)
+    assert 0 <= figures["calibration"]["expected_calibration_error"] <= 1

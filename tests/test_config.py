@@ -148,7 +148,7 @@ def test_missing_config_file(tmp_path):
 
 def test_fingerprint_tracks_training_settings_only():
     a = load_config(None)
-    assert a.fingerprint() == load_config(None, ["output.dir=elsewhere", "eval.draft_steps=1"]).fingerprint()
+    assert a.fingerprint() == load_config(None, ["output.dir=elsewhere", "eval.draft_steps=4"]).fingerprint()
     assert a.fingerprint() != load_config(None, ["train.lr=1e-5"]).fingerprint()
 
 
@@ -213,3 +213,11 @@ def test_fp8_activations_change_the_targets_so_the_fingerprint_but_the_default_l
     assert default.fingerprint() != load_config(None, ["model.fp8_activations=fp8"]).fingerprint()
     with pytest.raises(ConfigError, match="model.fp8_activations"):
         load_config(None, ["model.fp8_activations=int8"])
+
+
+def test_served_step_counts_default_to_1_2_3_and_stop_at_the_measured_chain():
+    """2 is vLLM's recipe for Qwen3.5/3.6, 3 SGLang's; a count past eval.draft_steps has no measured chain (issue 60)."""
+    assert load_config(None, []).eval.served_steps == (1, 2, 3)
+    assert load_config(None, ["eval.served_steps=[4]", "eval.draft_steps=4"]).eval.served_steps == (4,)
+    with pytest.raises(ConfigError, match=r"eval.served_steps: expected step counts up to eval.draft_steps \(3\)"):
+        load_config(None, ["eval.served_steps=[1, 4]"])

@@ -82,6 +82,40 @@ def test_the_engine_check_s_expectation_holds_for_the_library_s_own_server(world
         assert expected["verify_passes"] == pytest.approx(measured["verify_passes"], abs=1e-9) and check["z"]["verify_passes"] == 0
 
 
+def test_per_request_counts_in_each_engine_s_fields_or_from_the_metrics_counters_agree(world, capsys):
+    """The same seeded requests to the reference server answering with SGLang's per-request fields, vLLM's,
+    or none (the /metrics counters read across each request instead): the same counts per request, read
+    from where each engine puts them, and the same per-prompt report (issue 60, item 3)."""
+    reports = {}
+    for fields in ("sglang", "vllm", "none"):
+        process, url = start_server(world, "--head", str(world["head"]), "--tokenizer", str(world["tokenizer"]), "--mode",
+                                    "speculative", "--draft-steps", str(DRAFT_STEPS), "--per-request", fields)
+        out = world["root"] / f"fields-{fields}.json"
+        try:
+            code = engine_sampled.main(["--url", url, "--config", str(world["config"]), "--head", "donor",
+                                        "--draft-steps", str(DRAFT_STEPS), "--serving", "thinking-coding",
+                                        "--windows", "4", "--max-tokens", "24", "--out", str(out)])
+        finally:
+            stop(process)
+        assert code == 0, capsys.readouterr().err
+        reports[fields] = json.loads(out.read_text())
+    sources = {fields: {a["counts"]["source"] for a in r["answers"]} for fields, r in reports.items()}
+    assert sources == {"sglang": {"sglang: sglext.spec_tokens_details"}, "vllm": {"vllm: metrics.speculative_decoding"},
+                       "none": {"vllm: /metrics counters (after - before)"}}, sources
+    counted = {fields: [(a["counts"]["verify_passes"], a["counts"]["accepted_tokens"], a["counts"]["histogram"])
+                        for a in r["answers"]] for fields, r in reports.items()}
+    assert counted["sglang"] == counted["vllm"] == counted["none"]
+    assert all(sum(passes for passes, _, _ in c) > 0 for c in counted.values())
+    by_prompt = reports["none"]["check"]["per_prompt"]
+    assert [row["prompt"] for row in by_prompt["prompts"]] == [a["prompt"] for a in reports["none"]["answers"]]
+    assert by_prompt == reports["sglang"]["check"]["per_prompt"]
+    for row in by_prompt["prompts"]:  # each prompt's own text: its measured and expected figures, and their difference
+        assert row["texts"] == 1 and row["difference"] == pytest.approx(row["measured_accept_length"] - row["expected_accept_length"])
+    assert len(by_prompt["furthest"]) == 3 and by_prompt["spread"] >= 0
+    differences = sorted((abs(row["difference"]), row["prompt"]) for row in by_prompt["prompts"])
+    assert {name for _, name in differences[-3:]} == set(by_prompt["furthest"])
+
+
 def test_a_preset_by_name_brings_its_thinking_mode(world, capsys):
     """--serving thinking-coding: the card's sampling (temperature 0.6, top-p 0.95, top-k 20) on prompts rendered
     with thinking on, and the expectation still holds on the server's text."""

@@ -148,7 +148,7 @@ def test_cli_writes_evaluation_and_plot(checkpoints, tmp_path, capsys, teacher_f
     out = tmp_path / "eval"
     argv = [
         f"model.base={checkpoints['base']}", "--head", str(checkpoints["base"]), f"model.donor_head={checkpoints['donor']}",
-        f"data.files=[{checkpoints['data']}]", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2",
+        f"data.files=[{checkpoints['data']}]", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2", "eval.served_steps=[1,2]",
         "data.context_tokens=16", "data.train_conversations=4", "data.validation_conversations=0", "train.select_every_steps=0",
         "data.heldout_conversations=2", "model.dtype=float32", f"output.dir={tmp_path / 'run'}", "--out", str(out),
     ]
@@ -222,7 +222,7 @@ def test_cli_takes_the_run_and_its_split_from_a_config(checkpoints, tmp_path, ca
     )
     out = tmp_path / "eval"
     # --head names another file than the config's output.dir/mtp-trained.safetensors (which does not exist)
-    argv = ["--config", str(config_path), "--head", str(checkpoints["base"]), "--teacher-forced-only", "eval.draft_steps=2", "--out", str(out)]
+    argv = ["--config", str(config_path), "--head", str(checkpoints["base"]), "--teacher-forced-only", "eval.draft_steps=2", "eval.served_steps=[1,2]", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "evaluation.json").read_text())
     config = load_config(config_path)
@@ -247,7 +247,7 @@ def test_cli_max_windows_evaluates_the_first_heldout_windows(checkpoints, tmp_pa
                  heldout_conversations=3)
     argv = [
         f"model.base={checkpoints['base']}", "--head", str(checkpoints["donor"]), f"data.files=[{checkpoints['data']}]",
-        f"model.donor_head={checkpoints['donor']}", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2",
+        f"model.donor_head={checkpoints['donor']}", f"model.tokenizer={checkpoints['tokenizer']}", "eval.draft_steps=2", "eval.served_steps=[1,2]",
         "data.context_tokens=16", "data.answer_tokens=12", "data.train_conversations=4", "data.validation_conversations=0", "train.select_every_steps=0",
         "data.heldout_conversations=3", "model.dtype=float32", f"output.dir={tmp_path / 'run'}", "--teacher-forced-only",
         "--max-windows", "2",

@@ -11,7 +11,7 @@ from pathlib import Path
 from occamy_mtp.cli import command
 from occamy_mtp.config import (ATTN_IMPLEMENTATIONS, DRAFT_RULES, FP8_ACTIVATIONS_CHOICES, FP8_WEIGHTS_CHOICES,
                                 ModelSettings)
-from occamy_mtp.serve.reference_server import ReferenceHTTPServer, Faults, GREEDY, load_model, make_handler, SPECULATIVE
+from occamy_mtp.serve.reference_server import ReferenceHTTPServer, Faults, GREEDY, load_model, make_handler, PER_REQUEST_FIELDS, SPECULATIVE
 
 
 def _parse_faults(args) -> Faults:
@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="model.fp8_weights: how an FP8 base holds its weights")
     parser.add_argument("--fp8-activations", choices=FP8_ACTIVATIONS_CHOICES, default=ModelSettings.fp8_activations,
                         help="model.fp8_activations: fp8 rounds an FP8 base's linear inputs as an engine's W8A8 path does")
+    parser.add_argument("--per-request", choices=PER_REQUEST_FIELDS, default="sglang",
+                        help="whose per-request speculative counts a response carries: SGLang's (sglext.spec_tokens_details, "
+                             "asked with return_spec_tokens_details), vLLM's (metrics.speculative_decoding), or none "
+                             "(the /metrics counters alone); default sglang")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--host", default="127.0.0.1")
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                              attn_implementation=args.attn_implementation, fp8_weights=args.fp8_weights,
                              fp8_activations=args.fp8_activations)
     model = load_model(settings, args.head, args.mode, args.draft_steps, args.device, args.draft)
-    server = ReferenceHTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose))
+    server = ReferenceHTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose, per_request=args.per_request))
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
     try:

@@ -126,3 +126,18 @@ def counter_delta(before: dict, after: dict) -> dict | None:
     if min(delta.values(), default=0) < 0 or min(per_position, default=0) < 0:
         return {"error": "the counters went down during the run (the server restarted?)"}
     return {**delta, "accepted_per_position": per_position}
+
+def counts_from_metrics(delta: dict | None) -> dict | None:
+    """One request's counts, normalised as `request_counts`' are, from the /metrics counters read just before
+    and after it (`counter_delta`): for a server that gives none per request, asked one request at a time.
+    The passes that accepted exactly j drafts are those that reached position j less those that reached j + 1.
+    None when the delta is missing or failed."""
+    if delta is None or "error" in delta:
+        return None
+    reached = [delta["drafts"], *delta["accepted_per_position"]]
+    histogram = [reached[j] - (reached[j + 1] if j + 1 < len(reached) else 0) for j in range(len(reached))]
+    out = {"source": VLLM_METRICS, "verify_passes": delta["drafts"], "accepted_tokens": delta["accepted_tokens"],
+           "draft_tokens": delta["draft_tokens"], "completion_tokens": None,
+           "histogram": histogram if min(histogram, default=0) >= 0 else [],
+           "draft_steps": len(delta["accepted_per_position"]) or None}
+    return checked_counts(out, "/metrics (after - before)")

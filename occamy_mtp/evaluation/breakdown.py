@@ -23,6 +23,12 @@ choice). The buckets (`AXES`), each a partition of the drafts:
 
 `largest_loss` names the bucket holding the largest share of what is lost: where a better head
 would gain most (docs/reference/METRICS.md).
+
+`calibration` sets the same drafts by the head's own confidence in its draft (its softmax's top-1
+probability, `CONFIDENCE_BUCKETS`): per bucket, the mean confidence beside the acceptance, and the
+expected calibration error, the drafts' weighted mean of |acceptance - confidence| over the buckets.
+A verifier that decides from the draft's own logits how many slots to verify (vLLM's adaptive
+verification) serves a head faster when its confidence says how often it is accepted.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ ANSWER_POSITION_BUCKETS = (("0-31", 0, 32), ("32-127", 32, 128), ("128-255", 128
 """[low, high) of the drafted token's index in the answer (0: its first token)."""
 # Context-length buckets (`by_context`, the `context` axis): [low, high) tokens of context a window holds.
 CONTEXT_BUCKETS = (("<256", 0, 256), ("256-1k", 256, 1024), ("1k-4k", 1024, 4096), ("4k+", 4096, None))
+CONFIDENCE_BUCKETS = tuple((f"{low / 10:.1f}-{(low + 1) / 10:.1f}", low / 10, None if low == 9 else (low + 1) / 10)
+                           for low in range(10))
+"""[low, high) of the head's top-1 probability at its draft, tenths."""
 THINKING, ANSWER = "thinking", "answer"
 AXES = ("certainty", "step", "span", "answer_position", "context")
 
@@ -91,6 +100,8 @@ class TextOdds:
     thinking_end: int | None = None
     """The position of the answer's `</think>` (its first token) in thinking-mode text: positions
     before it are reasoning; None where the text has no thinking span."""
+    confidence: Sequence[Sequence[float]] | None = None
+    """The head's top-1 probability at its draft there (`offline.batch_confidence`); None: no calibration."""
 
 
 def breakdown(texts: Sequence[TextOdds], max_new_tokens: int, draft_steps: int) -> dict:
@@ -98,6 +109,7 @@ def breakdown(texts: Sequence[TextOdds], max_new_tokens: int, draft_steps: int) 
     {axis: {bucket: Tally.to_dict()}}, with `largest_loss` and the totals."""
     tallies: dict[str, dict[str, Tally]] = {axis: {} for axis in AXES}
     total = Tally()
+    calibration: dict[str, list[float]] = {}  # bucket -> [proposed, accepted, summed confidence]
     for text in texts:
         def visit(anchor: int, k: int, weight: float, text: TextOdds = text) -> None:
             position = anchor + k + 2  # the drafted token's
@@ -112,6 +124,10 @@ def breakdown(texts: Sequence[TextOdds], max_new_tokens: int, draft_steps: int) 
             for axis, key in keys.items():
                 tallies[axis].setdefault(key, Tally()).add(weight, alpha, best)
             total.add(weight, alpha, best)
+            if text.confidence is not None:
+                sure = text.confidence[anchor][k]
+                cell = calibration.setdefault(_bucket(sure, CONFIDENCE_BUCKETS), [0.0, 0.0, 0.0])
+                cell[0], cell[1], cell[2] = cell[0] + weight, cell[1] + weight * alpha, cell[2] + weight * sure
 
         expected_rounds(text.given, text.expected, text.answer_start, max_new_tokens, draft_steps, visit=visit)
     lost = max(0.0, total.ceiling_accepted - total.accepted)
@@ -119,7 +135,23 @@ def breakdown(texts: Sequence[TextOdds], max_new_tokens: int, draft_steps: int) 
            for axis, by in tallies.items()}
     out["total"] = total.to_dict(lost)
     out["largest_loss"] = largest_loss(out)
+    if calibration:
+        out["calibration"] = calibration_of(calibration)
     return out
+
+
+def calibration_of(cells: dict[str, list[float]]) -> dict:
+    """The reliability table ({bucket: proposed, acceptance, confidence}) of `breakdown`'s confidence cells and
+    the expected calibration error: the drafts' weighted mean of |acceptance - mean confidence| over the buckets."""
+    names = [name for name, _, _ in CONFIDENCE_BUCKETS]
+    proposed = sum(cell[0] for cell in cells.values())
+    table = {name: {"proposed": cell[0], "acceptance": cell[1] / cell[0] if cell[0] else 0.0,
+                    "confidence": cell[2] / cell[0] if cell[0] else 0.0}
+             for name, cell in sorted(cells.items(), key=lambda kv: names.index(kv[0]))}
+    error = sum(b["proposed"] * abs(b["acceptance"] - b["confidence"]) for b in table.values()) / proposed if proposed else 0.0
+    return {"buckets": table, "expected_calibration_error": error,
+            "acceptance": sum(cell[1] for cell in cells.values()) / proposed if proposed else 0.0,
+            "confidence": sum(cell[2] for cell in cells.values()) / proposed if proposed else 0.0}
 
 
 def _order(axis: str, key: str):

@@ -8,6 +8,7 @@ its counts must sit within their expectation's spread (`sampled_decoder_check`),
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from occamy_mtp.config import Serving
@@ -118,7 +119,8 @@ def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, 
 
 
 def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps: int, max_new_tokens: int,
-                          serving: Serving, windows_per_batch: int = 4, engine_counts: bool = False) -> dict:
+                          serving: Serving, windows_per_batch: int = 4, engine_counts: bool = False,
+                          names: Sequence[str] | None = None) -> dict:
     """A decoder's counts on texts it wrote under sampled `serving` (`sampled_decodes`, or an engine's)
     beside their expectation given each text.
 
@@ -131,7 +133,8 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
     equal their expectation and that z is 0. With `engine_counts` the measured passes are an engine's
     verify passes (the rounds that drafted, SGLang's spec_verify_ct), so the expectation's are too: the
     plain steps where one token is left in the budget leave it (they had biased the verify passes' z,
-    -4.31 over 32 texts against the library's own server).
+    -4.31 over 32 texts against the library's own server). With `names` (each text's prompt), `per_prompt`
+    sets each prompt's measured accept length beside its expectation (`prompt_by_prompt`).
     """
 
     started = time.perf_counter()
@@ -152,5 +155,31 @@ def sampled_decoder_check(base, head, measured: list[MeasuredText], draft_steps:
         "expected": summed_acceptance(counts, draft_steps, totals_generated(measured)).to_dict(),
         "z": {name: z_score(values) for name, values in differences.items()},
         "largest_passes_difference": max(abs(d) for d in differences["verify_passes"]),
+        **({"per_prompt": prompt_by_prompt(names, measured, counts, draft_steps)} if names is not None else {}),
         "seconds": time.perf_counter() - started,
     }
+
+
+FURTHEST_PROMPTS = 3
+
+
+def prompt_by_prompt(names: Sequence[str], measured: list[MeasuredText], counts, draft_steps: int) -> dict:
+    """Per prompt, over its texts (a prompt's samples): the accept length measured beside the one expected given
+    those texts, and their difference; then the differences' spread (their standard deviation over the
+    prompts) and the `FURTHEST_PROMPTS` prompts furthest apart. Under sampling a prompt's difference is
+    partly chance: the z-scores over all texts say whether the engine disagrees; this says where to look."""
+    groups: dict[str, list[int]] = {}
+    for index, name in enumerate(names):
+        groups.setdefault(name, []).append(index)
+    rows = []
+    for name, members in groups.items():
+        texts = [measured[i] for i in members]
+        served = measured_totals(texts, draft_steps).mean_accept_length
+        expected = summed_acceptance([counts[i] for i in members], draft_steps, totals_generated(texts)).mean_accept_length
+        rows.append({"prompt": name, "texts": len(members), "measured_accept_length": served,
+                     "expected_accept_length": expected, "difference": served - expected})
+    differences = [row["difference"] for row in rows]
+    mean = sum(differences) / len(differences) if differences else 0.0
+    spread = (sum((d - mean) ** 2 for d in differences) / (len(differences) - 1)) ** 0.5 if len(differences) > 1 else 0.0
+    furthest = sorted(rows, key=lambda row: -abs(row["difference"]))[:FURTHEST_PROMPTS]
+    return {"prompts": rows, "mean_difference": mean, "spread": spread, "furthest": [row["prompt"] for row in furthest]}

@@ -20,7 +20,7 @@ from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.model.sharding import agreed_min
 from occamy_mtp.evaluation.metrics import acceptance_summary
 from occamy_mtp.base.fastbase import token_bytes
-from occamy_mtp.base.logits import chunked_greedy
+from occamy_mtp.base.logits import chunked_top
 from occamy_mtp.targets.base import base_outputs
 
 
@@ -97,6 +97,8 @@ class BatchChain:
     nll_sum: float
     data_matches: int
     lengths: list[int]
+    confidence: torch.Tensor | None = None
+    """(K, B, T) float64: the head's top-1 probability where it proposed (`offline.chunked_top`), else 0."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ class BatchOdds:
     data_matches: int
     outside: int
     lengths: list[int]
+    confidence: torch.Tensor | None = None
+    """(K, B, T) float64: the head's top-1 probability (its softmax) at each scored pair."""
 
 
 def batch_targets(base, batch):
@@ -157,12 +161,14 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> BatchChain:
     agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
     scored = valid & first
     hits = torch.zeros_like(scored)
+    confidence = torch.zeros(scored.shape, dtype=torch.float64)
     alive = first.clone()  # anchors whose chain is still accepted
     for k in range(draft_steps):
         proposing = alive & scored[k]
         if proposing.any():
-            predicted = chunked_greedy(hidden[k][proposing], head.shared.lm_head)
+            predicted, top = chunked_top(hidden[k][proposing], head.shared.lm_head)
             hits[k][proposing] = predicted == chain.labels[k][proposing]
+            confidence[k][proposing.cpu()] = top.double().cpu()
         alive = hits[k]
     return BatchChain(
         scored=scored,
@@ -171,6 +177,7 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> BatchChain:
         nll_sum=nll_sum,
         data_matches=data_matches,
         lengths=batch.lengths.tolist(),
+        confidence=confidence,
     )
 
 
@@ -189,6 +196,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
     given = torch.zeros(scored.shape, dtype=torch.float64)
     expected = torch.zeros(scored.shape, dtype=torch.float64)
+    confidence = torch.zeros(scored.shape, dtype=torch.float64)
     outside = 0
     starts = torch.tensor([w.answer_start for w in windows])
     for k in range(draft_steps):  # step k + 1
@@ -196,36 +204,43 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         base_hidden = targets.hidden[rows, anchors + k + 1]  # (N, D): H_{i+k+1} predicts x_{i+k+2}, step k + 1's draft
         tokens = batch.input_ids[rows, anchors + k + 2]
         head_hidden = hidden[k][rows, anchors]
-        alpha, beta = [], []
+        alpha, beta, top = [], [], []
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
             chunk = slice(start, start + positions)
             history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
                                                 sampling.verified_history_ends(serving, anchors[chunk], k)) \
                 if serving.penalized else None
-            a, b, out = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
+            a, b, out, sure = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
             alpha.append(a)
             beta.append(b)
+            top.append(sure)
             outside += out
         if len(rows):
             where = (rows.cpu(), anchors.cpu())
             expected[k][where] = torch.cat(alpha)
             given[k][where] = torch.cat(beta)
-    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist())
+            confidence[k][where] = torch.cat(top)
+    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist(), confidence)
 
 
 def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
-            serving: Serving, history: sampling.History | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(alpha, beta (N,) float64 on the CPU, tokens outside p's support) of N (step, anchor) pairs: one chunk.
+            serving: Serving, history: sampling.History | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """(alpha, beta (N,) float64 on the CPU, tokens outside p's support, the head's top-1 probability (N,)
+    float64 on the CPU) of N (step, anchor) pairs: one chunk.
 
     p is the base's processed distribution from `base_hidden` (the head's logits are the
     base's lm_head), its penalties over `history` (the answer before each drafted position and
     the prompt: given the text, the accepted drafts are the text's tokens); q the head's from
     `head_hidden`; `tokens` are the text's."""
+    logits = head.logits(head_hidden)
+    confidence = sampling.top_probability(logits).double().cpu()
+    q = sampling.head_probs(logits, serving)
+    del logits
     p = sampling.base_probs(head.logits(base_hidden), serving, history)
-    q = sampling.head_probs(head.logits(head_hidden), serving)
     return (sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
-            int(sampling.outside_support(p, tokens).sum()))
+            int(sampling.outside_support(p, tokens).sum()), confidence)
 
 
 def _target_token_bytes(targets) -> int:
@@ -365,6 +380,16 @@ def chain_outcomes(base, head, windows, draft_steps: int = 3, windows_per_batch:
     decision by decision, with a decoder that drafted from some of the anchors.
     """
     return batch_outcomes(list(head_batches(base, head, windows, draft_steps, windows_per_batch)))
+
+
+def batch_confidence(results: list) -> list[list[list[float]]]:
+    """Per window: the head's top-1 probability [anchor][step k (0-based)] where it drafted (`BatchChain` or
+    `BatchOdds`' confidence)."""
+    out = []
+    for result in results:
+        for row, length in enumerate(result.lengths):
+            out.append(result.confidence[:, row, :length].T.tolist())
+    return out
 
 
 def batch_odds(results: list[BatchOdds]) -> list[tuple[list[list[float]], list[list[float]]]]:

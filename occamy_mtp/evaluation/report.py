@@ -149,6 +149,14 @@ def _breakdown_rows(reports: dict[str, dict], names: list[str], label: str, widt
             lines.append(f"    {title:<46}" + "".join(f"{'-' if c is None else format(c, '.2%'):>{width}}" for c in cells))
     for name in names:
         lines.append(f"    {f'{k}-step drafts lost most ({name})':<46}  {one_line(figures[name])}")
+    errors = {name: figures[name]["calibration"]["expected_calibration_error"] for name in names
+              if "calibration" in figures[name]}
+    if errors:
+        lines.append(f"    {f'{k}-step calibration error (ECE)':<46}" + "".join(
+            f"{'-' if errors.get(name) is None else format(errors[name], '.3f'):>{width}}" for name in names))
+        if "donor" in errors and len(errors) > 1 and errors[names[-1]] > errors["donor"]:
+            lines.append(f"    the {names[-1]} head's confidence tracks its acceptance worse than the donor's "
+                         f"({errors[names[-1]]:.3f} against {errors['donor']:.3f}): an adaptive verifier reads it less well")
     return lines
 
 

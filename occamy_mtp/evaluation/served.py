@@ -20,7 +20,7 @@ from occamy_mtp.evaluation.breakdown import TextOdds, breakdown, context_bucket,
 from occamy_mtp.evaluation.metrics import (Acceptance, ExpectedCounts, expected_acceptance, per_context,
                                            expected_rounds, replayed_counts, summed_acceptance)
 from occamy_mtp.evaluation.offline import (ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS, SELF_GENERATED, TEACHER_FORCED,
-                                           BatchOdds, head_batches, batch_metrics, batch_odds, batch_outcomes, batch_targets, evaluate_head,
+                                           BatchOdds, head_batches, batch_confidence, batch_metrics, batch_odds, batch_outcomes, batch_targets, evaluate_head,
                                            window_batches)
 
 
@@ -255,7 +255,8 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
             "by_category": grouped_acceptance(counts, windows, lambda w: (domain(w.conversation_hash) or {}).get("category") or None),
         }
         if ceiling is not None:
-            drafts = breakdown_texts(texts, windows, ceiling[serving.label()], max(served_steps), think_close)
+            drafts = breakdown_texts(texts, windows, ceiling[serving.label()], max(served_steps), think_close,
+                                     batch_confidence(results))
             by_serving[serving.label()]["breakdown"] = {"draft_steps": max(served_steps),
                                                         **breakdown(drafts, max_new_tokens, max(served_steps))}
     return {
@@ -265,12 +266,15 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     }
 
 
-def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = ()) -> list[TextOdds]:
-    """A head's odds on each window (`per_text`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them."""
+def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int, think_close: Sequence[int] = (),
+                    confidence: list | None = None) -> list[TextOdds]:
+    """A head's odds on each window (`per_text`) beside the perfect drafter's (`ceiling`), as `breakdown` reads them;
+    with `confidence` (`offline.batch_confidence`), the head's confidence in each draft too."""
     odds = texts if texts and isinstance(texts[0], tuple) else [(greedy_odds(o.accepted, steps),) * 2 for o in texts]
+    sure = confidence if confidence is not None else [None] * len(windows)
     return [TextOdds(given, expected, perfect.by_anchor(steps)[1], perfect.certainty, w.answer_start, context_bucket(w.answer_start),
-                     thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None)
-            for w, (given, expected), perfect in zip(windows, odds, ceiling)]
+                     thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None, c)
+            for w, (given, expected), perfect, c in zip(windows, odds, ceiling, sure)]
 
 
 def distinct_contexts(windows) -> list:

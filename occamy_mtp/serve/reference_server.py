@@ -98,6 +98,21 @@ def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
     }
 
 
+def vllm_spec_fields(generation: Generation, draft_steps: int) -> dict:
+    """vLLM's per-request `metrics.speculative_decoding` (--per-request-spec-decode-metrics summary, vLLM 0.32)."""
+    rounds = generation.rounds or []
+    histogram = [0] * (draft_steps + 1)
+    for _, a in rounds:
+        histogram[a] += 1
+    return {"num_spec_steps": len(rounds), "num_draft_tokens": sum(d for d, _ in rounds),
+            "num_accepted_draft_tokens": sum(a for _, a in rounds), "num_spec_tokens": draft_steps,
+            "acceptance_histogram": histogram}
+
+
+PER_REQUEST_FIELDS = ("sglang", "vllm", "none")
+"""Whose per-request speculative fields the server answers with (`--per-request`); none: only /metrics."""
+
+
 class ReferenceModel:
     """Base (+ head), tokenizer and decoding mode; `generate` runs one request."""
 
@@ -207,14 +222,17 @@ def _apply_faults(faults: Faults, request_number: int, generation: Generation, v
             generation.logprobs[position] += delta
 
 
-def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool, request_id: str) -> dict:
-    """The OpenAI response object for one generation, with SGLang's extensions where asked for."""
+def completion_response(model: ReferenceModel, body: dict, generation: Generation, chat: bool, request_id: str,
+                        per_request: str = "sglang") -> dict:
+    """The OpenAI response object for one generation, with an engine's per-request speculative counts:
+    SGLang's where asked for (`per_request` sglang), vLLM's always (vllm, as its server with
+    --per-request-spec-decode-metrics), none (none: its /metrics counters alone)."""
     ids = generation.output_ids
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     tokens = [f"{TOKEN_ID_PREFIX}{t}" if as_ids else model.token_text(t) for t in ids]
     text = model.tokenizer.decode([t for t in ids if t not in model.stop_token_ids])
     wants_logprobs = bool(body.get("logprobs")) or body.get("logprobs") == 0
-    spec = sglang_spec_fields(generation, model.draft_steps)
+    spec = sglang_spec_fields(generation, model.draft_steps) if per_request == "sglang" else {}
     usage = {"prompt_tokens": len(generation.prompt_ids), "completion_tokens": len(ids),
              "total_tokens": len(generation.prompt_ids) + len(ids)}
     if chat:
@@ -247,10 +265,12 @@ def completion_response(model: ReferenceModel, body: dict, generation: Generatio
                 "choices": [choice], "usage": usage}
     if body.get("return_spec_tokens_details") and spec:  # SGLang: sglext.spec_tokens_details (n = 1: an object)
         response["sglext"] = {"spec_tokens_details": {k: v for k, v in spec.items()}}
+    if per_request == "vllm" and generation.rounds is not None:
+        response["metrics"] = {"speculative_decoding": vllm_spec_fields(generation, model.draft_steps)}
     return response
 
 
-def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
+def make_handler(model: ReferenceModel, faults: Faults, quiet: bool, per_request: str = "sglang"):
     state = {"requests": 0}
     counters = SpecCounters(model.draft_steps) if model.mode == SPECULATIVE else None
 
@@ -315,7 +335,7 @@ def make_handler(model: ReferenceModel, faults: Faults, quiet: bool):
                 counters.add(generation.rounds)
             _apply_faults(faults, number, generation, model.vocab_size)
             request_id = uuid.uuid4().hex
-            payload = json.dumps(completion_response(model, body, generation, chat, request_id)).encode("utf-8")
+            payload = json.dumps(completion_response(model, body, generation, chat, request_id, per_request)).encode("utf-8")
             if number in faults.malformed:
                 payload = payload[: len(payload) // 2]  # truncated JSON, still HTTP 200
             self._send(200, payload)

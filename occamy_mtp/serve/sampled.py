@@ -36,6 +36,7 @@ from occamy_mtp.sampling import seed_of
 from occamy_mtp.engines.http import post_json, RequestFailed
 from occamy_mtp.engines.openai import speculative_counts
 from occamy_mtp.engines.completions import read_answer, Request, request_body
+from occamy_mtp.engines.vllm import counter_delta, counts_from_metrics, read_spec_counters, settled_spec_counters
 
 Z_LIMIT = 4.5
 """|z| beyond which a difference of mean 0 is taken for a disagreement (a chance of 7e-6 when they agree)."""
@@ -85,8 +86,12 @@ def ask(url: str, model: str, prompts: Sequence, request: Request, tokenizer, sa
         log: Callable[[str], None] | None = None) -> list[dict]:
     """Every prompt (`prompt_ids`, `name`) `samples` times to one server, one request at a time, on
     /v1/completions: per request its tokens, whether it finished, and the server's per-request
-    speculative counts (None where it gives none); a failed request is kept with its error."""
+    speculative counts; where a response carries none (vLLM without --per-request-spec-decode-metrics),
+    the difference of its /metrics counters across the request (`vllm.counts_from_metrics`: exact
+    while nothing else is served meanwhile), else None. A failed request is kept with its error."""
     answers = []
+    counters = read_spec_counters(url, request.timeout_seconds)  # before the first request
+    by_metrics = counters.get("counters") is not None  # until a response says its own counts
     for prompt in prompts:
         for sample in range(samples):
             drawn = sample_request(request, sample)
@@ -97,9 +102,16 @@ def ask(url: str, model: str, prompts: Sequence, request: Request, tokenizer, sa
             try:
                 response = post_json(url.rstrip("/") + "/v1/completions", body, request.timeout_seconds)
                 answer = read_answer(response, tokenizer, drawn)
-                entry.update(output_ids=list(answer.tokens), finished=answer.finished, counts=speculative_counts(response))
+                counts = speculative_counts(response)
+                by_metrics = by_metrics and counts is None
+                if by_metrics:
+                    after = settled_spec_counters(url, request.timeout_seconds)
+                    counts, counters = counts_from_metrics(counter_delta(counters, after)), after
+                entry.update(output_ids=list(answer.tokens), finished=answer.finished, counts=counts)
             except RequestFailed as err:
                 entry["error"] = {"kind": err.kind, "message": str(err)}
+                if by_metrics:  # what the failed request counted is no later request's
+                    counters = settled_spec_counters(url, request.timeout_seconds)
             entry["seconds"] = time.perf_counter() - started
             answers.append(entry)
             if log is not None:
@@ -127,8 +139,9 @@ def measured_texts(answers: Sequence[dict], steps: int, url: str) -> list[Measur
     for answer in answers:
         counts = answer["counts"]
         if counts is None or not counts.get("histogram_consistent"):
-            raise ValueError(f"{url}: the answer to {answer['prompt']} carries no consistent per-request acceptance histogram "
-                             "(serve vLLM with --per-request-spec-decode-metrics summary; SGLang gives it by default)")
+            raise ValueError(f"{url}: the answer to {answer['prompt']} carries no consistent per-request acceptance histogram, "
+                             "and the server's /metrics gave none across it (serve vLLM with --per-request-spec-decode-metrics "
+                             "summary; SGLang gives it by default)")
         accepted, proposed = per_step(counts["histogram"], steps)
         measured.append(MeasuredText(answer_window(answer), accepted, proposed, counts["draft_tokens"], counts["verify_passes"]))
     return measured
@@ -230,7 +243,7 @@ def compare_sampled(reference: Sequence[dict] | None, candidate: Sequence[dict],
             failures.append(str(err))
         else:
             check = sampled_decoder_check(base, head, measured, draft_steps, max_tokens, serving, windows_per_batch,
-                                          engine_counts=True)
+                                          engine_counts=True, names=[a["prompt"] for a in answered["candidate"]])
             if check["measured"]["verify_passes"] == 0 or sum(check["measured"]["accepted"]) == 0:
                 failures.append("candidate: accepted no drafts (is MTP on, at the K asked?)")
             else:
@@ -261,5 +274,12 @@ def format_sampled_summary(report: dict) -> str:
         lines.append(f"  candidate K={check['draft_steps']}: accept length {1 + sum(served['accepted']) / served['verify_passes']:.3f} "
                      f"served, {1 + sum(expected['accepted']) / expected['verify_passes']:.3f} expected on its text "
                      f"(z accepted {check['z']['accepted']:+.2f}, z verify passes {check['z']['verify_passes']:+.2f})")
+        by_prompt = check.get("per_prompt")
+        if by_prompt and by_prompt["prompts"]:
+            rows = {row["prompt"]: row for row in by_prompt["prompts"]}
+            furthest = ", ".join(f"{name} {rows[name]['measured_accept_length']:.3f} vs {rows[name]['expected_accept_length']:.3f}"
+                                 for name in by_prompt["furthest"])
+            lines.append(f"  per prompt ({len(rows)}): measured - expected accept length {by_prompt['mean_difference']:+.3f} "
+                         f"on average, spread {by_prompt['spread']:.3f}; furthest apart: {furthest}")
     lines += [f"  failure: {f}" for f in report["failures"]]
     return "\n".join(lines)

@@ -321,7 +321,8 @@ def selection_step(state: TrainState, head: MTPHead, run: Run, measuring: Measur
     if is_best:
         state.best_step, state.best_score = state.step, score
     state.selection_seconds += time.perf_counter() - started
-    steps = " and ".join(str(k) for k in served)
+    counts = [str(k) for k in served]
+    steps = ", ".join(counts[:-1]) + " and " + counts[-1] if len(counts) > 1 else counts[0]
     log(f"select: step {state.step}: mean accept length at {steps} drafts under {measuring.selected.label()} "
         f"{score:.4f}" + (f" ± {score_se:.4f}" if score_se else "") + f" (best: step {state.best_step}, {state.best_score:.4f})")
     return is_best
