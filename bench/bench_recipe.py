@@ -40,7 +40,7 @@ the library's own pieces:
    the decoder replay on the 32 validation windows before the first step and every 64;
 4. export: evaluation of donor and trained head on the 32 heldout windows (3 chained
    steps) from the cache, the reference decoder's check of each head on
-   `--decoder-check-windows` heldout prompts at 1 and 3 draft steps (export's
+   `--decoder-check-windows` heldout prompts at 1, 2 and 3 draft steps (export's
    `eval.decoder_check_windows`, default 1), and the head's tensors written to a
    safetensors file.
 
@@ -91,7 +91,7 @@ from timing import sync
 
 CONTEXT_TOKENS, ANSWER_TOKENS = 128, 382
 TRAIN_WINDOWS, VALIDATION_WINDOWS, HELDOUT_WINDOWS, EPOCHS = 256, 32, 32, 2
-SELECT_EVERY_STEPS, SERVED_STEPS = 64, (1, 3)
+SELECT_EVERY_STEPS, SERVED_STEPS = 64, EvalSettings().served_steps  # the default's: 1, 2 and 3
 FAST_TOKENS_PER_FORWARD = 65536
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -103,6 +104,14 @@ class Serving:
     j-th drafted position over the output so far and drafts 1..j-1, sglang every position of a round
     alike over the output committed before it. A preset's name with `-sglang` (thinking-general-sglang)
     is the preset under SGLang's rule."""
+    relaxed_top_k: int = 0
+    """Opt-in, lossy: the engines' relaxed acceptance of thinking tokens (TensorRT-LLM's relaxed thinking
+    acceptance, SGLang #7702) with this many of the target's top tokens as candidates (0: exact
+    acceptance). Inside the think span a draft among the candidates whose probability is at least
+    `relaxed_ratio` of the top one's is accepted outright; elsewhere the exact rule holds. Served text is
+    then no longer the base's distribution (docs/reference/CONTRACT.md section 4d). Thinking mode only."""
+    relaxed_ratio: float = 0.0
+    """The relaxed rule's threshold: a candidate's probability over the top token's, in [0, 1]."""
 
     @property
     def greedy(self) -> bool:
@@ -117,8 +126,9 @@ class Serving:
         """The configuration's name in reports and directory names: a preset's name (instruct-general), or
         its settings: greedy, t0.7-p0.8, t1-p0.95-k20-pp1.5, t0.6-k20-sampled-drafts, greedy-thinking;
         under SGLang's arithmetic the same with `-sglang` (thinking-general-sglang)."""
-        suffix = "" if self.engine == DEFAULT_ENGINE else f"-{self.engine}"
-        plain = dataclasses.replace(self, engine=DEFAULT_ENGINE)
+        suffix = ("" if self.engine == DEFAULT_ENGINE else f"-{self.engine}") + (
+            f"-relaxed-k{self.relaxed_top_k}-r{self.relaxed_ratio:g}" if self.relaxed else "")
+        plain = dataclasses.replace(self, engine=DEFAULT_ENGINE, relaxed_top_k=0, relaxed_ratio=0.0)
         for name, preset in PRESETS.items():
             if preset == plain:
                 return name + suffix
@@ -126,6 +136,11 @@ class Serving:
         return (sampling_label(self.temperature, self.top_p, self.top_k, self.presence_penalty, self.frequency_penalty,
                                self.repetition_penalty) + ("-sampled-drafts" if sampled_drafts else "")
                 + ("-thinking" if self.thinking else "") + suffix)
+
+    @property
+    def relaxed(self) -> bool:
+        """Whether thinking tokens are accepted under the lossy relaxed rule (`relaxed_top_k`)."""
+        return self.relaxed_top_k > 0
 
     @property
     def round_start_penalties(self) -> bool:
@@ -148,19 +163,25 @@ GREEDY = "greedy"
 """The name of greedy serving (`Serving()`, whose label it is) wherever a preset's name is taken."""
 
 
+_PRESET_NAME = re.compile(r"^(?P<stem>.+?)(?:-(?P<engine>sglang))?(?:-relaxed-k(?P<top_k>\d+)-r(?P<ratio>[0-9.]+))?$")
+
+
 def serving_preset(name: str, where: str = "eval.serving") -> Serving:
     """The preset called `name`, or greedy serving by its label, either with `-sglang` for SGLang's arithmetic
-    (`Serving.engine`); ConfigError listing the names otherwise."""
-    stem, engine = name, DEFAULT_ENGINE
-    for other in ENGINES:
-        if other != DEFAULT_ENGINE and name.endswith(f"-{other}"):
-            stem, engine = name[: -len(other) - 1], other
-    if stem == GREEDY:
-        return Serving(engine=engine)
-    if stem not in PRESETS:
+    (`Serving.engine`) and then `-relaxed-kK-rR` for the relaxed rule (`Serving.relaxed_top_k`); ConfigError
+    listing the names otherwise."""
+    match = _PRESET_NAME.match(name)
+    stem = match["stem"] if match else name
+    if stem != GREEDY and stem not in PRESETS:
         raise ConfigError(f"{where}: unknown serving preset {name!r}; expected {GREEDY} or one of {', '.join(PRESETS)} "
                           f"(each also with -sglang: SGLang's arithmetic), or settings such as {{temperature: 0.7, top_p: 0.8}}")
-    return dataclasses.replace(PRESETS[stem], engine=engine)
+    preset = Serving() if stem == GREEDY else PRESETS[stem]
+    try:
+        ratio = float(match["ratio"]) if match["ratio"] else 0.0
+    except ValueError:
+        raise ConfigError(f"{where}: {name!r}: the relaxed rule's ratio {match['ratio']!r} is not a number") from None
+    return dataclasses.replace(preset, engine=match["engine"] or DEFAULT_ENGINE,
+                               relaxed_top_k=int(match["top_k"] or 0), relaxed_ratio=ratio)
 
 
 def any_penalty(presence: float, frequency: float, repetition: float) -> bool:
@@ -442,7 +463,8 @@ class RunConfig:
 # defaults they are left out of `fingerprinted`, so that such a run resumes and exports as before.
 _LATER_SETTINGS = (("model", "fp8_activations"), ("data", "thinking"), ("data", "train_continuations"), ("data", "self_generate_presence_penalty"), ("data", "self_generate_frequency_penalty"),
                    ("data", "self_generate_repetition_penalty"))
-_LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking", "engine")
+_LATER_SERVING_SETTINGS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "thinking", "engine",
+                           "relaxed_top_k", "relaxed_ratio")
 _DEFAULTS = {"model": ModelSettings(), "data": DataSettings()}
 # data.train_text's sampling fields, and the data.self_generate_* keys that spelled them before it.
 _TEXT_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -765,6 +787,26 @@ def check(config: RunConfig) -> None:
             (temperature > 0 or not any_penalty(presence, frequency, repetition), f"{prefix}temperature",
              "a temperature above 0 where a penalty is set (greedy decoding under penalties is not modelled)", temperature),
         ]
+    for i, s in enumerate(config.eval.serving):
+        where = f"eval.serving[{i}]"
+        if s.relaxed_top_k < 0 or not 0 <= s.relaxed_ratio <= 1:
+            raise ConfigError(f"{where}.relaxed_top_k / relaxed_ratio: expected a top-k >= 0 (0: exact acceptance) and a ratio "
+                              f"in [0, 1], got {s.relaxed_top_k} and {s.relaxed_ratio:g}")
+        if s.relaxed and s.greedy:
+            raise ConfigError(f"{where}.relaxed_top_k: the relaxed rule is modelled for sampled serving (the target's "
+                              "candidates are its processed distribution's); greedy serving's is one-hot")
+        if s.relaxed and not s.thinking:
+            raise ConfigError(f"{where}.relaxed_top_k: the relaxed rule accepts thinking tokens, and {s.label()} is not in "
+                              "thinking mode; set thinking: true or leave relaxed_top_k at 0")
+        if not s.relaxed and s.relaxed_ratio:
+            raise ConfigError(f"{where}.relaxed_ratio: {s.relaxed_ratio:g} without relaxed_top_k, which turns the relaxed rule on")
+    if data.train_text.relaxed:
+        raise ConfigError("data.train_text.relaxed_top_k: the relaxed rule is how a server accepts drafts, not how the base "
+                          "writes text; leave it at 0")
+    if config.eval.serving and selected_configuration(config.eval).relaxed:
+        raise ConfigError(f"eval.select_serving: {selected_configuration(config.eval).label()} is a relaxed (lossy) "
+                          "configuration (the first of eval.serving where none is named); selection and export's refusal "
+                          "compare exact acceptance: name another")
     for i, s in enumerate(config.eval.serving):
         if s.min_p > 0:
             raise ConfigError(f"eval.serving[{i}].min_p: {s.min_p!r} is refused: vLLM refuses min_p with speculative "

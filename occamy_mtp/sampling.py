@@ -154,6 +154,16 @@ def acceptance(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p, q).sum(dim=-1)
 
 
+def relaxed_acceptance(p: torch.Tensor, q: torch.Tensor, top_k: int, ratio: float) -> torch.Tensor:
+    """Expected acceptance of a draft drawn from q under the relaxed rule (`Serving.relaxed_top_k`): a draft among
+    p's `top_k` most probable tokens with p at least `ratio` of p's top is accepted outright, any other with
+    min(1, p / q) as the exact rule. (N, V) -> (N,); at least `acceptance(p, q)`."""
+    top = p.amax(dim=-1, keepdim=True)
+    kth = p.topk(min(top_k, p.shape[-1]), dim=-1).values[..., -1:]  # ties at the k-th count in, as an engine's >= does
+    candidates = (p >= kth) & (p >= ratio * top) & (p > 0)
+    return torch.where(candidates, q, torch.minimum(p, q)).sum(dim=-1)
+
+
 def acceptance_given(p: torch.Tensor, q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """P(the draft was accepted | the emitted token is `tokens`) = min(p, q)(x) / p(x), per row.
 

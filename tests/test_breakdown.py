@@ -176,3 +176,16 @@ def test_the_head_s_confidence_is_its_softmax_s_top_probability_where_it_drafted
     buckets = figures["calibration"]["buckets"]
     assert sum(b["proposed"] for b in buckets.values()) == pytest.approx(figures["total"]["proposed"], rel=1e-9)
     assert 0 <= figures["calibration"]["expected_calibration_error"] <= 1
+
+
+def test_a_thinking_answer_cut_inside_its_reasoning_is_reasoning_throughout():
+    """A thinking-mode window whose answer never writes `</think>` (cut inside the reasoning) is all reasoning;
+    one that closes it, reasoning up to the marker; a window not in thinking mode, or a tokenizer without the
+    marker, has no reasoning span."""
+    from occamy_mtp.data.windows import Window
+    from occamy_mtp.evaluation.breakdown import reasoning_end
+
+    cut = Window("a", 0, (1, 2, 3, 4, 5), 2, thinking=True)
+    closed = Window("b", 0, (1, 2, 3, 9, 5), 2, thinking=True)
+    assert reasoning_end(cut, [9]) == 5 and reasoning_end(closed, [9]) == 3
+    assert reasoning_end(Window("c", 0, (1, 2, 3), 2), [9]) is None and reasoning_end(cut, []) is None

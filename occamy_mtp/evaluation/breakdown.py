@@ -98,8 +98,9 @@ class TextOdds:
     answer_start: int
     context_bucket: str
     thinking_end: int | None = None
-    """The position of the answer's `</think>` (its first token) in thinking-mode text: positions
-    before it are reasoning; None where the text has no thinking span."""
+    """Where the reasoning of thinking-mode text ends (`reasoning_end`): the position of the answer's `</think>`,
+    or the text's end where the reasoning never closes; positions before it are reasoning. None where the
+    text has no thinking span."""
     confidence: Sequence[Sequence[float]] | None = None
     """The head's top-1 probability at its draft there (`offline.batch_confidence`); None: no calibration."""
 
@@ -196,6 +197,16 @@ def thinking_end(input_ids: Sequence[int], answer_start: int, think_close: Seque
         if ids[start : start + len(close)] == close:
             return start
     return None
+
+
+def reasoning_end(window, think_close: Sequence[int]) -> int | None:
+    """Where a window's reasoning ends (`TextOdds.thinking_end`): its answer's first `think_close`, or the text's end
+    where a thinking-mode answer never closes its reasoning (the window cut it inside it: all of it is
+    reasoning); None for a window not in thinking mode, or a tokenizer without the marker."""
+    if not window.thinking or not list(think_close):
+        return None
+    end = thinking_end(window.input_ids, window.answer_start, think_close)
+    return len(window.input_ids) if end is None else end
 
 
 def greedy_odds(accepted_at: Sequence[int], steps: int) -> list[list[float]]:

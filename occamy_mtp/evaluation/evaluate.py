@@ -113,7 +113,8 @@ def evaluate(run, settings: EvalPlan, head_path: Path, out: Path, device: torch.
         servings, selected = measuring.servings, measuring.selected.label()
         results = {}
         log_stderr("evaluate: the ceiling, a drafter of the base's own choices, under each serving configuration")
-        perfect = ceilings(run.targets, donor, run.windows.heldout, servings, per_batch, max(served_steps))
+        perfect = ceilings(run.targets, donor, run.windows.heldout, servings, per_batch, max(served_steps),
+                           think_close_ids(run.tokenizer))
         ceiling = ceiling_report(perfect, run.windows.heldout, servings, served_steps, budget)
         count = len(next(iter(run.windows.heldout.values())))
         for name, head in heads.items():

@@ -9,6 +9,7 @@ figures (`evaluation.served`) walk the decoder over these (docs/guide/EVALUATION
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,9 @@ class BatchOdds:
     lengths: list[int]
     confidence: torch.Tensor | None = None
     """(K, B, T) float64: the head's top-1 probability (its softmax) at each scored pair."""
+    relaxed: torch.Tensor | None = None
+    """(K, B, T) float64 under a relaxed configuration: the expected acceptance there under the relaxed rule
+    (`sampling.relaxed_acceptance`); None otherwise."""
 
 
 def batch_targets(base, batch):
@@ -197,6 +201,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     given = torch.zeros(scored.shape, dtype=torch.float64)
     expected = torch.zeros(scored.shape, dtype=torch.float64)
     confidence = torch.zeros(scored.shape, dtype=torch.float64)
+    relaxed = torch.zeros(scored.shape, dtype=torch.float64) if serving.relaxed else None
     outside = 0
     starts = torch.tensor([w.answer_start for w in windows])
     for k in range(draft_steps):  # step k + 1
@@ -204,31 +209,46 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         base_hidden = targets.hidden[rows, anchors + k + 1]  # (N, D): H_{i+k+1} predicts x_{i+k+2}, step k + 1's draft
         tokens = batch.input_ids[rows, anchors + k + 2]
         head_hidden = hidden[k][rows, anchors]
-        alpha, beta, top = [], [], []
+        alpha, beta, top, loose = [], [], [], []
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
             chunk = slice(start, start + positions)
             history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
                                                 sampling.verified_history_ends(serving, anchors[chunk], k)) \
                 if serving.penalized else None
-            a, b, out, sure = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
-            alpha.append(a)
-            beta.append(b)
-            top.append(sure)
-            outside += out
+            odds = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
+            alpha.append(odds.alpha)
+            beta.append(odds.beta)
+            top.append(odds.confidence)
+            loose.append(odds.relaxed)
+            outside += odds.outside
         if len(rows):
             where = (rows.cpu(), anchors.cpu())
             expected[k][where] = torch.cat(alpha)
             given[k][where] = torch.cat(beta)
             confidence[k][where] = torch.cat(top)
-    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist(), confidence)
+            if relaxed is not None:
+                relaxed[k][where] = torch.cat(loose)
+    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist(), confidence,
+                     relaxed)
+
+
+class Odds(NamedTuple):
+    """N (step, anchor) pairs' odds (`odds_of`), each (N,) float64 on the CPU but `outside`."""
+
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    outside: int
+    """Text tokens outside p's support."""
+    confidence: torch.Tensor
+    """The head's top-1 probability."""
+    relaxed: torch.Tensor | None
+    """The expected acceptance under the relaxed rule (a relaxed configuration; else None)."""
 
 
 def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
-            serving: Serving, history: sampling.History | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
-    """(alpha, beta (N,) float64 on the CPU, tokens outside p's support, the head's top-1 probability (N,)
-    float64 on the CPU) of N (step, anchor) pairs: one chunk.
+            serving: Serving, history: sampling.History | None = None) -> Odds:
+    """The odds of N (step, anchor) pairs: one chunk.
 
     p is the base's processed distribution from `base_hidden` (the head's logits are the
     base's lm_head), its penalties over `history` (the answer before each drafted position and
@@ -239,8 +259,10 @@ def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: 
     q = sampling.head_probs(logits, serving)
     del logits
     p = sampling.base_probs(head.logits(base_hidden), serving, history)
-    return (sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
-            int(sampling.outside_support(p, tokens).sum()), confidence)
+    relaxed = sampling.relaxed_acceptance(p, q, serving.relaxed_top_k, serving.relaxed_ratio).double().cpu() \
+        if serving.relaxed else None
+    return Odds(sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
+                int(sampling.outside_support(p, tokens).sum()), confidence, relaxed)
 
 
 def _target_token_bytes(targets) -> int:
@@ -390,6 +412,11 @@ def batch_confidence(results: list) -> list[list[list[float]]]:
         for row, length in enumerate(result.lengths):
             out.append(result.confidence[:, row, :length].T.tolist())
     return out
+
+
+def batch_relaxed(results: list[BatchOdds]) -> list[list[list[float]]]:
+    """Per window: the relaxed rule's expected acceptance [anchor][step k (0-based)] (`BatchOdds.relaxed`)."""
+    return [result.relaxed[:, row, :length].T.tolist() for result in results for row, length in enumerate(result.lengths)]
 
 
 def batch_odds(results: list[BatchOdds]) -> list[tuple[list[list[float]], list[list[float]]]]:

@@ -81,7 +81,10 @@ def format_served(reports: dict[str, dict], servings, served_steps, max_new_toke
         continuations = (f", {shown['texts'] // max(1, shown['contexts'])} continuations a context"
                          if shown.get("contexts") and shown["texts"] > shown["contexts"] else "")
         lines.append(f"  {label}{mark}: temperature {serving.temperature:g}, top_p {serving.top_p:g}, top_k {serving.top_k}"
-                     f"{penalties}, thinking {'on' if serving.thinking else 'off'}, {serving.draft} drafts{continuations}")
+                     f"{penalties}, thinking {'on' if serving.thinking else 'off'}, {serving.draft} drafts{continuations}"
+                     + (f", SGLang's penalties" if serving.round_start_penalties else "")
+                     + (f"; LOSSY: reasoning drafts accepted among the top {serving.relaxed_top_k} at {serving.relaxed_ratio:g} "
+                        "of the top probability (relaxed acceptance; the text is no longer the base's)" if serving.relaxed else ""))
         for k in served_steps:
             figures = [reports[name]["serving"][label]["served"][str(k)] for name in names]
             figures += [ceiling[label][str(k)]] if ceiling else []

@@ -16,11 +16,11 @@ import torch
 from occamy_mtp import memory, sampling
 from occamy_mtp.config import Serving
 from occamy_mtp.model.loss import collate
-from occamy_mtp.evaluation.breakdown import TextOdds, breakdown, context_bucket, greedy_odds, thinking_end
+from occamy_mtp.evaluation.breakdown import TextOdds, breakdown, context_bucket, greedy_odds, reasoning_end
 from occamy_mtp.evaluation.metrics import (Acceptance, ExpectedCounts, expected_acceptance, per_context,
                                            expected_rounds, replayed_counts, summed_acceptance)
 from occamy_mtp.evaluation.offline import (ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS, SELF_GENERATED, TEACHER_FORCED,
-                                           BatchOdds, head_batches, batch_confidence, batch_metrics, batch_odds, batch_outcomes, batch_targets, evaluate_head,
+                                           BatchOdds, head_batches, batch_confidence, batch_metrics, batch_odds, batch_relaxed, batch_outcomes, batch_targets, evaluate_head,
                                            window_batches)
 
 
@@ -166,13 +166,43 @@ def _ceiling_batch(targets, head, windows, device, serving: Serving, steps: int 
 
 
 def ceiling_texts(targets, head, windows, serving: Serving | None = None, windows_per_batch: int = 4,
-                  steps: int = 1) -> list[CeilingText]:
+                  steps: int = 1, think_close: Sequence[int] = ()) -> list[CeilingText]:
     """A perfect drafter's odds on each of `windows` under `serving` (None: greedy), in their order, for
-    rounds of up to `steps` drafts. `head` lends only the base's lm_head (its logits)."""
+    rounds of up to `steps` drafts. `head` lends only the base's lm_head (its logits). Under the relaxed rule
+    its draft, the base's top choice, is always a candidate: accepted outright in the reasoning (`think_close`
+    ends it)."""
     serving = serving or Serving()
     device = head.fc.weight.device
-    return [text for part in window_batches(targets, head, windows, 0, windows_per_batch)
-            for text in _ceiling_batch(targets, head, part, device, serving, steps)]
+    texts = [text for part in window_batches(targets, head, windows, 0, windows_per_batch)
+             for text in _ceiling_batch(targets, head, part, device, serving, steps)]
+    if serving.relaxed:
+        texts = [_relaxed_ceiling(text, reasoning_end(w, think_close), w.answer_start) for text, w in zip(texts, windows)]
+    return texts
+
+
+def _relaxed_ceiling(text: CeilingText, end: int | None, answer_start: int) -> CeilingText:
+    """`text` with the drafted positions before `end` (the reasoning's) accepted outright."""
+    if end is None:
+        return text
+    sure = lambda values: [1.0 if answer_start < t < end else v for t, v in enumerate(values)]  # noqa: E731
+    return CeilingText(sure(text.hit), sure(text.best), text.certainty, tuple((sure(h), sure(b)) for h, b in text.later))
+
+
+def relaxed_texts(texts: list, relaxed: list, windows, think_close: Sequence[int]) -> list:
+    """A relaxed configuration's odds per window (`per_text`'s (given, expected)): at a draft that falls in the
+    reasoning, the relaxed rule's expected acceptance (`offline.batch_relaxed`) as both. Lossy and approximate:
+    an accepted draft other than the text's token would change what follows, and the walk continues on the
+    base's text as if it had not."""
+    out = []
+    for (given, expected), loose, window in zip(texts, relaxed, windows):
+        end = reasoning_end(window, think_close)
+        if end is None:
+            out.append((given, expected))
+            continue
+        inside = [[a + k + 2 < end for k in range(len(row))] for a, row in enumerate(given)]
+        out.append(([[loose[a][k] if inside[a][k] else v for k, v in enumerate(row)] for a, row in enumerate(given)],
+                    [[loose[a][k] if inside[a][k] else v for k, v in enumerate(row)] for a, row in enumerate(expected)]))
+    return out
 
 
 def ceiling_acceptance(targets, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
@@ -198,10 +228,11 @@ def _by_anchor(values: list[list[float]]) -> list[list[float]]:
 
 
 def ceilings(targets, head, heldout: dict[str, list], servings, windows_per_batch: int = 4,
-             steps: int = 1) -> dict[str, list[CeilingText]]:
+             steps: int = 1, think_close: Sequence[int] = ()) -> dict[str, list[CeilingText]]:
     """Per serving configuration (its label), a perfect drafter's odds on the heldout windows the base wrote
     under it, for rounds of up to `steps` drafts (the largest served step count)."""
-    return {s.label(): ceiling_texts(targets, head, heldout[s.label()], s, windows_per_batch, steps) for s in servings}
+    return {s.label(): ceiling_texts(targets, head, heldout[s.label()], s, windows_per_batch, steps, think_close)
+            for s in servings}
 
 
 def ceiling_report(texts: dict[str, list[CeilingText]], heldout: dict[str, list], servings, served_steps,
@@ -244,6 +275,8 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
         windows = heldout[serving.label()]
         results = list(head_batches(targets, head, windows, steps, windows_per_batch, serving))
         texts = per_text(results)
+        if serving.relaxed:
+            texts = relaxed_texts(texts, batch_relaxed(results), windows, think_close)
         counts = _served_counts(texts, windows, served_steps, max_new_tokens)
         domain = (domains or {}).get
         by_serving[serving.label()] = {
@@ -273,7 +306,7 @@ def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int
     odds = texts if texts and isinstance(texts[0], tuple) else [(greedy_odds(o.accepted, steps),) * 2 for o in texts]
     sure = confidence if confidence is not None else [None] * len(windows)
     return [TextOdds(given, expected, perfect.by_anchor(steps)[1], perfect.certainty, w.answer_start, context_bucket(w.answer_start),
-                     thinking_end(w.input_ids, w.answer_start, think_close) if w.thinking else None, c)
+                     reasoning_end(w, think_close), c)
             for w, (given, expected), perfect, c in zip(windows, odds, ceiling, sure)]
 
 

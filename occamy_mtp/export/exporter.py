@@ -210,7 +210,7 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
     eval_started = time.perf_counter()
     log("export: the ceiling, a drafter of the base's own choices, under each serving configuration")
     perfect = ceilings(run.targets, head, run.windows.heldout, measuring.servings, measuring.windows_per_batch,
-                       max(measuring.served_steps))
+                       max(measuring.served_steps), think_close_ids(run.tokenizer))
     ceiling = ceiling_report(perfect, run.windows.heldout, measuring.servings, measuring.served_steps, measuring.answer_tokens)
     runners = decoder_runners(run, measuring)
     donor_report, donor_check = _measure(run, measuring, head, "donor", log, runners, perfect)
