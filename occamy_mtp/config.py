@@ -679,8 +679,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _one_of(choices) -> str:
-    """Choices as a check's message names them: "a, b or c"."""
-    return ", ".join(choices[:-1]) + " or " + choices[-1]
+    """Choices as a check's message names them: "a, b or c" ("a" alone)."""
+    return ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else "".join(choices)
 
 
 def check(config: RunConfig) -> None:
