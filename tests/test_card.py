@@ -43,7 +43,7 @@ def test_export_writes_a_card_that_says_what_the_record_says(exported):
     assert rows[0].endswith(f"| {(greedy_k1['mean_accept_length'] - donor_k1) / (ceiling - donor_k1):.1%} |")
     for command in ("assemble_head.py --base", "--speculative-algorithm NEXTN", "vllm serve", "hf upload"):
         assert command in card
-    for k in metrics["served_steps"]:  # 1 and the largest
+    for k in metrics["served_steps"]:  # each served step count: 1, 2 (vLLM's recipe) and 3 (SGLang's)
         assert f"--speculative-num-steps {k} " in card and f'"num_speculative_tokens": {k}}}' in card
     assert "0.5.12 or later" in card and "describes the head file alone" in card
     assert "## Not validated" in card

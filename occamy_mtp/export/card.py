@@ -225,7 +225,7 @@ def model_card(record: dict, head_dir: str = "OUTPUT_DIR", license: str | None =
         f"--out {shlex.quote(f'/path/to/{base}-mtp')}",
         "```",
         "",
-        *_serve_commands(shlex.quote(f"/path/to/{base}-mtp"), sorted({1, largest})),
+        *_serve_commands(shlex.quote(f"/path/to/{base}-mtp"), sorted(set(steps))),
 
         "## Files",
         "",
