@@ -799,7 +799,8 @@ def check(config: RunConfig) -> None:
             raise ConfigError(f"{where}.relaxed_top_k: the relaxed rule accepts thinking tokens, and {s.label()} is not in "
                               "thinking mode; set thinking: true or leave relaxed_top_k at 0")
         if not s.relaxed and s.relaxed_ratio:
-            raise ConfigError(f"{where}.relaxed_ratio: {s.relaxed_ratio:g} without relaxed_top_k, which turns the relaxed rule on")
+            raise ConfigError(f"{where}.relaxed_ratio: {s.relaxed_ratio:g} without relaxed_top_k, which turns the relaxed "
+                              "rule on")
     if data.train_text.relaxed:
         raise ConfigError("data.train_text.relaxed_top_k: the relaxed rule is how a server accepts drafts, not how the base "
                           "writes text; leave it at 0")

@@ -11,7 +11,8 @@ from pathlib import Path
 from occamy_mtp.cli import command
 from occamy_mtp.config import (ATTN_IMPLEMENTATIONS, DRAFT_RULES, FP8_ACTIVATIONS_CHOICES, FP8_WEIGHTS_CHOICES,
                                 ModelSettings)
-from occamy_mtp.serve.reference_server import ReferenceHTTPServer, Faults, GREEDY, load_model, make_handler, PER_REQUEST_FIELDS, SPECULATIVE
+from occamy_mtp.serve.reference_server import (ReferenceHTTPServer, Faults, GREEDY, load_model, make_handler, PER_REQUEST_FIELDS,
+                                               SPECULATIVE)
 
 
 def _parse_faults(args) -> Faults:
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                              attn_implementation=args.attn_implementation, fp8_weights=args.fp8_weights,
                              fp8_activations=args.fp8_activations)
     model = load_model(settings, args.head, args.mode, args.draft_steps, args.device, args.draft)
-    server = ReferenceHTTPServer((args.host, args.port), make_handler(model, faults, quiet=not args.verbose, per_request=args.per_request))
+    handler = make_handler(model, faults, quiet=not args.verbose, per_request=args.per_request)
+    server = ReferenceHTTPServer((args.host, args.port), handler)
     host, port = server.server_address[:2]
     print(f"serving http://{host}:{port} ({args.mode}{', %d draft steps' % args.draft_steps if args.mode == SPECULATIVE else ''})", flush=True)
     try:

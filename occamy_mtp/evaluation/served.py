@@ -20,8 +20,8 @@ from occamy_mtp.evaluation.breakdown import TextOdds, breakdown, context_bucket,
 from occamy_mtp.evaluation.metrics import (Acceptance, ExpectedCounts, expected_acceptance, per_context,
                                            expected_rounds, replayed_counts, summed_acceptance)
 from occamy_mtp.evaluation.offline import (ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS, SELF_GENERATED, TEACHER_FORCED,
-                                           BatchOdds, head_batches, batch_confidence, batch_metrics, batch_odds, batch_relaxed, batch_outcomes, batch_targets, evaluate_head,
-                                           window_batches)
+                                           BatchOdds, head_batches, batch_confidence, batch_metrics, batch_odds, batch_relaxed,
+                                           batch_outcomes, batch_targets, evaluate_head, window_batches)
 
 
 def served_acceptance(base, head, windows, served_steps, max_new_tokens: int, windows_per_batch: int = 4,
@@ -305,8 +305,8 @@ def breakdown_texts(texts: list, windows, ceiling: list[CeilingText], steps: int
     with `confidence` (`offline.batch_confidence`), the head's confidence in each draft too."""
     odds = texts if texts and isinstance(texts[0], tuple) else [(greedy_odds(o.accepted, steps),) * 2 for o in texts]
     sure = confidence if confidence is not None else [None] * len(windows)
-    return [TextOdds(given, expected, perfect.by_anchor(steps)[1], perfect.certainty, w.answer_start, context_bucket(w.answer_start),
-                     reasoning_end(w, think_close), c)
+    return [TextOdds(given, expected, perfect.by_anchor(steps)[1], perfect.certainty, w.answer_start,
+                     context_bucket(w.answer_start), reasoning_end(w, think_close), c)
             for w, (given, expected), perfect, c in zip(windows, odds, ceiling, sure)]
 
 
