@@ -157,7 +157,7 @@ def test_the_head_s_confidence_is_its_softmax_s_top_probability_where_it_drafted
 
     base, head = models
     windows = written(base, prompts(3), 12, serving)
-    results = list(head_batches(base, head, windows, 2, 3, serving))
+    results = list(head_batches(base, head, windows, 2, 3, serving, confidence=True))
     confidence = batch_confidence(results)
     with torch.no_grad():
         _, _, _, hidden = _pass(base, head, windows, 2, torch.device("cpu"), embed_text=not serving.greedy)

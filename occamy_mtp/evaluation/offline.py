@@ -21,7 +21,7 @@ from occamy_mtp.model.loss import IGNORE, chain_batch, collate
 from occamy_mtp.model.sharding import agreed_min
 from occamy_mtp.evaluation.metrics import acceptance_summary
 from occamy_mtp.base.fastbase import token_bytes
-from occamy_mtp.base.logits import chunked_top
+from occamy_mtp.base.logits import chunked_greedy, chunked_top
 from occamy_mtp.targets.base import base_outputs
 
 
@@ -99,7 +99,8 @@ class BatchChain:
     data_matches: int
     lengths: list[int]
     confidence: torch.Tensor | None = None
-    """(K, B, T) float64: the head's top-1 probability where it proposed (`offline.chunked_top`), else 0."""
+    """(K, B, T) float64: the head's top-1 probability where it proposed (`base.logits.chunked_top`), else 0;
+    None unless asked for (`head_batches`' confidence)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class BatchOdds:
     outside: int
     lengths: list[int]
     confidence: torch.Tensor | None = None
-    """(K, B, T) float64: the head's top-1 probability (its softmax) at each scored pair."""
+    """(K, B, T) float64: the head's top-1 probability (its softmax) at each scored pair; None unless asked for."""
     relaxed: torch.Tensor | None = None
     """(K, B, T) float64 under a relaxed configuration: the expected acceptance there under the relaxed rule
     (`sampling.relaxed_acceptance`); None otherwise."""
@@ -158,21 +159,24 @@ def figures_of(head, hidden: torch.Tensor, target: torch.Tensor, data: torch.Ten
 
 
 @torch.no_grad()
-def _run_batch(base, head, windows, draft_steps: int, device) -> BatchChain:
+def _run_batch(base, head, windows, draft_steps: int, device, confidence: bool = False) -> BatchChain:
     batch, targets, chain, hidden = _pass(base, head, windows, draft_steps, device)
     valid = chain.labels != IGNORE  # (K, B, T)
     first = valid[0]
     agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
     scored = valid & first
     hits = torch.zeros_like(scored)
-    confidence = torch.zeros(scored.shape, dtype=torch.float64)
+    sure = torch.zeros(scored.shape, dtype=torch.float64) if confidence else None
     alive = first.clone()  # anchors whose chain is still accepted
     for k in range(draft_steps):
         proposing = alive & scored[k]
         if proposing.any():
-            predicted, top = chunked_top(hidden[k][proposing], head.shared.lm_head)
+            if confidence:
+                predicted, top = chunked_top(hidden[k][proposing], head.shared.lm_head)
+                sure[k][proposing.cpu()] = top.double().cpu()
+            else:
+                predicted = chunked_greedy(hidden[k][proposing], head.shared.lm_head)
             hits[k][proposing] = predicted == chain.labels[k][proposing]
-            confidence[k][proposing.cpu()] = top.double().cpu()
         alive = hits[k]
     return BatchChain(
         scored=scored,
@@ -181,12 +185,13 @@ def _run_batch(base, head, windows, draft_steps: int, device) -> BatchChain:
         nll_sum=nll_sum,
         data_matches=data_matches,
         lengths=batch.lengths.tolist(),
-        confidence=confidence,
+        confidence=sure,
     )
 
 
 @torch.no_grad()
-def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: Serving) -> BatchOdds:
+def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: Serving,
+                       confidence: bool = False) -> BatchOdds:
     """`_run_batch` under sampled serving: each scored (step, anchor) pair's odds given the text.
 
     Step k at anchor i predicts x_{i+k+1}: p is the base's processed distribution from
@@ -200,7 +205,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
     agree, nll_sum, data_matches = _step1_figures(head, hidden, chain)
     given = torch.zeros(scored.shape, dtype=torch.float64)
     expected = torch.zeros(scored.shape, dtype=torch.float64)
-    confidence = torch.zeros(scored.shape, dtype=torch.float64)
+    sure = torch.zeros(scored.shape, dtype=torch.float64) if confidence else None
     relaxed = torch.zeros(scored.shape, dtype=torch.float64) if serving.relaxed else None
     outside = 0
     starts = torch.tensor([w.answer_start for w in windows])
@@ -216,7 +221,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
             history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
                                                 sampling.verified_history_ends(serving, anchors[chunk], k)) \
                 if serving.penalized else None
-            odds = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history)
+            odds = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history, confidence)
             alpha.append(odds.alpha)
             beta.append(odds.beta)
             top.append(odds.confidence)
@@ -226,10 +231,11 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
             where = (rows.cpu(), anchors.cpu())
             expected[k][where] = torch.cat(alpha)
             given[k][where] = torch.cat(beta)
-            confidence[k][where] = torch.cat(top)
+            if sure is not None:
+                sure[k][where] = torch.cat(top)
             if relaxed is not None:
                 relaxed[k][where] = torch.cat(loose)
-    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist(), confidence,
+    return BatchOdds(scored.cpu(), given, expected, agree, nll_sum, data_matches, outside, batch.lengths.tolist(), sure,
                      relaxed)
 
 
@@ -240,29 +246,29 @@ class Odds(NamedTuple):
     beta: torch.Tensor
     outside: int
     """Text tokens outside p's support."""
-    confidence: torch.Tensor
-    """The head's top-1 probability."""
+    confidence: torch.Tensor | None
+    """The head's top-1 probability (asked for: `odds_of`'s `confidence`)."""
     relaxed: torch.Tensor | None
     """The expected acceptance under the relaxed rule (a relaxed configuration; else None)."""
 
 
 def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
-            serving: Serving, history: sampling.History | None = None) -> Odds:
+            serving: Serving, history: sampling.History | None = None, confidence: bool = False) -> Odds:
     """The odds of N (step, anchor) pairs: one chunk.
 
     p is the base's processed distribution from `base_hidden` (the head's logits are the
     base's lm_head), its penalties over `history` (the answer before each drafted position and
     the prompt: given the text, the accepted drafts are the text's tokens); q the head's from
-    `head_hidden`; `tokens` are the text's."""
+    `head_hidden`; `tokens` are the text's. The head's confidence only with `confidence` (else None)."""
     logits = head.logits(head_hidden)
-    confidence = sampling.top_probability(logits).double().cpu()
+    sure = sampling.top_probability(logits).double().cpu() if confidence else None
     q = sampling.head_probs(logits, serving)
     del logits
     p = sampling.base_probs(head.logits(base_hidden), serving, history)
     relaxed = sampling.relaxed_acceptance(p, q, serving.relaxed_top_k, serving.relaxed_ratio).double().cpu() \
         if serving.relaxed else None
     return Odds(sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),
-                int(sampling.outside_support(p, tokens).sum()), confidence, relaxed)
+                int(sampling.outside_support(p, tokens).sum()), sure, relaxed)
 
 
 def _target_token_bytes(targets) -> int:
@@ -306,17 +312,19 @@ def grouped(windows, most: int, fits):
         start = end
 
 
-def head_batches(base, head, windows, draft_steps: int, windows_per_batch: int, serving: Serving | None = None):
-    """The batches' chains: `BatchChain`s for greedy serving (None too), `BatchOdds` for sampled."""
+def head_batches(base, head, windows, draft_steps: int, windows_per_batch: int, serving: Serving | None = None,
+                 confidence: bool = False):
+    """The batches' chains: `BatchChain`s for greedy serving (None too), `BatchOdds` for sampled; with
+    `confidence`, the head's top-1 probability at its drafts too (`batch_confidence`: the breakdown's calibration)."""
     device = head.fc.weight.device
     was_training = head.training
     head.eval()
     try:
         for part in window_batches(base, head, windows, draft_steps, windows_per_batch):
             if serving is None or serving.greedy:
-                yield _run_batch(base, head, part, draft_steps, device)
+                yield _run_batch(base, head, part, draft_steps, device, confidence)
             else:
-                yield _run_batch_sampled(base, head, part, draft_steps, device, serving)
+                yield _run_batch_sampled(base, head, part, draft_steps, device, serving, confidence)
     finally:
         head.train(was_training)
 
@@ -406,7 +414,7 @@ def chain_outcomes(base, head, windows, draft_steps: int = 3, windows_per_batch:
 
 def batch_confidence(results: list) -> list[list[list[float]]]:
     """Per window: the head's top-1 probability [anchor][step k (0-based)] where it drafted (`BatchChain` or
-    `BatchOdds`' confidence)."""
+    `BatchOdds`' confidence, which `head_batches` computes when asked)."""
     out = []
     for result in results:
         for row, length in enumerate(result.lengths):

@@ -273,7 +273,7 @@ def heldout_report(targets, head, heldout: dict[str, list], recorded, servings, 
     by_serving = {}
     for serving in servings:
         windows = heldout[serving.label()]
-        results = list(head_batches(targets, head, windows, steps, windows_per_batch, serving))
+        results = list(head_batches(targets, head, windows, steps, windows_per_batch, serving, confidence=ceiling is not None))
         texts = per_text(results)
         if serving.relaxed:
             texts = relaxed_texts(texts, batch_relaxed(results), windows, think_close)
