@@ -78,6 +78,14 @@ class SpecCounters:
         return "\n".join(lines) + "\n"
 
 
+def accepted_histogram(rounds: list[tuple[int, int]], draft_steps: int) -> list[int]:
+    """Index j: the verify passes among `rounds` ((drafted, accepted) each) that accepted exactly j drafts."""
+    histogram = [0] * (draft_steps + 1)
+    for _, accepted in rounds:
+        histogram[accepted] += 1
+    return histogram
+
+
 def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
     """SGLang 0.5.23's per-request `spec_*` fields (set only once a verify pass ran, as SGLang does)."""
     rounds = generation.rounds or []
@@ -85,9 +93,7 @@ def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
         return {}
     drafted = sum(d for d, _ in rounds)
     accepted = sum(a for _, a in rounds)
-    histogram = [0] * (draft_steps + 1)
-    for _, a in rounds:
-        histogram[a] += 1
+    histogram = accepted_histogram(rounds, draft_steps)
     return {
         "spec_accept_rate": accepted / drafted if drafted else 0.0,
         "spec_accept_length": len(generation.output_ids) / len(rounds),  # completion tokens / verify passes
@@ -101,12 +107,9 @@ def sglang_spec_fields(generation: Generation, draft_steps: int) -> dict:
 def vllm_spec_fields(generation: Generation, draft_steps: int) -> dict:
     """vLLM's per-request `metrics.speculative_decoding` (--per-request-spec-decode-metrics summary, vLLM 0.32)."""
     rounds = generation.rounds or []
-    histogram = [0] * (draft_steps + 1)
-    for _, a in rounds:
-        histogram[a] += 1
     return {"num_spec_steps": len(rounds), "num_draft_tokens": sum(d for d, _ in rounds),
             "num_accepted_draft_tokens": sum(a for _, a in rounds), "num_spec_tokens": draft_steps,
-            "acceptance_histogram": histogram}
+            "acceptance_histogram": accepted_histogram(rounds, draft_steps)}
 
 
 PER_REQUEST_FIELDS = ("sglang", "vllm", "none")

@@ -699,7 +699,8 @@ def validate_sampled(reference: str, candidate: str | None, prompts: list[Valida
                    lambda url: collect_sampled(url, prompts, samples, request, tokenizer, serving, log), recorded)
     if candidate is None:
         return None
-    _check_engine(serving, runs["candidate"].get("engine"), candidate)
+    if not is_url(candidate):  # a recorded run: its server's engine as recorded (a URL's was checked above)
+        _check_engine(serving, runs["candidate"].get("engine"), candidate)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     head_path = None if head is None else model.donor_head if head == "donor" else head
     base, drafter = expectation_models(model, head_path, device)
