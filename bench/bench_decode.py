@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/site:. python3 bench/bench_decode.py --out $OUT/decode.json     # H200, fla carried as a wheel
     PYTHONPATH=. .venv/bin/python bench/bench_decode.py --tiny --device cpu --batches 4 --legacy-batch 4
+    ... --base-weights bf16,fp8     # the same base, then kept in FP8 (its bound in FP8 bytes), in one process
 
 A random-weight Qwen3.5-35B-A3B-shaped base is built on the device (speed and memory do
 not depend on the values; routing does, so the weights are randomised as in
@@ -47,7 +48,9 @@ from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
 from occamy_mtp.base.fastdecode import BatchDecoder, fast_plain_decode  # noqa: E402
 from occamy_mtp.base.generate import plain_decode  # noqa: E402
 from occamy_mtp.base import moe_kernels  # noqa: E402
+from occamy_mtp.memory import held_bytes  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
+from occamy_mtp.testing.quantize import keep_in_fp8  # noqa: E402
 from timing import sync  # noqa: E402
 
 GIB = 2**30
@@ -106,14 +109,31 @@ def touched_experts(base, decoder: BatchDecoder) -> list[int]:
     return picked
 
 
+def stored_bytes(layer) -> dict[str, int]:
+    """Bytes each parameter of a decoder layer is stored in: its own, or, for a layer kept in FP8
+    (`model.fp8_weights`), its float8 codes and float32 multipliers (what a step must read)."""
+    from occamy_mtp.model.fp8_weights import ATTRIBUTE
+
+    sizes = {name: p.numel() * p.element_size() for name, p in layer.named_parameters()}
+    held = getattr(layer, ATTRIBUTE, None)
+    if held is not None:
+        owners = {id(module): name for name, module in layer.named_modules()}
+        for weight in held.weights:
+            owner = owners[id(weight.module)]
+            name = f"{owner}.{weight.name}" if owner else weight.name
+            sizes[name] = weight.codes.numel() * weight.codes.element_size() + sum(t.numel() * t.element_size() for t in weight.scales)
+    return sizes
+
+
 def step_bytes(base, decoder: BatchDecoder, experts_per_layer: list[int]) -> dict:
     """What one step must read (and write): weights touched, lm_head, the decoder's state."""
     dense = routed = 0
     for layer, touched in zip(base.model.layers[: base.config.num_hidden_layers], experts_per_layer):
+        stored = stored_bytes(layer)
         experts = layer.mlp.experts
-        per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+        per_expert = sum(stored[name] // experts.gate_up_proj.shape[0] for name in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
         routed += touched * per_expert
-        dense += sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if not n.startswith("mlp.experts."))
+        dense += sum(size for name, size in stored.items() if not name.startswith("mlp.experts."))
     head = base.lm_head.weight.numel() * base.lm_head.weight.element_size()
     recurrent = 2 * sum(t.numel() * t.element_size() for t in decoder.recurrent_state.values())  # read + write
     conv = 2 * sum(t.numel() * t.element_size() for t in decoder.conv_state.values())
@@ -175,9 +195,10 @@ def time_legacy(base, batch: int, prompt_tokens: int, device) -> dict:
     return {"batch": batch, "seconds_per_step": per_step, "tokens_per_second": batch / per_step}
 
 
-def time_reference_runners(base, prompt_tokens: int, device) -> dict:
+def time_reference_runners(base, prompt_tokens: int, device, bandwidth: float) -> dict:
     """The reference decoder's base at batch 1: one-token forwards, and a verify pass of 4 tokens
-    (a 3-step draft) between a snapshot and a restore, as `decode.speculative_decode` runs them."""
+    (a 3-step draft) between a snapshot and a restore, as `decode.speculative_decode` runs them; beside
+    the read bound of a forward of 1 token and of 4 (routed to the experts 4 random rows pick)."""
     from occamy_mtp.evaluation.decode import BaseRunner
     from occamy_mtp.base.fastdecode import StaticRunner
 
@@ -199,6 +220,18 @@ def time_reference_runners(base, prompt_tokens: int, device) -> dict:
             runner.restore(saved)
         sync(device)
         out[name] = {"seconds_per_one_token_forward": single, "seconds_per_verify_of_4_with_restore": (time.perf_counter() - started) / 5}
+    # The read bound of a forward of 1 and of 4 tokens: what a step of the batch decoder with as many rows must
+    # read (its dense weights, the experts those rows pick, lm_head, the state), at the copy bandwidth.
+    for rows in (1, 4):
+        decoder = BatchDecoder(base, batch=rows, positions=prompt_tokens + 64, cuda_graph=False)
+        decoder._reset([prompt] * rows if rows == 1 else
+                       torch.randint(0, base.config.vocab_size, (rows, prompt_tokens), generator=torch.Generator().manual_seed(5)).tolist())
+        moved = step_bytes(base, decoder, touched_experts(base, decoder))
+        out[f"bound_seconds_{rows}_token"] = moved["total"] / bandwidth
+        out[f"bytes_{rows}_token"] = moved
+        del decoder
+    static = out["static"]
+    out["static_one_token_over_bound"] = static["seconds_per_one_token_forward"] / out["bound_seconds_1_token"]
     return out
 
 
@@ -239,6 +272,39 @@ def time_windows(base, windows: int, batch: int, prompt_tokens: int, new_tokens:
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None}
 
 
+def measure(base, mode: str, args, samplings, bandwidth: float, device) -> dict:
+    """Every measurement the arguments ask for, of `base` as it is held now (`mode`: bf16, or fp8 kept in FP8)."""
+    run = {"base_weights": mode, "weights_gib": held_bytes(base) / GIB, "decoder": [], "legacy": None, "windows": None,
+           "reference_runners": None, "profiles": None}
+    library_limit = moe_kernels.EXPERT_MAX_TOKENS
+    gemms = ("triton", "grouped_mm") if args.expert_gemms == "both" else (args.expert_gemms,)
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        for gemm in gemms:
+            for sampling in samplings:
+                moe_kernels.EXPERT_MAX_TOKENS = library_limit if gemm == "triton" else 0  # 0: every batch takes the grouped GEMM
+                try:
+                    timed = time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens, bandwidth,
+                                         device, sampling)
+                except torch.OutOfMemoryError as err:
+                    timed = {"batch": batch, "sampling": sampling.label(), "error": f"out of memory: {err}"[:300]}
+                run["decoder"].append({"base_weights": mode, **timed, "expert_gemms": gemm})
+                print(json.dumps(run["decoder"][-1]), flush=True)
+    moe_kernels.EXPERT_MAX_TOKENS = library_limit
+    if args.legacy_batch:
+        run["legacy"] = time_legacy(base, args.legacy_batch, args.prompt_tokens, device)
+        print(json.dumps(run["legacy"]), flush=True)
+    if args.windows:
+        run["windows"] = time_windows(base, args.windows, args.default_batch, args.prompt_tokens, args.new_tokens, device)
+        print(json.dumps({"base_weights": mode, **run["windows"]}), flush=True)
+    if args.reference_runners:
+        run["reference_runners"] = time_reference_runners(base, args.prompt_tokens, device, bandwidth)
+        print(json.dumps({"base_weights": mode, **run["reference_runners"]}), flush=True)
+    if args.profile_batches or args.profile_span:
+        batches = [int(b) for b in args.profile_batches.split(",") if b]
+        run["profiles"] = profile_steps(base, batches, args.profile_span, args.prompt_tokens, args.new_tokens, device)
+    return run
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny model (a smoke run of the same code)")
@@ -259,6 +325,9 @@ def main() -> int:
     parser.add_argument("--top-p", type=float, default=1.0, help="top_p of the sampled decoders")
     parser.add_argument("--top-k", type=int, default=0, help="top_k of the sampled decoders")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty of the sampled decoders")
+    parser.add_argument("--base-weights", default="bf16",
+                        help="bf16, fp8 or bf16,fp8: the base as built, and/or its decoder layers quantized in blocks of "
+                             "128 x 128 and kept in FP8 (model.fp8_weights fp8), measured in that order in one process")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     samplings = [TextSampling(float(t), args.top_p, args.top_k, 0, args.presence_penalty) if float(t) > 0 else GREEDY_TEXT
@@ -268,38 +337,20 @@ def main() -> int:
     base = build(args.tiny, device)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "model": "tiny" if args.tiny else "Qwen3.5-35B-A3B", "build_seconds": time.perf_counter() - started,
-              "weights_gib": sum(p.numel() * p.element_size() for p in base.parameters()) / GIB,
-              "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "decoder": [], "legacy": None, "windows": None,
-              "reference_runners": None, "profiles": None}
+              "copy_bandwidth_bytes_per_second": copy_bandwidth(device), "runs": []}
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
-    library_limit = moe_kernels.EXPERT_MAX_TOKENS
-    gemms = ("triton", "grouped_mm") if args.expert_gemms == "both" else (args.expert_gemms,)
-    for batch in (int(b) for b in args.batches.split(",") if b):
-        for gemm in gemms:
-            for sampling in samplings:
-                moe_kernels.EXPERT_MAX_TOKENS = library_limit if gemm == "triton" else 0  # 0: every batch takes the grouped GEMM
-                try:
-                    timed = time_decoder(base, batch, args.prompt_tokens, args.new_tokens, args.timed_new_tokens, bandwidth,
-                                         device, sampling)
-                except torch.OutOfMemoryError as err:
-                    timed = {"batch": batch, "sampling": sampling.label(), "error": f"out of memory: {err}"[:300]}
-                result["decoder"].append({**timed, "expert_gemms": gemm})
-                print(json.dumps(result["decoder"][-1]), flush=True)
-    moe_kernels.EXPERT_MAX_TOKENS = library_limit
-    if args.legacy_batch:
-        result["legacy"] = time_legacy(base, args.legacy_batch, args.prompt_tokens, device)
-        print(json.dumps(result["legacy"]), flush=True)
-    if args.windows:
-        result["windows"] = time_windows(base, args.windows, args.default_batch, args.prompt_tokens, args.new_tokens, device)
-        print(json.dumps(result["windows"]), flush=True)
-    if args.reference_runners:
-        result["reference_runners"] = time_reference_runners(base, args.prompt_tokens, device)
-        print(json.dumps(result["reference_runners"]), flush=True)
-    if args.profile_batches or args.profile_span:
-        batches = [int(b) for b in args.profile_batches.split(",") if b]
-        result["profiles"] = profile_steps(base, batches, args.profile_span, args.prompt_tokens, args.new_tokens, device)
+    modes = [m for m in args.base_weights.split(",") if m]
+    if modes not in (["bf16"], ["fp8"], ["bf16", "fp8"]):
+        parser.error(f"--base-weights {args.base_weights!r}: expected bf16, fp8 or bf16,fp8 (fp8 last: the base is quantized in place)")
+    for mode in modes:
+        if mode == "fp8":
+            keep_in_fp8(base)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        run = measure(base, mode, args, samplings, bandwidth, device)
+        result["runs"].append(run)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

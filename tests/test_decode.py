@@ -321,6 +321,28 @@ def test_sampled_decoding_converges_to_its_expected_counts(sharp_models, draft):
     assert abs(wrong["z"]["accepted"]) > Z_BOUND, (wrong["z"], expected["acceptance"], wrong["expected"]["acceptance"])
 
 
+def test_sampled_decodes_draw_a_stream_per_prompt_and_head():
+    """The same prompt under two conversations, or under two streams (heads), is decoded from other draws;
+    the same window, seed and stream, from the same ones. Shared draws across prompts would make the texts'
+    differences from their expectation dependent, which sampled_decoder_check's z-score takes as independent."""
+    from occamy_mtp.config import Serving
+    from occamy_mtp.evaluation.decoder_check import sampled_decodes
+
+    base, head = agreeable_models(seed=6)
+    serving = Serving(temperature=1.0)
+    prompt = tuple(random_prompt(5, 62))
+    windows = [Window("first", 0, prompt, 5), Window("second", 0, prompt, 5)]
+
+    def texts(stream, pick=windows):
+        return [d.window.input_ids for d in sampled_decodes(base, head, pick, 2, 12, set(), serving, range(6), stream=stream)]
+
+    donor = texts("donor")
+    assert donor == texts("donor")
+    assert donor[:6] != donor[6:]  # one prompt, two conversations: their own draws
+    assert donor != texts("trained")
+    assert texts("donor", windows[:1]) == donor[:6]  # a window's draws do not depend on the windows beside it
+
+
 def test_sampled_decoding_is_seeded():
     from occamy_mtp.config import Serving
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
                           "each of eval.served_steps and check the served figures against it: equal counts under greedy "
                           "serving, a z-score of the counts against their expectation under sampled serving")
     cli.add_argument("--decoder-seeds", type=int, default=4,
-                     help="sampled serving: decodes of each prompt by --reference-decoder, seeds 0..N-1 (default 4)")
+                     help="sampled serving: decodes of each prompt by --reference-decoder (default 4), each from its own seeded stream: "
+                          "no two prompts, heads or step counts share their draws")
     cli.add_argument("--max-windows", type=int,
                      help="evaluate the first N heldout windows only (default: all), in the split's order: the windows "
                           "`occamy_mtp.serve.validate --prompt-source windows --prompts N` sends to a server")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from occamy_mtp.config import Serving
+from occamy_mtp.sampling import seed_of
 from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_decode
 from occamy_mtp.evaluation.metrics import (Acceptance, acceptance_from_counts, decoder_rounds, expected_rounds,
                                            replayed_acceptance, summed_acceptance, z_score)
@@ -104,16 +105,20 @@ def reference_decoder_check(base, head, windows, draft_steps: int, max_new_token
 
 
 def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, stop_token_ids, serving: Serving,
-                    seeds, runners: Runners | None = None) -> list[MeasuredText]:
+                    seeds, runners: Runners | None = None, stream: str = "") -> list[MeasuredText]:
     """Each window's context decoded once per seed by the reference decoder under sampled `serving`
-    (`runners` as in `reference_decoder_check`)."""
+    (`runners` as in `reference_decoder_check`). Every decode draws from its own generator, seeded by
+    (seed, `stream`, the window's context): no two prompts, and no two streams (a head each), share their
+    draws, so that the texts' differences from their expectation are independent, as
+    `sampled_decoder_check`'s z-scores take them to be."""
     runners = runners or decodes_runners(base, head, [w.answer_start for w in windows], max_new_tokens, draft_steps)
     decodes = []
     for window in windows:
         prompt = list(window.input_ids[: window.answer_start])
+        context = f"decoder:{stream}:{window.conversation_hash}:{window.turn_index}"
         for seed in seeds:
-            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving, seed=seed,
-                                        runners=runners)
+            result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving,
+                                        seed=seed_of(seed, context), runners=runners)
             decodes.append(MeasuredText.decoded(window, result))
     return decodes
 

@@ -137,7 +137,7 @@ def evaluate(run, settings: EvalPlan, head_path: Path, out: Path, device: torch.
                                      [w.answer_start for s in servings for w in run.windows.heldout[s.label()]], budget, max(served_steps))
             runners = {name: shared.with_head(head) for name, head in heads.items()}  # one base runner, a head runner each
             report["reference_decoder"] = {
-                name: {serving.label(): {str(k): _decoder_check(run, measuring, head, serving, k, range(decoder_seeds), runners[name])
+                name: {serving.label(): {str(k): _decoder_check(run, measuring, head, name, serving, k, range(decoder_seeds), runners[name])
                                          for k in served_steps}
                        for serving in servings}
                 for name, head in heads.items()
@@ -148,8 +148,10 @@ def evaluate(run, settings: EvalPlan, head_path: Path, out: Path, device: torch.
     return report, printed
 
 
-def _decoder_check(run, measuring: Measuring, head, serving: Serving, draft_steps: int, seeds, runners: Runners) -> dict:
-    """The reference decoder on the run's heldout prompts under one serving configuration."""
+def _decoder_check(run, measuring: Measuring, head, name: str, serving: Serving, draft_steps: int, seeds,
+                   runners: Runners) -> dict:
+    """The reference decoder on the run's heldout prompts under one serving configuration; under sampled
+    serving, `name`d head's decodes draw from streams of their own (`sampled_decodes`)."""
     windows = distinct_contexts(run.windows.heldout[serving.label()])
     decodes = len(windows) * (1 if serving.greedy else len(seeds))
     log_stderr(f"evaluate: reference decoder, {serving.label()}, {draft_steps}-step drafts: {decodes} "
@@ -159,7 +161,7 @@ def _decoder_check(run, measuring: Measuring, head, serving: Serving, draft_step
                                        run.stop_token_ids, measuring.windows_per_batch, runners)
     started = time.perf_counter()
     decodes = sampled_decodes(run.models.base, head, windows, draft_steps, measuring.answer_tokens, run.stop_token_ids,
-                              serving, seeds, runners)
+                              serving, seeds, runners, stream=f"{name}:{serving.label()}:{draft_steps}")
     check = sampled_decoder_check(run.models.base, head, decodes, draft_steps, measuring.answer_tokens, serving,
                                   measuring.windows_per_batch)
     return {**check, "windows": len(windows), "seeds": len(seeds), "seconds": time.perf_counter() - started}
