@@ -30,6 +30,6 @@ if [ -n "$extra" ]; then
     needs="$needs, pytest, xdist, deepspeed"
     if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then needs="$needs, triton"; fi
 fi
-if ! .venv/bin/python -c "import $needs" 2>/dev/null; then
+if ! .venv/bin/python -c "import $needs" >/dev/null 2>&1; then
     "${PIP[@]}" -e ".$extra"
 fi
