@@ -332,6 +332,9 @@ def main() -> int:
     args = parser.parse_args()
     samplings = [TextSampling(float(t), args.top_p, args.top_k, 0, args.presence_penalty) if float(t) > 0 else GREEDY_TEXT
                  for t in args.temperatures.split(",") if t]
+    modes = [m for m in args.base_weights.split(",") if m]
+    if modes not in (["bf16"], ["fp8"], ["bf16", "fp8"]):
+        parser.error(f"--base-weights {args.base_weights!r}: expected bf16, fp8 or bf16,fp8 (fp8 last: the base is quantized in place)")
     device = torch.device(args.device)
     started = time.perf_counter()
     base = build(args.tiny, device)
@@ -341,9 +344,6 @@ def main() -> int:
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
-    modes = [m for m in args.base_weights.split(",") if m]
-    if modes not in (["bf16"], ["fp8"], ["bf16", "fp8"]):
-        parser.error(f"--base-weights {args.base_weights!r}: expected bf16, fp8 or bf16,fp8 (fp8 last: the base is quantized in place)")
     for mode in modes:
         if mode == "fp8":
             keep_in_fp8(base)
