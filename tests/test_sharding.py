@@ -228,7 +228,7 @@ def test_a_base_sharded_in_one_process_computes_what_the_whole_one_computes(sing
 
 
 AGREEMENT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
 from occamy_mtp.model.sharding import agreed_min, all_finished, barrier
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -243,8 +243,11 @@ figures = (rank, agreed_min(10 + 5 * rank, sharded), agreed_min(10 + 5 * rank, w
            all_finished(rank == 0, sharded), all_finished(rank == 0, whole), all_finished(True, sharded))
 with open(f"{sys.argv[1]}/rank-{rank}.txt", "w") as out:  # a file each: the two processes share one stdout
     out.write(" ".join(map(str, figures)))
-dist.barrier()  # both leave the group together: one tearing gloo down while the other still talks to it aborted a run
-dist.destroy_process_group()
+dist.barrier()  # both are done with the group before either leaves
+# Leave without tearing gloo down: in this short script one process's teardown racing the other's (rank 0 holds
+# the rendezvous store) aborted a run now and then ("terminate called without an active exception", 2 of about 8
+# fresh-clone suites), after both had written their figures. What is tested is above; the exit is not.
+os._exit(0)
 """
 
 
