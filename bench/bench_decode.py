@@ -224,14 +224,13 @@ def time_reference_runners(base, prompt_tokens: int, device, bandwidth: float) -
     # read (its dense weights, the experts those rows pick, lm_head, the state), at the copy bandwidth.
     for rows in (1, 4):
         decoder = BatchDecoder(base, batch=rows, positions=prompt_tokens + 64, cuda_graph=False)
-        decoder._reset([prompt] * rows if rows == 1 else
+        decoder._reset([prompt] if rows == 1 else
                        torch.randint(0, base.config.vocab_size, (rows, prompt_tokens), generator=torch.Generator().manual_seed(5)).tolist())
         moved = step_bytes(base, decoder, touched_experts(base, decoder))
         out[f"bound_seconds_{rows}_token"] = moved["total"] / bandwidth
         out[f"bytes_{rows}_token"] = moved
         del decoder
-    static = out["static"]
-    out["static_one_token_over_bound"] = static["seconds_per_one_token_forward"] / out["bound_seconds_1_token"]
+    out["static_one_token_over_bound"] = out["static"]["seconds_per_one_token_forward"] / out["bound_seconds_1_token"]
     return out
 
 

@@ -17,6 +17,7 @@ from occamy_mtp.evaluation.decode import Runners, decodes_runners, speculative_d
 from occamy_mtp.evaluation.metrics import (Acceptance, acceptance_from_counts, decoder_rounds, expected_rounds,
                                            replayed_acceptance, summed_acceptance, z_score)
 from occamy_mtp.evaluation.offline import SELF_GENERATED, head_batches, batch_metrics, batch_odds, batch_outcomes
+from occamy_mtp.evaluation.served import context_key
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,8 @@ def sampled_decodes(base, head, windows, draft_steps: int, max_new_tokens: int, 
     decodes = []
     for window in windows:
         prompt = list(window.input_ids[: window.answer_start])
-        context = f"decoder:{stream}:{window.conversation_hash}:{window.turn_index}"
+        conversation, turn = context_key(window)
+        context = f"decoder:{stream}:{conversation}:{turn}"
         for seed in seeds:
             result = speculative_decode(base, head, prompt, max_new_tokens, draft_steps, stop_token_ids, serving=serving,
                                         seed=seed_of(seed, context), runners=runners)
