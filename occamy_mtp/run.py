@@ -35,7 +35,8 @@ from occamy_mtp.base.frozen import BaseFacts, BaseIdentity, FrozenBase
 from occamy_mtp.model.sharding import Sharding, barrier, is_sharded
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling
 from occamy_mtp.settings import RunDir, SelfGenSettings, Setup
-from occamy_mtp.selfgen.store import EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, store_identity
+from occamy_mtp.selfgen.store import (EMBEDDED, ENGINE, EmbeddedWriter, SelfGenError, SelfGeneratedStore, Writer, batch_key,
+                                     store_identity, write_together)
 from occamy_mtp.targets.base import OnlineTargets, TargetSource
 from occamy_mtp.targets.cache import TargetCache, cache_identity
 
@@ -330,26 +331,40 @@ def write_missing(stores: Stores, needed: dict[TextSampling, list[Window]], writ
     store's line says which of them it is."""
     lacking = {sampling: missing for sampling, windows in needed.items() if (missing := stores[sampling].missing(windows))}
     total = sum(len(missing) for missing in lacking.values())
-    if lacking and writer is not None and len(lacking) > 1:
+    if lacking and writer is None:
+        sampling, missing = next(iter(lacking.items()))
+        raise SelfGenError(
+            f"{stores[sampling].directory}: {len(missing)} of the run's {len(needed[sampling])} windows have no self-generated "
+            "continuation, and the base is not loaded to write them (data.target_cache is set); run "
+            "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
+            "servers that write them (data.self_generate_endpoints)"
+        )
+    if lacking and len(lacking) > 1:
         log(f"self-generated windows: {total:,} continuations to write into {len(lacking)} stores (one a way the base "
             "writes: the train text, each serving configuration's seeds)")
-    done = 0
-    for number, (sampling, missing) in enumerate(lacking.items(), start=1):
-        store, windows = stores[sampling], needed[sampling]
-        if writer is None:
-            raise SelfGenError(
-                f"{store.directory}: {len(missing)} of the run's {len(windows)} windows have no self-generated continuation, "
-                "and the base is not loaded to write them (data.target_cache is set); run "
-                "`python -m occamy_mtp cache --config CONFIG` first, which writes them with the target cache, or name "
-                "servers that write them (data.self_generate_endpoints)"
-            )
+    # A writer that shares batches writes one configuration's seeds together (`selfgen.store.write_together`),
+    # the complete stores' rows among them, so that the batches do not depend on which store lacks a line.
+    shares = getattr(writer, "shares_batches", False)
+    groups: dict = {}
+    for sampling in needed:
+        groups.setdefault(batch_key(sampling) if shares else sampling, []).append(sampling)
+    done = number = 0
+    for group in groups.values():
+        short = [s for s in group if s in lacking]
+        if not short:
+            continue
+        first, number = number + 1, number + len(short)
         if len(lacking) > 1:
-            log(f"self-generated windows: store {number} of {len(lacking)} ({done:,} of {total:,} continuations written)")
-        if keep:
-            store.generate(writer.for_text(sampling), windows, log)
+            which = f"store {first}" if len(short) == 1 else f"stores {first}-{number}, in shared batches,"
+            log(f"self-generated windows: {which} of {len(lacking)} ({done:,} of {total:,} continuations written)")
+        if len(group) > 1:
+            write_together([(stores[s], writer.for_text(s), needed[s]) for s in sorted(group, key=lambda s: s.seed)], log,
+                           keep=keep)
+        elif keep:
+            stores[group[0]].generate(writer.for_text(group[0]), needed[group[0]], log)
         else:
-            store.follow(writer.for_text(sampling), windows)
-        done += len(missing)
+            stores[group[0]].follow(writer.for_text(group[0]), needed[group[0]])
+        done += sum(len(lacking[s]) for s in short)
 
 
 def run_windows(setup: Setup, data: PreparedData, stores: Stores | None, writer: Writer | None = None,

@@ -78,11 +78,21 @@ class Continuation:
     """True when the last token is a stop token (else the budget ran out)."""
 
 
-def context_uniforms(sampling: TextSampling, contexts: Sequence[Sequence[int]], max_new_tokens: int) -> list | None:
-    """The uniform stream of each context's sampled continuation, keyed by its digest (None for greedy text)."""
-    if sampling.greedy:
+def context_uniforms(sampling: TextSampling | Sequence[TextSampling], contexts: Sequence[Sequence[int]],
+                     max_new_tokens: int) -> list | None:
+    """The uniform stream of each context's sampled continuation, keyed by its digest and drawn under its
+    text's seed (`sampling`, or one a context); None for greedy text."""
+    samplings = [sampling] * len(contexts) if isinstance(sampling, TextSampling) else list(sampling)
+    if all(s.greedy for s in samplings):
         return None
-    return [sampling.uniforms(context_digest(c), max_new_tokens) for c in contexts]
+    return [s.uniforms(context_digest(c), max_new_tokens) for s, c in zip(samplings, contexts, strict=True)]
+
+
+def batch_key(sampling: TextSampling) -> TextSampling:
+    """What the rows of one decoder batch share: a text's sampling but its seed. The texts of one configuration
+    under several seeds (a heldout prompt's continuations, `eval.continuations`) differ only in their
+    uniform streams, which are a row's own (`context_uniforms`), so one decoder writes them together."""
+    return sampling if sampling.greedy else replace(sampling, seed=0)
 
 
 def self_generate(
@@ -138,13 +148,18 @@ class EmbeddedWriter:
 
     source = EMBEDDED
 
-    def __init__(self, base, batch_size: int, sampling: TextSampling = GREEDY_TEXT):
+    def __init__(self, base, batch_size: int, sampling: TextSampling = GREEDY_TEXT, shares_batches: bool | None = None):
         self.base, self.batch_size, self.sampling = base, batch_size, sampling
         self.static = static_decoding(base)
+        self.shares_batches = self.static if shares_batches is None else shares_batches
+        """Whether the stores of one configuration's seeds are written in shared batches (`write_together`):
+        on the static decoder, whose step reads the weights of the experts its rows pick (about 160 of 256
+        a layer at 32 rows, 246 at 104): a store of 32 heldout prompts alone pays most of a full batch's step. Elsewhere each store
+        is written in batches of its own (a batch of the CPU's plain decoder costs by its rows)."""
 
     def for_text(self, sampling: TextSampling) -> "EmbeddedWriter":
         """The same base and batch writing under other sampling settings."""
-        return EmbeddedWriter(self.base, self.batch_size, sampling)
+        return EmbeddedWriter(self.base, self.batch_size, sampling, self.shares_batches)
 
     def details(self) -> dict:
         decoder = "occamy_mtp.base.fastdecode.BatchDecoder" if self.static else "occamy_mtp.base.generate.plain_decode"
@@ -173,10 +188,15 @@ class EmbeddedWriter:
             "(data.self_generate_batch_size sets it)")
         return sizing.count
 
-    def answers(self, contexts, missing, max_new_tokens, stop_token_ids, log):
+    def answers(self, contexts, missing, max_new_tokens, stop_token_ids, log, samplings: Sequence[TextSampling] | None = None):
         """The batches in order; over a base sharded over N processes, N batches at a time, one in
         each process (the k-th of a round in the k-th process; one with none decodes an idle row,
-        its forwards being collective), each process then holding every batch's continuations."""
+        its forwards being collective), each process then holding every batch's continuations.
+        `samplings`: each context's text, when they differ in their seed alone (`batch_key`; `write_together`)."""
+        if samplings is None:
+            samplings = [self.sampling] * len(contexts)
+        if len(samplings) != len(contexts) or any(batch_key(s) != batch_key(self.sampling) for s in samplings):
+            raise ValueError("EmbeddedWriter.answers: a sampling a context, each this writer's but for its seed")
         size = self.batch_for(contexts, max_new_tokens, log)
         batches = [range(i, min(i + size, len(contexts))) for i in range(0, len(contexts), size)]
         todo = [b for b in batches if any(missing[i] for i in b)]
@@ -188,7 +208,8 @@ class EmbeddedWriter:
             outputs = None
             if rank < len(round_of):
                 prompts = [contexts[i] for i in round_of[rank]]
-                outputs = decode(prompts, stop_token_ids, context_uniforms(self.sampling, prompts, max_new_tokens))
+                outputs = decode(prompts, stop_token_ids,
+                                 context_uniforms([samplings[i] for i in round_of[rank]], prompts, max_new_tokens))
             else:
                 idle_decode(self.base, max_new_tokens)
             for number, (batch, written) in enumerate(zip(round_of, gathered(outputs, self.base)), start=first + 1):
@@ -317,6 +338,18 @@ class SelfGeneratedStore:
             yield  # closing the file releases the lock
 
     def _append(self, writer: Writer, contexts: list[tuple[int, ...]], missing: list[bool], log: Callable[[str], None]) -> None:
+        with self._appending(writer, contexts, missing, log) as receive:
+            for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
+                                                      self.identity["stop_token_ids"], log):
+                receive(index, continuation)
+
+    @contextlib.contextmanager
+    def _appending(self, writer: Writer, contexts: list[tuple[int, ...]], missing: list[bool], log: Callable[[str], None],
+                   share: float = 1.0) -> Iterator[Callable[[int, "Continuation"], None]]:
+        """Check that `writer` may extend the store, then yield `receive(index, continuation)`, which appends the
+        continuation of `contexts[index]` (one `missing` marks) in the contexts' order; on the way out, what was
+        received is on disk. `share`: the part of the time spent inside that is this store's (stores written
+        together, `write_together`, split it by their rows)."""
         if writer.source != self.identity["writer"]:
             raise SelfGenError(f"{self.directory}: written by the {self.identity['writer']} writer, asked to be extended by "
                                f"the {writer.source} one; use another data.self_generated_dir")
@@ -358,18 +391,21 @@ class SelfGeneratedStore:
         kept = "the continuations written before are kept, and the rerun writes only the rest"
         needed = sum(missing) * (self.identity["max_new_tokens"] * LINE_BYTES_PER_TOKEN + LINE_BYTES_FIXED)
         with files.appended_lines(store_path, needed, kept) as stream:
+
+            def receive(index: int, continuation: Continuation) -> None:
+                nonlocal following, synced
+                waiting[index] = continuation
+                # In the contexts' order, so that a run killed and resumed writes the bytes of an uninterrupted one.
+                while following is not None and following in waiting:
+                    keep(following, stream)
+                    following = next(order, None)
+                if following is None or time.perf_counter() - synced >= SYNC_SECONDS:
+                    stream.flush()
+                    os.fsync(stream.fileno())
+                    synced = time.perf_counter()
+
             try:
-                for index, continuation in writer.answers(contexts, missing, self.identity["max_new_tokens"],
-                                                          self.identity["stop_token_ids"], log):
-                    waiting[index] = continuation
-                    # In the contexts' order, so that a run killed and resumed writes the bytes of an uninterrupted one.
-                    while following is not None and following in waiting:
-                        keep(following, stream)
-                        following = next(order, None)
-                    if following is None or time.perf_counter() - synced >= SYNC_SECONDS:
-                        stream.flush()
-                        os.fsync(stream.fileno())
-                        synced = time.perf_counter()
+                yield receive
             except BaseException:
                 # The writer stopped (a server died, an interrupt): what came back behind the context it never
                 # answered is kept too, out of order, rather than asked for again.
@@ -379,7 +415,7 @@ class SelfGeneratedStore:
                     stream.flush()
                     os.fsync(stream.fileno())
                 raise
-        self.generation_seconds += time.perf_counter() - started
+        self.generation_seconds += (time.perf_counter() - started) * share
 
     def windows(self, windows: Sequence[Window]) -> list[Window]:
         """The self-generated twin of each window (all must be stored)."""
@@ -407,6 +443,46 @@ class SelfGeneratedStore:
             "writer": self.identity["writer"],
             "writer_details": self.writer_details,
         }
+
+
+def write_together(parts: Sequence[tuple[SelfGeneratedStore, "EmbeddedWriter", Sequence[Window]]],
+                   log: Callable[[str], None] = print, keep: bool = True) -> None:
+    """`SelfGeneratedStore.generate` for several stores at once, their texts one configuration under several
+    seeds (`batch_key`): one decoder writes every store's missing continuations in shared batches, the rows of
+    the first store's sorted contexts, then the second's, and so on, a complete store's rows among them.
+    Batches are fixed chunks of those rows, and a batch with any row missing is decoded whole, so a run
+    resumed (one store complete, another short of a line) decodes the batches an uninterrupted one does.
+    Each store lacking a line appends its own lines in its contexts' order, under its lock (taken in the
+    order given), and keeps what came back if the run stops. With `keep` False nothing is stored (a process
+    beside the main one of a sharded base takes its part in the forwards, `SelfGeneratedStore.follow`)."""
+    if not parts:
+        return
+    writer = parts[0][1]
+    identities = {(store.identity["max_new_tokens"], tuple(store.identity["stop_token_ids"])) for store, _, _ in parts}
+    if len(identities) > 1 or any(batch_key(w.sampling) != batch_key(writer.sampling) for _, w, _ in parts):
+        raise ValueError("write_together: stores of one configuration's seeds, with one answer budget and one set of stop tokens")
+    with contextlib.ExitStack() as stack:
+        plan = []
+        for store, text_writer, windows in parts:  # a complete store's rows too: they fix the batches
+            contexts = sorted({context_of(w) for w in windows}, key=context_digest)
+            if keep and any(store._unstored(contexts)):
+                stack.enter_context(store._writing(log))
+                store.reread()
+            plan.append((store, text_writer, contexts, store._unstored(contexts)))
+        rows = [(part, index) for part, (_, _, contexts, _) in enumerate(plan) for index in range(len(contexts))]
+        total = sum(sum(missing) for _, _, _, missing in plan)
+        if not total:
+            return
+        receivers = [stack.enter_context(store._appending(text_writer, contexts, missing, log, share=sum(missing) / total))
+                     if any(missing) else None for store, text_writer, contexts, missing in plan] if keep else None
+        budget, stop = identities.pop()
+        answers = writer.answers([plan[part][2][index] for part, index in rows], [plan[part][3][index] for part, index in rows],
+                                 budget, list(stop), log if keep else (lambda message: None),
+                                 samplings=[plan[part][1].sampling for part, _ in rows])
+        for row, continuation in answers:
+            if receivers is not None:
+                part, index = rows[row]
+                receivers[part](index, continuation)
 
 
 def _sampling_text(sampling: dict | None) -> str:
