@@ -82,7 +82,7 @@ from occamy_mtp.memory import held_bytes
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.config import PRESETS, EvalSettings, Serving, TrainSettings, step_loss_weights
 from occamy_mtp.sampling import GREEDY_TEXT, text_sampling
-from occamy_mtp.selfgen.store import EmbeddedWriter, self_generate
+from occamy_mtp.selfgen.store import EmbeddedWriter, batch_key, self_generate
 from occamy_mtp.testing.checkpoints import QWEN3_5_35B_A3B, tiny_text_config
 from occamy_mtp.testing.quantize import keep_in_fp8
 from occamy_mtp.train.loop import as_served, head_autocast, lr_at, step_windows, train_step
@@ -202,6 +202,37 @@ def compare_caches(a, b, windows) -> dict:
     return {"greedy_match": match / total, "hidden_rel_error": (error / norm) ** 0.5, "positions": total}
 
 
+def run_stores(train, validation, heldout_by, selected, servings, sampling, texts, context_tokens) -> list:
+    """The rows a run's stores hold, store by store in the order `run.self_generated_needed` names them, as
+    (text, context): validation under the selected configuration's texts, heldout under each configuration's,
+    and train under the train text (`sampling`). Each split's windows (texts(s) x its prompts here, every
+    context random and distinct) are dealt to the texts in equal parts, seed 0 first."""
+    stores: dict = {}
+
+    def deal(serving, windows):
+        shown = [GREEDY_TEXT] if serving.greedy else [text_sampling(serving, j) for j in range(texts(serving))]
+        part = len(windows) // len(shown)
+        for j, text in enumerate(shown):
+            stores.setdefault(text, []).extend(w.input_ids[:context_tokens] for w in windows[j * part:(j + 1) * part])
+
+    deal(selected, validation)
+    for serving in servings:
+        deal(serving, heldout_by[serving.label()])
+    stores.setdefault(sampling, []).extend(w.input_ids[:context_tokens] for w in train)
+    return [(text, context) for text, contexts in stores.items() for context in contexts]
+
+
+def store_calls(stores: list, how: str) -> list[list[int]]:
+    """Which rows of `stores` (`run_stores`) each decoder call takes: `one` all of them, `apart` a store's,
+    `shared` one configuration's seeds (`selfgen.store.batch_key`), as `run.write_missing` groups them."""
+    if how == "one":
+        return [list(range(len(stores)))]
+    calls: dict = {}
+    for row, (text, _) in enumerate(stores):
+        calls.setdefault(batch_key(text) if how == "shared" else text, []).append(row)
+    return list(calls.values())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke run)")
@@ -212,6 +243,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="", help="where the caches and the export go (default: a temporary directory)")
     parser.add_argument("--generate-windows", type=int, default=64, help="contexts whose continuations are timed (0: skip)")
     parser.add_argument("--generate-batch-size", type=int, default=64, help="0: as many as fit (the library's default)")
+    parser.add_argument("--store-batches", choices=("shared", "apart", "one"), default="shared",
+                        help="which rows share a decoder call: one configuration's seeds (a run's way on a GPU), a store's, or all")
+    parser.add_argument("--generate-only", action="store_true", help="stop after self-generation")
     parser.add_argument("--fast-tokens", type=int, default=FAST_TOKENS_PER_FORWARD,
                         help="tokens a forward of the fast cache pass; 0: as many as fit (the library's default)")
     parser.add_argument("--memory-cap-gib", type=float, default=0.0,
@@ -323,12 +357,17 @@ def main() -> int:
 
     # 0. the base's own continuations of (a timed share of) the contexts, and the decoder check
     if args.generate_windows:
-        contexts = [w.input_ids[:context_tokens] for w in windows[: args.generate_windows]]
+        stores = run_stores(train_windows, validation, heldout_by, selected, servings, sampling, texts,
+                            context_tokens)[: args.generate_windows]  # (text, context) rows, a run's stores in order
+        contexts = [context for _, context in stores]
 
         def generate():
-            # As a run writes a store's continuations (`EmbeddedWriter.answers`): the batch sized once,
-            # one decoder for every batch. A decoder a batch, built while the last one's memory is
-            # still cached, ran out of memory on fixed segments (bench/results/decode.md).
+            # As a run writes its stores (`run.write_missing`): the batch sized once, one decoder for every
+            # batch. A decoder a batch, built while the last one's memory is still cached, ran out of memory
+            # on fixed segments (bench/results/decode.md). `--store-batches` decides which rows share a
+            # decoder call: `shared` one configuration's seeds (`selfgen.store.write_together`, the run's
+            # way on a GPU), `apart` a store a call (the run's way before), `one` every row under the
+            # selected text in one call (this bench before: a lower bound, not what a run does).
             writer = EmbeddedWriter(base, args.generate_batch_size, sampling)
             size = writer.batch_for(contexts, ANSWER_TOKENS, print)
             if device.type == "cuda":
@@ -336,26 +375,38 @@ def main() -> int:
                 print(f"memory before the decoder: allocated {stats['allocated_bytes.all.current'] / 2**30:.2f} GiB, reserved "
                       f"{stats['reserved_bytes.all.current'] / 2**30:.2f} GiB, cached in split segments "
                       f"{stats['inactive_split_bytes.all.current'] / 2**30:.2f} GiB", flush=True)
-            out = [None] * len(contexts)
+            out = [None] * len(stores)
             sync(device)
-            last = time.perf_counter()
-            sized = EmbeddedWriter(base, size, sampling)  # the batch just sized: no second hand-back
-            for index, continuation in sized.answers(contexts, [True] * len(contexts), ANSWER_TOKENS, set(), print):
-                out[index] = continuation
-                if index + 1 == len(contexts) or (index + 1) % size == 0:  # a batch's last context: the batch is written
-                    now = time.perf_counter()
-                    phases.record(f"batch of {index % size + 1}", now - last)
-                    last = now
+            for rows in store_calls(stores, args.store_batches):
+                texts_of = [stores[i][0] for i in rows]
+                if args.store_batches == "one":
+                    texts_of = [sampling] * len(rows)
+                sized = EmbeddedWriter(base, size, texts_of[0])  # the batch just sized: no second hand-back
+                last = time.perf_counter()
+                answers = sized.answers([stores[i][1] for i in rows], [True] * len(rows), ANSWER_TOKENS, set(), print,
+                                        samplings=texts_of)
+                for index, continuation in answers:
+                    out[rows[index]] = continuation
+                    if index + 1 == len(rows) or (index + 1) % size == 0:  # a batch's last row: the batch is written
+                        now = time.perf_counter()
+                        phases.record(f"batch of {index % size + 1}", now - last)
+                        last = now
             return out
 
         continuations = phases("self_generate", generate)
         seconds = phases.results["self_generate"]["seconds"]
         tokens = sum(len(c.tokens) for c in continuations)
+        calls = store_calls(stores, args.store_batches)
         result["self_generate"] = {
             "windows_timed": len(contexts), "batch_size": args.generate_batch_size, "tokens": tokens,
-            "tokens_per_second": tokens / seconds,
+            "tokens_per_second": tokens / seconds, "store_batches": args.store_batches,
+            "decoder_calls": len(calls), "rows_per_call": [len(rows) for rows in calls],
             "seconds_for_all_windows_extrapolated": seconds * len(windows) / len(contexts),
         }
+    if args.generate_only:
+        result["phases"] = phases.results
+        write_report(result, args.out)
+        return 0
     for size in [int(x) for x in args.extra_generate_batch_sizes.split(",") if x.strip()]:
         contexts = [w.input_ids[:context_tokens] for w in windows[:size]]
         name = f"self_generate_batch{size}"
