@@ -8,8 +8,9 @@ A random-weight Qwen3.5-35B-A3B-shaped base is built on the device (speed and me
 not depend on the values; routing does, so the weights are randomised as in
 bench_fullsize.py). Per batch size:
 
-* `fastdecode.BatchDecoder`: time of one step (a `generate` of `--timed-new-tokens` over
-  `--prompt-tokens`-token prompts, every step a CUDA-graph replay, divided by its steps),
+* `fastdecode.BatchDecoder`: time of one step (the slope between a `generate` of a quarter of
+  `--timed-new-tokens` and one of all of them over `--prompt-tokens`-token prompts: the prompt is
+  read in one prefill pass, then every step a CUDA-graph replay), the prefill's time,
   tokens per second, peak memory of the whole generate;
 * the bound: the bytes one step must move, read at the copy bandwidth measured in the
   same run: every dense weight of the 40 layers, the routed experts the batch's tokens
@@ -156,17 +157,25 @@ def time_decoder(base, batch: int, prompt_tokens: int, new_tokens: int, timed_ne
     decoder.generate(prompts, max_new_tokens=4, eos_token_ids=set(), uniforms=uniforms)  # captures the graph, autotunes
     sync(device)
     first_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    decoder.generate(prompts, max_new_tokens=timed_new_tokens, eos_token_ids=set(), uniforms=uniforms)
-    sync(device)
-    steps = prompt_tokens + timed_new_tokens - 1
-    seconds_per_step = (time.perf_counter() - started) / steps
+    # The prompt is read in one prefill pass, then one step a new token: the step is the slope between
+    # two budgets (a budget's time divided by prompt + new tokens, as this bench once took it, counted the
+    # prompt's tokens as steps when a prefill had replaced them, and read a third of the step).
+    seconds = {}
+    for new in (timed_new_tokens // 4, timed_new_tokens):
+        started = time.perf_counter()
+        decoder.generate(prompts, max_new_tokens=new, eos_token_ids=set(), uniforms=uniforms)
+        sync(device)
+        seconds[new] = time.perf_counter() - started
+    short, steps = min(seconds), max(seconds) - min(seconds)
+    seconds_per_step = (seconds[timed_new_tokens] - seconds[short]) / steps
+    prefill_seconds = seconds[short] - short * seconds_per_step  # the prompt but its last token, then a step a new token
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     experts = touched_experts(base, decoder)
     moved = step_bytes(base, decoder, experts)
     return {
         "batch": batch, "sampling": sampling.label(), "positions": decoder.positions, "steps_timed": steps,
         "seconds_per_step": seconds_per_step, "tokens_per_second": batch / seconds_per_step,
+        "prefill_seconds": prefill_seconds, f"seconds_of_{timed_new_tokens}_new_tokens": seconds[timed_new_tokens],
         "first_generate_seconds_with_capture": first_seconds, "peak_gib": peak,
         "experts_touched_per_layer_mean": sum(experts) / len(experts),
         "bytes_per_step": moved,
