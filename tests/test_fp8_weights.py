@@ -153,26 +153,63 @@ def test_each_layer_writes_the_weights_the_dequantizing_load_reads(bases, dtype)
 
 
 def test_the_layers_share_one_buffer_and_the_base_holds_what_is_counted(bases):
-    """Every layer writes into one buffer, the size of the largest layer's weights (the tiny base's
-    full-attention layers are larger than its Gated DeltaNet ones, and come second: the buffer grows
-    and the layers before move to it); the base holds the dequantized base's bytes less the quantized
-    weights in bf16, plus their codes and multipliers and that buffer."""
+    """Every layer writes its routed experts into one buffer, the size of the largest layer's; its other
+    quantized weights are parameters of their own, written once; the base holds the dequantized base's
+    bytes less the experts in bf16, plus their codes and multipliers and that buffer."""
     kept, dequantized = _both(bases, torch.bfloat16)
     layers = kept.model.layers
     sizes = [sum(w.codes.numel() for w in layer.occamy_fp8_weights.weights) for layer in layers]
-    assert sizes[0] < max(sizes)
     buffers = {layer.occamy_fp8_weights.buffer.data_ptr() for layer in layers}
     pointers = {p.untyped_storage().data_ptr() for layer in layers for w in layer.occamy_fp8_weights.weights
                 for p in [w.module.get_parameter(w.name)]}
     assert len(buffers) == 1 and pointers == buffers
+    assert all(w.routed for layer in layers for w in layer.occamy_fp8_weights.weights)  # the experts alone
+    others = {p.untyped_storage().data_ptr() for n, p in kept.named_parameters() if ".experts." not in n}
+    assert not others & buffers  # every other weight holds its own storage: nothing writes it again
     offsets = [w.module.get_parameter(w.name).storage_offset() for layer in layers for w in layer.occamy_fp8_weights.weights]
     assert all(offset % fp8_weights.ALIGN_ELEMENTS == 0 for offset in offsets)  # the grouped GEMMs' alignment
     assert fp8_weights.aligned_size([10, 64, 3]) == 64 + 64 + 3  # a weight of 10 is followed by padding
     assert layers[0].occamy_fp8_weights.buffer.numel() == max(sizes)
     weights = [w for layer in layers for w in layer.occamy_fp8_weights.weights]
-    dense = sum(w.codes.numel() * 2 for w in weights)
+    experts = sum(w.codes.numel() * 2 for w in weights)
     fp8 = sum(w.codes.numel() + sum(s.numel() * 4 for s in w.scales) for w in weights)
-    assert held_bytes(kept) == held_bytes(dequantized) - dense + fp8 + max(sizes) * 2
+    assert held_bytes(kept) == held_bytes(dequantized) - experts + fp8 + max(sizes) * 2
+
+
+def test_a_larger_layer_grows_the_buffer_and_the_layers_before_move_to_it():
+    """Layers kept one after another share a buffer; a layer whose experts need more gets a larger one, and
+    the layers kept before it point into the new one, each still writing its own experts' values."""
+    from occamy_mtp.model.quantized import quantize_fp8
+
+    def layer_of(experts: int, seed: int):
+        torch.manual_seed(seed)
+        layer = torch.nn.Module()
+        layer.mlp = torch.nn.Module()
+        layer.mlp.experts = torch.nn.Module()
+        stacks = {"gate_up_proj": torch.randn(experts, 2 * 128, 128), "down_proj": torch.randn(experts, 128, 128)}
+        held = {}
+        for name, value in stacks.items():
+            layer.mlp.experts.register_parameter(name, torch.nn.Parameter(value.to(torch.bfloat16), requires_grad=False))
+            parts = value.split(128, dim=-2)
+            quantized = [quantize_fp8(part, (128, 128)) for part in parts]
+            held[f"mlp.experts.{name}"] = (torch.cat([c for c, _ in quantized], dim=-2), tuple(p.shape[-2] for p in parts),
+                                           tuple(scale for _, scale in quantized))
+        return layer, held
+
+    buffers: dict = {}
+    (small, small_held), (large, large_held) = layer_of(2, 1), layer_of(3, 2)
+    first = fp8_weights.keep_layer(small, small_held, (128, 128), torch.bfloat16, buffers)
+    before = first.buffer.numel()
+    second = fp8_weights.keep_layer(large, large_held, (128, 128), torch.bfloat16, buffers)
+    assert second.buffer.numel() > before and first.buffer.data_ptr() == second.buffer.data_ptr()
+    for layer, held in ((small, small_held), (large, large_held)):
+        fp8_weights.materialize(layer)
+        assert layer.mlp.experts.gate_up_proj.untyped_storage().data_ptr() == second.buffer.data_ptr()
+        for name, (codes, rows, scales) in held.items():
+            parts = codes.split(list(rows), dim=-2)
+            expected = torch.cat([fp8_weights.dequantize_reference(c, s, (128, 128), torch.bfloat16)
+                                  for c, s in zip(parts, scales)], dim=-2)
+            assert torch.equal(layer.mlp.experts.get_parameter(name.rpartition(".")[2]), expected), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -230,9 +230,9 @@ def test_reports_a_quantized_base_and_what_it_takes_in_memory(tiny_checkpoint, t
             assert memory["dequantized_bytes"] == held_bytes(ckpt_io.load_base(quantized, fp8_weights="dequantized")) - tables
         else:
             assert "kept_in_fp8_bytes" not in memory and memory["dequantized_bytes"] == measured
-    # hidden 50 and a shared expert of 20: weights that are not whole multiples of the buffer's
+    # hidden 50 and experts of 19: expert stacks that are not whole multiples of the buffer's
     # alignment, laid out with padding in every layer, the largest (which sizes the buffer) too
-    odd_config = tiny_text_config(hidden_size=50, shared_expert_intermediate_size=20)
+    odd_config = tiny_text_config(hidden_size=50, shared_expert_intermediate_size=20, moe_intermediate_size=19)
     odd = write_checkpoint(tmp_path / "odd", odd_config, random_models(odd_config, 0)[0], None, multimodal=False)
     quantized = write_quantized_copy(odd.path, tmp_path / "odd-fp8", "fp8", block=(16, 16))
     code, report = run_json(capsys, quantized)

@@ -228,8 +228,8 @@ def _inspect(path: Path, report: dict, problems: list[str], notes: list[str]) ->
 def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     """Bytes the base's text weights take in memory in bf16, from the headers: dequantized, and for an
     FP8 base with its decoder layers kept in FP8 (`model.fp8_weights`, the default on a GPU): their
-    quantized weights as stored (codes and multipliers), the rest in bf16, and the buffer the layers'
-    weights are written into (the largest layer's, each weight laid out from an aligned offset as
+    routed experts as stored (codes and multipliers), the rest in bf16, and the buffer the layers'
+    experts are written into (the largest layer's, each stack laid out from an aligned offset as
     `fp8_weights.keep_layer` lays it out)."""
     prefix = ckpt_io.base_text_prefix(ckpt)
     keys = [k for k in ckpt.keys() if k == "lm_head.weight" or (
@@ -239,7 +239,8 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     if getattr(ckpt, "scheme", None) is None or ckpt.scheme.kind != FP8:
         return memory
     layers = prefix + "layers."
-    kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k)]
+    kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k)
+            and ckpt_io.module_tensor_name(k).endswith(tuple(f"experts.{stack}" for stack in fp8_weights.EXPERT_STACKS))]
     per_layer: dict[int, Counter] = {}  # layer -> its module tensors' elements (experts stacked as loaded)
     for key in kept:
         number = int(key[len(layers):].split(".")[0])

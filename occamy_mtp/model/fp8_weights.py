@@ -1,20 +1,24 @@
-"""An FP8 base's weights kept in FP8 in memory, each decoder layer's dequantized for its forward.
+"""An FP8 base's routed experts kept in FP8 in memory, each layer's written out for its forward.
 
 A block-wise FP8 base (`occamy_mtp.model.quantized`, the family's layout) read dequantized holds every weight
-in `model.dtype`: 64.6 GiB in bf16 at real size. Kept in FP8, its decoder layers' quantized weights
-stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight), and the
-weights a layer computes with are written into one buffer in `model.dtype` just before the layer
-runs (its routed experts' once the router has chosen, and only those it chose): the layer's
-parameters are views of that buffer, which every layer shares. A base then holds about half its
-bf16 bytes plus its largest layer's weights in `model.dtype` (1.6 GiB at real size).
+in `model.dtype`: 64.6 GiB in bf16 at real size. Kept in FP8, its decoder layers' routed experts (96%
+of the bytes) stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight),
+and the experts a layer computes with are written into one buffer in `model.dtype` once its router has
+chosen (only those it chose): the experts' parameters are views of that buffer, which every layer
+shares. The layers' other quantized weights (the projections of attention and the Gated DeltaNet, the
+shared expert: 2.9 GB in bf16 at real size) are dequantized once when the layer is kept: a forward of
+any rows reads all of them, and writing them again before each forward took 7.35 ms of a 15.2 ms
+one-token forward on an H100, more than the bf16 base's whole dense GEMMs (bench/results/quantized.md).
+A base then holds about half its bf16 bytes, plus those weights in bf16 and its largest layer's
+experts in `model.dtype` (1.6 GiB at real size).
 
 The weights computed are the ones the dequantizing load computes, bit for bit: each is the code
 times its block's multiplier in float32, rounded once to `model.dtype` (`quantized.dequantize_fp8`,
 then the load's cast). So everything the base computes is unchanged; only memory and time differ
 (tests/test_fp8_weights.py; bench/results/quantized.md).
 
-`materialize(layer, experts=False)` writes a layer's weights but its routed experts', when the layer
-starts; `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
+`materialize(layer)` writes a layer's routed experts, all of them (`experts=False`: nothing, since the
+layer's other weights are written once); `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
 router chose, once it has. A decode-sized batch of the fast paths does not write the routed experts at
 all: their GEMMs read the codes and multipliers themselves (`base.fastbase.fp8_experts`,
 `base.moe_kernels.expert_mlp`'s `fp8`). Forward pre-hooks on the layer and its experts module call them for
@@ -130,26 +134,38 @@ def keeps_fp8(mode: str, device) -> bool:
 
 
 def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[torch.Tensor, ...]]],
-               block: tuple[int, int], dtype: torch.dtype, buffers: dict) -> Fp8Layer:
-    """Make `layer`'s parameters named in `held` (dotted names within the layer -> (codes, row parts,
-    their multipliers)) views of one `dtype` buffer, shared through `buffers` by every layer kept so far
-    (the layers run one at a time, so one layer's weights are all that is ever written at once), and
-    attach the `Fp8Layer` that writes them (`materialize`), with forward pre-hooks for transformers'
-    forward. A layer larger than the buffer gets a larger one, and the layers before it move to it.
-    The buffer starts as zeros: nothing is computed before a write."""
-    codes = {name: value[0] for name, value in held.items()}
-    device = next(iter(codes.values())).device
-    need = aligned_size([c.numel() for name, c in sorted(codes.items())])
-    shared = buffers.setdefault((dtype, str(device)), {"buffer": torch.zeros(0, dtype=dtype, device=device), "layers": []})
-    if shared["buffer"].numel() < need:
-        shared["buffer"] = torch.zeros(need, dtype=dtype, device=device)
-        for earlier in shared["layers"]:
-            _view_into(earlier, shared["buffer"])
+               block: tuple[int, int], dtype: torch.dtype, buffers: dict) -> Fp8Layer | None:
+    """Keep `layer`'s routed experts named in `held` (dotted names within the layer -> (codes, row parts,
+    their multipliers)) in FP8: their parameters become views of one `dtype` buffer, shared through
+    `buffers` by every layer kept so far (the layers run one at a time, so one layer's experts are all
+    that is ever written at once), and the `Fp8Layer` that writes them (`materialize_experts`) is
+    attached, with forward pre-hooks for transformers' forward. A layer larger than the buffer gets a
+    larger one, and the layers before it move to it. The buffer starts as zeros: nothing is computed
+    before a write. Every other weight in `held` is written into a parameter of its own now, once (the
+    values the dequantizing load reads); None when `held` names no routed experts."""
     weights = []
     for name in sorted(held):
         weight_codes, rows, scales = held[name]
         owner_name, _, attribute = name.rpartition(".")
         weights.append(Fp8Weight(layer.get_submodule(owner_name), attribute, weight_codes, rows, scales, block))
+    # The dense weights (every projection but the routed experts: 4% of the bytes at real size) are written
+    # into their own parameters here, once: a forward of any rows reads all of them, and writing them again
+    # before each forward cost more than the bf16 base's whole dense GEMMs (bench/results/quantized.md).
+    with torch.no_grad():
+        for weight in [w for w in weights if not w.routed]:
+            weight.module._parameters[weight.name] = torch.nn.Parameter(
+                torch.empty(weight.codes.shape, dtype=dtype, device=weight.codes.device), requires_grad=False)
+            weight.write()
+    weights = [w for w in weights if w.routed]
+    if not weights:
+        return None
+    device = weights[0].codes.device
+    need = aligned_size([w.codes.numel() for w in weights])  # laid out in this order (`_view_into`)
+    shared = buffers.setdefault((dtype, str(device)), {"buffer": torch.zeros(0, dtype=dtype, device=device), "layers": []})
+    if shared["buffer"].numel() < need:
+        shared["buffer"] = torch.zeros(need, dtype=dtype, device=device)
+        for earlier in shared["layers"]:
+            _view_into(earlier, shared["buffer"])
     kept = Fp8Layer(weights, shared["buffer"])
     _view_into(kept, shared["buffer"])
     shared["layers"].append(kept)
