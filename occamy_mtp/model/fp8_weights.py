@@ -2,7 +2,7 @@
 
 A block-wise FP8 base (`occamy_mtp.model.quantized`, the family's layout) read dequantized holds every weight
 in `model.dtype`: 64.6 GiB in bf16 at real size. Kept in FP8, its decoder layers' routed experts (96%
-of the bytes) stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight),
+of their quantized weights) stay float8_e4m3fn codes beside their checkpoint's block multipliers (one byte a weight),
 and the experts a layer computes with are written into one buffer in `model.dtype` once its router has
 chosen (only those it chose): the experts' parameters are views of that buffer, which every layer
 shares. The layers' other quantized weights (the projections of attention and the Gated DeltaNet, the
@@ -10,16 +10,16 @@ shared expert: 2.9 GB in bf16 at real size) are dequantized once when the layer 
 any rows reads all of them, and writing them again before each forward took 7.35 ms of a 15.2 ms
 one-token forward on an H100, more than the bf16 base's whole dense GEMMs (bench/results/quantized.md).
 A base then holds about half its bf16 bytes, plus those weights in bf16 and its largest layer's
-experts in `model.dtype` (1.6 GiB at real size).
+experts in `model.dtype` (1.5 GiB at real size): about 36 GiB.
 
 The weights computed are the ones the dequantizing load computes, bit for bit: each is the code
 times its block's multiplier in float32, rounded once to `model.dtype` (`quantized.dequantize_fp8`,
 then the load's cast). So everything the base computes is unchanged; only memory and time differ
 (tests/test_fp8_weights.py; bench/results/quantized.md).
 
-`materialize(layer)` writes a layer's routed experts, all of them (`experts=False`: nothing, since the
-layer's other weights are written once); `materialize_experts(experts, top_k_index)` writes the routed experts' for the experts the
-router chose, once it has. A decode-sized batch of the fast paths does not write the routed experts at
+`materialize(layer)` writes all of a layer's routed experts (`experts=False`: nothing, the layer's other
+weights being written once); `materialize_experts(experts, top_k_index)` writes the routed experts' for
+the experts the router chose, once it has. A decode-sized batch of the fast paths does not write the routed experts at
 all: their GEMMs read the codes and multipliers themselves (`base.fastbase.fp8_experts`,
 `base.moe_kernels.expert_mlp`'s `fp8`). Forward pre-hooks on the layer and its experts module call them for
 transformers' own forward; the fast paths, which unroll the layer, call them themselves

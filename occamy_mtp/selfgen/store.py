@@ -90,7 +90,7 @@ def context_uniforms(sampling: TextSampling | Sequence[TextSampling], contexts: 
 
 def batch_key(sampling: TextSampling) -> TextSampling:
     """What the rows of one decoder batch share: a text's sampling but its seed. The texts of one configuration
-    under several seeds (a heldout prompt's continuations, `eval.continuations`) differ only in their
+    under several seeds (a heldout prompt's continuations, `eval.sampled_continuations`) differ only in their
     uniform streams, which are a row's own (`context_uniforms`), so one decoder writes them together."""
     return sampling if sampling.greedy else replace(sampling, seed=0)
 
@@ -154,8 +154,9 @@ class EmbeddedWriter:
         self.shares_batches = self.static if shares_batches is None else shares_batches
         """Whether the stores of one configuration's seeds are written in shared batches (`write_together`):
         on the static decoder, whose step reads the weights of the experts its rows pick (about 160 of 256
-        a layer at 32 rows, 246 at 104): a store of 32 heldout prompts alone pays most of a full batch's step. Elsewhere each store
-        is written in batches of its own (a batch of the CPU's plain decoder costs by its rows)."""
+        a layer at 32 rows, 246 at 104), so that a store of 32 heldout prompts alone pays most of a full
+        batch's steps. Elsewhere each store is written in batches of its own (a batch of the CPU's plain
+        decoder costs by its rows)."""
 
     def for_text(self, sampling: TextSampling) -> "EmbeddedWriter":
         """The same base and batch writing under other sampling settings."""
