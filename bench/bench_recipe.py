@@ -360,6 +360,7 @@ def main() -> int:
         stores = run_stores(train_windows, validation, heldout_by, selected, servings, sampling, texts,
                             context_tokens)[: args.generate_windows]  # (text, context) rows, a run's stores in order
         contexts = [context for _, context in stores]
+        calls = store_calls(stores, args.store_batches)
 
         def generate():
             # As a run writes its stores (`run.write_missing`): the batch sized once, one decoder for every
@@ -377,7 +378,7 @@ def main() -> int:
                       f"{stats['inactive_split_bytes.all.current'] / 2**30:.2f} GiB", flush=True)
             out = [None] * len(stores)
             sync(device)
-            for rows in store_calls(stores, args.store_batches):
+            for rows in calls:
                 texts_of = [stores[i][0] for i in rows]
                 if args.store_batches == "one":
                     texts_of = [sampling] * len(rows)
@@ -396,7 +397,6 @@ def main() -> int:
         continuations = phases("self_generate", generate)
         seconds = phases.results["self_generate"]["seconds"]
         tokens = sum(len(c.tokens) for c in continuations)
-        calls = store_calls(stores, args.store_batches)
         result["self_generate"] = {
             "windows_timed": len(contexts), "batch_size": args.generate_batch_size, "tokens": tokens,
             "tokens_per_second": tokens / seconds, "store_batches": args.store_batches,

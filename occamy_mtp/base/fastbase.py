@@ -19,7 +19,7 @@ from occamy_mtp.base import moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.base.frozen import runs_fast_paths
-from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_ATTRIBUTE, materialize, materialize_experts
+from occamy_mtp.model.fp8_weights import ATTRIBUTE as FP8_ATTRIBUTE, materialize_experts
 from occamy_mtp.base.logits import chunked_greedy, greedy_chunk_tokens
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
@@ -357,7 +357,7 @@ def fp8_experts(experts) -> moe_kernels.Fp8Experts | None:
     cached = getattr(experts, "_occamy_fp8_experts", None)
     if cached is not None:
         return cached
-    stacks = {w.name: w for w in held.weights if w.routed and w.module is experts}
+    stacks = {w.name: w for w in held.weights if w.module is experts}
     gate_up, down = stacks.get("gate_up_proj"), stacks.get("down_proj")
     if gate_up is None or down is None or len(gate_up.scales) != 2 or len(down.scales) != 1:
         return None
@@ -461,10 +461,8 @@ def decoder_layer(layer, hidden: torch.Tensor, residual: torch.Tensor | None, ke
     """One decoder layer as transformers computes it, unrolled: residual -> input norm -> `mix` (the
     token mixer, on the normed input) -> residual -> post-attention norm -> `moe` (the MoE block).
     Returns the MoE block's output and the residual stream, which the next layer (or the final
-    norm, `residual_norm`) adds. A layer that keeps its weights in FP8 writes them first
-    (`fp8_weights.materialize`), its routed experts' once routed (`grouped_experts`, or the experts
-    module's pre-hook), as its forward pre-hooks do for transformers' forward."""
-    materialize(layer, experts=False)
+    norm, `residual_norm`) adds. A layer that keeps its routed experts in FP8 writes them once routed
+    (`grouped_experts`, or the experts module's pre-hook), or its decode-sized GEMMs read the codes."""
     normed, residual = residual_norm(layer.input_layernorm, hidden, residual, kernels)
     hidden = mix(normed)
     normed, residual = residual_norm(layer.post_attention_layernorm, hidden, residual, kernels)

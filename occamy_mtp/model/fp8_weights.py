@@ -17,13 +17,11 @@ times its block's multiplier in float32, rounded once to `model.dtype` (`quantiz
 then the load's cast). So everything the base computes is unchanged; only memory and time differ
 (tests/test_fp8_weights.py; bench/results/quantized.md).
 
-`materialize(layer)` writes all of a layer's routed experts (`experts=False`: nothing, the layer's other
-weights being written once); `materialize_experts(experts, top_k_index)` writes the routed experts' for
-the experts the router chose, once it has. A decode-sized batch of the fast paths does not write the routed experts at
-all: their GEMMs read the codes and multipliers themselves (`base.fastbase.fp8_experts`,
-`base.moe_kernels.expert_mlp`'s `fp8`). Forward pre-hooks on the layer and its experts module call them for
-transformers' own forward; the fast paths, which unroll the layer, call them themselves
-(`fastbase.decoder_layer`, `fastbase.grouped_experts`). The write is a fixed sequence of kernels on
+`materialize(layer)` writes all of a layer's routed experts; `materialize_experts(experts, top_k_index)`
+writes those the router chose, once it has. A decode-sized batch of the fast paths does not write the routed
+experts at all: their GEMMs read the codes and multipliers themselves (`base.fastbase.fp8_experts`,
+`base.moe_kernels.expert_mlp`'s `fp8`). A forward pre-hook on the experts module calls `materialize_experts`
+for transformers' own forward; the fast paths call it themselves (`fastbase.grouped_experts`). The write is a fixed sequence of kernels on
 fixed buffers, its mask of experts made on the device, so a CUDA graph captures it with the layer.
 On CUDA it is one Triton kernel a weight part (`_dequantize_kernel`), elsewhere the plain reference.
 """
@@ -79,41 +77,35 @@ class Fp8Weight:
 
 
 class Fp8Layer:
-    """A decoder layer's FP8 weights (`Fp8Weight`s) and the buffer they are written into."""
+    """A decoder layer's routed experts held in FP8 (`Fp8Weight`s) and the buffer they are written into."""
 
     def __init__(self, weights: list[Fp8Weight], buffer: torch.Tensor):
         self.weights, self.buffer = weights, buffer
 
-    def materialize(self, experts: bool = True) -> None:
-        """Write every weight; with `experts` False, all but the routed experts' stacks (`materialize_experts`
-        writes those once the router has chosen)."""
+    def materialize(self) -> None:
+        """Write every expert of every stack (`materialize_experts` writes those the router chose)."""
         with torch.no_grad():
             for weight in self.weights:
-                if experts or not weight.routed:
-                    weight.write()
+                weight.write()
 
     def materialize_experts(self, top_k_index: torch.Tensor) -> None:
         """Write the routed experts' stacks for the experts `top_k_index` (N, k) names, and no other: a
         decode step of a few rows touches a few dozen of 256 experts. Indices past the last expert (the
         padding of expert parallelism) are ignored. The mask is made on the device, without a sync, so
         that a CUDA graph captures it."""
-        stacks = [w for w in self.weights if w.routed]
-        if not stacks:
-            return
-        experts = stacks[0].codes.shape[0]
+        experts = self.weights[0].codes.shape[0]
         with torch.no_grad():
             used = torch.zeros(experts + 1, dtype=torch.int32, device=top_k_index.device)
             used.scatter_(0, top_k_index.reshape(-1).long().clamp(max=experts), 1)  # a scatter: no sync, captured
-            for weight in stacks:
+            for weight in self.weights:
                 weight.write(used[:experts])
 
 
-def materialize(layer: torch.nn.Module, experts: bool = True) -> None:
-    """Write `layer`'s weights from its FP8 codes, when it holds them (a no-op otherwise); with `experts`
-    False, all but the routed experts' (`materialize_experts`)."""
+def materialize(layer: torch.nn.Module) -> None:
+    """Write all of `layer`'s routed experts from their FP8 codes, when it holds them (a no-op otherwise)."""
     held = getattr(layer, ATTRIBUTE, None)
     if held is not None:
-        held.materialize(experts)
+        held.materialize()
 
 
 def materialize_experts(experts: torch.nn.Module, top_k_index: torch.Tensor) -> None:
@@ -174,10 +166,9 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
         for part, scale in enumerate(weight.scales):
             layer.register_buffer(f"fp8_scales_{number}_{part}", scale, persistent=False)
     setattr(layer, ATTRIBUTE, kept)
-    # transformers' forward: the layer's weights when it starts, its experts' once routed (the experts
-    # module's inputs are the hidden states, top_k_index and top_k_weights).
-    layer.register_forward_pre_hook(lambda module, args: kept.materialize(experts=False))
-    for owner in {id(w.module): w.module for w in weights if w.routed}.values():
+    # transformers' forward: the experts once routed (the experts module's inputs are the hidden states,
+    # top_k_index and top_k_weights).
+    for owner in {id(w.module): w.module for w in weights}.values():
         setattr(owner, ATTRIBUTE, kept)
         owner.register_forward_pre_hook(lambda module, args: kept.materialize_experts(args[1]))
     return kept

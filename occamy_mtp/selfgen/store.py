@@ -71,6 +71,11 @@ def context_of(window: Window) -> tuple[int, ...]:
     return tuple(window.input_ids[: window.answer_start])
 
 
+def sorted_contexts(windows: Sequence[Window]) -> list[tuple[int, ...]]:
+    """The distinct contexts of `windows` in a store's order (by digest): its rows and its lines' order."""
+    return sorted({context_of(w) for w in windows}, key=context_digest)
+
+
 @dataclass(frozen=True)
 class Continuation:
     tokens: tuple[int, ...]
@@ -301,7 +306,7 @@ class SelfGeneratedStore:
         with an error (a server died), the answers that came back behind the one it never
         gave are appended too, out of that order: nothing received is asked for again.
         """
-        contexts = sorted({context_of(w) for w in windows}, key=context_digest)
+        contexts = sorted_contexts(windows)
         if not any(self._unstored(contexts)):
             return
         with self._writing(log):
@@ -314,7 +319,7 @@ class SelfGeneratedStore:
         """Run `writer` over what `generate` would have it write, and keep none of it: a process beside
         the main one of a sharded base, whose every forward is collective, takes its part (its share
         of the batches) in the main process's `generate` (`run.run_windows_together`)."""
-        contexts = sorted({context_of(w) for w in windows}, key=context_digest)
+        contexts = sorted_contexts(windows)
         missing = self._unstored(contexts)
         if any(missing):
             for _ in writer.answers(contexts, missing, self.identity["max_new_tokens"], self.identity["stop_token_ids"],
@@ -465,7 +470,7 @@ def write_together(parts: Sequence[tuple[SelfGeneratedStore, "EmbeddedWriter", S
     with contextlib.ExitStack() as stack:
         plan = []
         for store, text_writer, windows in parts:  # a complete store's rows too: they fix the batches
-            contexts = sorted({context_of(w) for w in windows}, key=context_digest)
+            contexts = sorted_contexts(windows)
             if keep and any(store._unstored(contexts)):
                 stack.enter_context(store._writing(log))
                 store.reread()
