@@ -29,7 +29,10 @@ bench_fullsize.py). Per batch size:
   and a restore;
 * `--profile-batches`: the kernels of one eager step (the kernels a graph replays) at each
   batch, by category, with their count; `--profile-span` adds a span step of that many
-  tokens at batch 1 (the reference decoder's verify pass).
+  tokens at batch 1 (the reference decoder's verify pass);
+* `--projections apart,joined`: everything above with each projection in its own weight (as
+  built), then with the projections of one input laid out as one weight (`joined.lay_out`, what a
+  base opened by the library holds), in one process.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from bench_fullsize import profile_call, randomise  # noqa: E402
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
 from occamy_mtp.base.fastdecode import BatchDecoder, fast_plain_decode  # noqa: E402
 from occamy_mtp.base.generate import plain_decode  # noqa: E402
-from occamy_mtp.base import moe_kernels  # noqa: E402
+from occamy_mtp.base import joined, moe_kernels  # noqa: E402
 from occamy_mtp.memory import held_bytes  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 from occamy_mtp.testing.quantize import keep_in_fp8  # noqa: E402
@@ -66,6 +69,20 @@ def build(tiny: bool, device):
         base = Qwen3_5MoeForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
         randomise(base, config.initializer_range)
     return base.eval().requires_grad_(False)
+
+
+def joined_groups(base) -> int:
+    """Groups of projections of one input that lie as one weight (`joined.joined`)."""
+    return sum(joined.joined(joined.tensors_of(group)) is not None for layer in base.model.layers for group in joined.groups(layer))
+
+
+@torch.no_grad()
+def apart(base) -> None:
+    """Each projection of every group in a storage of its own again (as the base was built): the baseline of `lay_out`."""
+    for layer in base.model.layers:
+        for group in joined.groups(layer):
+            for module, name in group:
+                getattr(module, name).data = getattr(module, name).data.clone()
 
 
 def copy_bandwidth(device) -> float:
@@ -336,6 +353,9 @@ def main() -> int:
     parser.add_argument("--base-weights", default="bf16",
                         help="bf16, fp8 or bf16,fp8: the base as built, and/or its decoder layers quantized in blocks of "
                              "128 x 128 and kept in FP8 (model.fp8_weights fp8), measured in that order in one process")
+    parser.add_argument("--projections", default="joined",
+                        help="joined, apart or apart,joined: each group of projections of one input laid out as one weight "
+                             "(joined.lay_out, as a base opens) or each in its own (as built), measured in that order")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     samplings = [TextSampling(float(t), args.top_p, args.top_k, 0, args.presence_penalty) if float(t) > 0 else GREEDY_TEXT
@@ -352,13 +372,20 @@ def main() -> int:
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
+    layouts = [p for p in args.projections.split(",") if p]
+    if not layouts or any(p not in ("apart", "joined") for p in layouts) or len(set(layouts)) != len(layouts):
+        parser.error(f"--projections {args.projections!r}: expected joined, apart or apart,joined")
     for mode in modes:
         if mode == "fp8":
             keep_in_fp8(base)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        run = measure(base, mode, args, samplings, bandwidth, device)
-        result["runs"].append(run)
+        for layout in layouts:
+            (joined.lay_out if layout == "joined" else apart)(base)
+            run = measure(base, mode, args, samplings, bandwidth, device)
+            run["projections"] = layout
+            result["runs"].append(run)
+            print(json.dumps({"base_weights": mode, "projections": layout, "joined_groups": joined_groups(base)}), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from occamy_mtp.base import moe_kernels
+from occamy_mtp.base import joined, moe_kernels
 from occamy_mtp.compat import torch_function
 from occamy_mtp.console import FLA_INSTALL_HINT
 from occamy_mtp.base.frozen import runs_fast_paths
@@ -376,19 +376,35 @@ def expert_kernels_apply(x: torch.Tensor, experts) -> bool:
     return x.dtype == dtype and experts.gate_up_proj.dtype == dtype
 
 
-def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch.Tensor:
+def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False, joined_inputs: bool = False) -> torch.Tensor:
     """`Qwen3_5MoeSparseMoeBlock.forward` with `grouped_experts` for the routed experts (and with
-    fused_glue, the router after its linear in one kernel, `moe_kernels.route`)."""
+    fused_glue, the router after its linear in one kernel, `moe_kernels.route`). With joined_inputs and
+    fused_glue, a block whose projections are laid out as one weight (`joined.lay_out`) computes the
+    router's logits and the shared expert's gate, up and gate logit in one GEMM (`joined.moe_inputs`)."""
     flat = x.reshape(-1, x.shape[-1])  # (N, D)
-    shared = block.shared_expert(flat)
     router = block.gate
-    if fused_glue and moe_kernels.available(flat) and hasattr(router, "top_k") and hasattr(router, "weight"):
-        routing_weights, selected = moe_kernels.route(F.linear(flat, router.weight), router.top_k)  # the router's, in one kernel
+    routes = fused_glue and moe_kernels.available(flat) and hasattr(router, "top_k") and hasattr(router, "weight")
+    inputs = joined.moe_inputs(block, flat) if joined_inputs and routes else None
+    if inputs is not None:
+        logits, gate_up, shared_gate = inputs
+        mlp = block.shared_expert
+        if type(mlp.act_fn).__name__ in _SILU_CLASSES:
+            hidden = moe_kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = mlp.act_fn(gate) * up
+        shared = mlp.down_proj(hidden)
+        routing_weights, selected = moe_kernels.route(logits, router.top_k)
     else:
-        _, routing_weights, selected = router(flat)  # softmax router in fp32, top-k renormalised
+        shared = block.shared_expert(flat)
+        shared_gate = block.shared_expert_gate(flat)
+        if routes:
+            routing_weights, selected = moe_kernels.route(F.linear(flat, router.weight), router.top_k)  # the router's, in one kernel
+        else:
+            _, routing_weights, selected = router(flat)  # softmax router in fp32, top-k renormalised
     out = grouped_experts(
         block.experts, flat, selected, routing_weights,
-        fused_glue=fused_glue, shared=shared, shared_gate=block.shared_expert_gate(flat),
+        fused_glue=fused_glue, shared=shared, shared_gate=shared_gate,
     )
     return out.reshape(x.shape)
 
@@ -396,6 +412,12 @@ def grouped_moe_block(block, x: torch.Tensor, fused_glue: bool = False) -> torch
 def fused_moe_block(block, x: torch.Tensor) -> torch.Tensor:
     """`grouped_moe_block` with the Triton glue kernels (`occamy_mtp.base.moe_kernels`)."""
     return grouped_moe_block(block, x, fused_glue=True)
+
+
+def decode_moe_block(block, x: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_block` with a laid-out block's input projections in one GEMM (`joined.moe_inputs`): the
+    decoder's, whose GEMMs are a few rows each."""
+    return grouped_moe_block(block, x, fused_glue=True, joined_inputs=True)
 
 
 # -- the forward --------------------------------------------------------------------

@@ -15,9 +15,11 @@ no kernel launches per step beyond the replay.
 The decoder layer is transformers' (norms, attention, MoE block), unrolled as in
 `fastbase.packed_hidden`. On CUDA the kernels are the fast pass's: the residual adds and
 RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
-`fastbase.fused_moe_block` (its experts' GEMMs `moe_kernels.expert_mlp` up to 256 tokens),
+`fastbase.decode_moe_block` (its experts' GEMMs `moe_kernels.expert_mlp` up to 256 tokens),
 the Gated DeltaNet's conv and rule `decode_kernels`' in a step (two kernels a layer) and fla's
-chunked rule in a prefill; elsewhere the modules' own and the kernels' PyTorch references.
+chunked rule in a prefill; elsewhere the modules' own and the kernels' PyTorch references. On
+any device, a base laid out as it opens (`joined.lay_out`) has each Gated DeltaNet's four input
+projections, and on CUDA each MoE block's router and shared-expert inputs, read in one GEMM.
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
 after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a
@@ -43,7 +45,8 @@ from occamy_mtp.families import family_of
 from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
-from occamy_mtp.base.fastbase import (Kernels, decoder_layer, fla_kernels, fused_moe_block, module_moe, residual_norm,
+from occamy_mtp.base.joined import linear_attention_inputs
+from occamy_mtp.base.fastbase import (Kernels, decode_moe_block, decoder_layer, fla_kernels, module_moe, residual_norm,
                                       token_bytes, torch_gated_delta_rule, torch_kernels)
 
 CHECK_EVERY_STEPS = 32  # steps between looks at whether every row has finished (each look waits for the GPU)
@@ -190,8 +193,9 @@ def _kernels(device: torch.device) -> Kernels:
 
 
 def _moe(device: torch.device):
-    """The MoE block: `fastbase.fused_moe_block` (Triton routing, experts and glue) on CUDA; the module's own elsewhere."""
-    return fused_moe_block if device.type == "cuda" else module_moe
+    """The MoE block: `fastbase.decode_moe_block` (Triton routing, experts and glue; a laid-out block's input
+    projections in one GEMM) on CUDA; the module's own elsewhere."""
+    return decode_moe_block if device.type == "cuda" else module_moe
 
 
 class BatchDecoder:
@@ -361,19 +365,19 @@ class BatchDecoder:
         if self._prefilling:
             return self._gated_deltanet_chunked(mixer, x, layer)
         batch, tokens = x.shape[:2]
-        projected = mixer.in_proj_qkv(x)
+        projected, z, b, a = linear_attention_inputs(mixer, x)  # one GEMM where the base is laid out (`joined`)
         states = None
         if self._recording:
             n = self._linear_index[layer]
             self.span_inputs[n, :, :tokens].copy_(projected)
             states = self.span_states[n, :tokens]
         mixed_qkv = conv_steps_(projected, self.conv_state[layer], mixer.conv1d.weight[:, 0], mixer.conv1d.bias)
-        z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
+        z = z.reshape(-1, mixer.head_v_dim)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         query = query.reshape(batch, tokens, -1, mixer.head_k_dim)  # (B, T, H, K), views of the conv's output
         key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
         value = value.reshape(batch, tokens, -1, mixer.head_v_dim)  # (B, T, HV, V)
-        core = gated_delta_steps_(query, key, value, mixer.in_proj_a(x), mixer.in_proj_b(x).sigmoid(), mixer.A_log, mixer.dt_bias,
+        core = gated_delta_steps_(query, key, value, a, b.sigmoid(), mixer.A_log, mixer.dt_bias,
                                   self.recurrent_state[layer], states).reshape(-1, mixer.head_v_dim)
         if self.kernels.rms_norm_gated is not None:
             core = self.kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)
@@ -386,15 +390,15 @@ class BatchDecoder:
         and the T new inputs, the delta rule in chunks (`chunked_gated_delta_`) from their state."""
         batch, tokens = x.shape[:2]
         rows = self.kv.rows
-        mixed_qkv = conv_steps_reference(mixer.in_proj_qkv(x), self.conv_state[layer][rows], mixer.conv1d.weight[:, 0],
-                                         mixer.conv1d.bias)
-        z = mixer.in_proj_z(x).reshape(-1, mixer.head_v_dim)
+        projected, z, b, a = linear_attention_inputs(mixer, x)
+        mixed_qkv = conv_steps_reference(projected, self.conv_state[layer][rows], mixer.conv1d.weight[:, 0], mixer.conv1d.bias)
+        z = z.reshape(-1, mixer.head_v_dim)
         query, key, value = torch.split(mixed_qkv, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         query = query.reshape(batch, tokens, -1, mixer.head_k_dim)
         key = key.reshape(batch, tokens, -1, mixer.head_k_dim)
         value = value.reshape(batch, tokens, -1, mixer.head_v_dim)
-        g = log_decay(mixer.in_proj_a(x), mixer.A_log, mixer.dt_bias)
-        core = chunked_gated_delta_(query, key, value, g, mixer.in_proj_b(x).sigmoid(),
+        g = log_decay(a, mixer.A_log, mixer.dt_bias)
+        core = chunked_gated_delta_(query, key, value, g, b.sigmoid(),
                                     self.recurrent_state[layer][rows]).reshape(-1, mixer.head_v_dim)
         if self.kernels.rms_norm_gated is not None:
             core = self.kernels.rms_norm_gated(core, z, mixer.norm.weight, mixer.norm.variance_epsilon)

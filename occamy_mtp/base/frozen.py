@@ -2,7 +2,7 @@
 
     facts = BaseFacts(model.base)                    # its config and quantization, read once
     base = FrozenBase.open(model, device, sharding)  # train, export, evaluate, cache, generate, validate, serve
-    base.placement, base.emulated, base.fp8_layers, base.fast_paths   # what the opening decided
+    base.placement, base.emulated, base.fp8_layers, base.fast_paths, base.joined_groups   # what the opening decided
     BaseIdentity.of(model, facts)                    # what the stores, the target cache and the sidecar embed
 
 `FrozenBase` reads as the transformers causal LM it holds (`model`, `lm_head`, `config`, a call
@@ -32,6 +32,7 @@ from occamy_mtp.memory import held_bytes
 from occamy_mtp.model import checkpoint as ckpt_io
 from occamy_mtp.model import quantized
 from occamy_mtp.model.sharding import ENGINE_NAMES, Sharding, placement, shard, shard_layer
+from occamy_mtp.base import joined
 from occamy_mtp.base.tuning import use_tuned_kernel_configs
 
 Log = Callable[[str], None]
@@ -152,6 +153,10 @@ class FrozenBase:
         """Whether the library's fast paths (the packed pass, the static decoder), which read the weights
         directly, run it: its family has them, no input is fake-quantized (they would skip the emulation's
         hooks) and its layers are whole."""
+        self.joined_groups = joined.lay_out(module) if self.fast_paths else 0
+        """Groups of projections of one input laid out as one weight as it opened (`joined.lay_out`: each
+        Gated DeltaNet's four, each MoE block's router and shared-expert inputs), which the static decoder
+        reads in one GEMM each; 0 where the fast paths do not run it. Before anything captures a graph."""
 
     @property
     def quantization(self):
