@@ -386,8 +386,8 @@ def main() -> int:
             run["projections"] = layout
             result["runs"].append(run)
             print(json.dumps({"base_weights": mode, "projections": layout, "joined_groups": joined_groups(base)}), flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+            if args.out:  # after each run: a run cut short by its time limit keeps what it measured
+                args.out.write_text(json.dumps(result, indent=2))
     return 0
 
 
