@@ -30,9 +30,11 @@ bench_fullsize.py). Per batch size:
 * `--profile-batches`: the kernels of one eager step (the kernels a graph replays) at each
   batch, by category, with their count; `--profile-span` adds a span step of that many
   tokens at batch 1 (the reference decoder's verify pass);
-* `--projections apart,joined`: everything above with each projection in its own weight (as
-  built), then with the projections of one input laid out as one weight (`joined.lay_out`, what a
-  base opened by the library holds), in one process.
+* `--variants before,joined,after`: everything above for each decoder in turn, in one process:
+  `before` each projection in its own weight (as built) and the attention's query/key norms and
+  rotation the module's operations; `joined` the projections of one input laid out as one weight
+  (`joined.lay_out`, what a base opened by the library holds); `after` also the norms and rotation
+  in one kernel (`decode_kernels.norm_rotate`), what a run decodes with.
 """
 
 from __future__ import annotations
@@ -51,13 +53,14 @@ from bench_fullsize import profile_call, randomise  # noqa: E402
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling  # noqa: E402
 from occamy_mtp.base.fastdecode import BatchDecoder, fast_plain_decode  # noqa: E402
 from occamy_mtp.base.generate import plain_decode  # noqa: E402
-from occamy_mtp.base import joined, moe_kernels  # noqa: E402
+from occamy_mtp.base import decode_kernels, fastdecode, joined, moe_kernels  # noqa: E402
 from occamy_mtp.memory import held_bytes  # noqa: E402
 from occamy_mtp.testing.checkpoints import tiny_text_config  # noqa: E402
 from occamy_mtp.testing.quantize import keep_in_fp8  # noqa: E402
 from timing import sync  # noqa: E402
 
 GIB = 2**30
+VARIANTS = ("before", "joined", "after")
 
 
 
@@ -353,9 +356,11 @@ def main() -> int:
     parser.add_argument("--base-weights", default="bf16",
                         help="bf16, fp8 or bf16,fp8: the base as built, and/or its decoder layers quantized in blocks of "
                              "128 x 128 and kept in FP8 (model.fp8_weights fp8), measured in that order in one process")
-    parser.add_argument("--projections", default="joined",
-                        help="joined, apart or apart,joined: each group of projections of one input laid out as one weight "
-                             "(joined.lay_out, as a base opens) or each in its own (as built), measured in that order")
+    parser.add_argument("--variants", default="after",
+                        help="the decoder measured, in this order: before (each projection in its own weight, as built, and the "
+                             "attention's norms and rotation the module's operations), joined (the projections of one input "
+                             "laid out as one weight, joined.lay_out, as a base opens), after (joined, and the norms and "
+                             "rotation in one kernel, decode_kernels.norm_rotate: what a run decodes with)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     samplings = [TextSampling(float(t), args.top_p, args.top_k, 0, args.presence_penalty) if float(t) > 0 else GREEDY_TEXT
@@ -372,20 +377,21 @@ def main() -> int:
     bandwidth = result["copy_bandwidth_bytes_per_second"]
     if bandwidth != bandwidth:  # no GPU: nothing to bound against
         bandwidth = 1.0
-    layouts = [p for p in args.projections.split(",") if p]
-    if not layouts or any(p not in ("apart", "joined") for p in layouts) or len(set(layouts)) != len(layouts):
-        parser.error(f"--projections {args.projections!r}: expected joined, apart or apart,joined")
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+        parser.error(f"--variants {args.variants!r}: expected some of {', '.join(VARIANTS)}, each once")
     for mode in modes:
         if mode == "fp8":
             keep_in_fp8(base)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        for layout in layouts:
-            (joined.lay_out if layout == "joined" else apart)(base)
+        for variant in variants:
+            (apart if variant == "before" else joined.lay_out)(base)
+            fastdecode.norm_rotate = decode_kernels.norm_rotate if variant == "after" else decode_kernels.norm_rotate_reference
             run = measure(base, mode, args, samplings, bandwidth, device)
-            run["projections"] = layout
+            run["variant"] = variant
             result["runs"].append(run)
-            print(json.dumps({"base_weights": mode, "projections": layout, "joined_groups": joined_groups(base)}), flush=True)
+            print(json.dumps({"base_weights": mode, "variant": variant, "joined_groups": joined_groups(base)}), flush=True)
             if args.out:  # after each run: a run cut short by its time limit keeps what it measured
                 args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -183,3 +183,81 @@ def compare_kernels_with_references(dtype) -> None:
 def test_the_kernels_are_the_references_under_triton_s_interpreter(dtype):
     pytest.importorskip("triton")
     run_interpreted(__file__, f"compare_kernels_with_references(torch.{dtype})", timeout=300)
+
+
+def norm_rotate_case(tokens: int, dtype, seed: int = 0):
+    """A tiny full-attention layer's queries (strided: interleaved with their gates, as its projection gives
+    them) and keys, its norms with random weights, and the rotary embedding at positions 5 .. 5 + T - 1."""
+    from occamy_mtp.testing.checkpoints import random_models, tiny_text_config
+
+    model, _ = random_models(tiny_text_config(), seed=seed)
+    model = model.to(dtype)
+    attention = next(layer.self_attn for layer in model.model.layers if hasattr(layer, "self_attn"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for norm in (attention.q_norm, attention.k_norm):
+            norm.weight.copy_(torch.randn(norm.weight.shape, generator=generator) * 0.5)
+    dim, batch = attention.head_dim, 2
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    query_gate = (torch.randn(batch, tokens, heads, 2 * dim, generator=generator) * 3).to(dtype)
+    key = (torch.randn(batch, tokens, kv_heads, dim, generator=generator) * 3).to(dtype)
+    positions = 5 + torch.arange(tokens)
+    cos, sin = model.model.rotary_emb(key, positions[None, None].expand(3, batch, -1))
+    return attention, query_gate[..., :dim], key, cos, sin
+
+
+def compare_norm_rotate(dtype) -> None:
+    """Run under Triton's interpreter: `norm_rotate`'s kernel against its reference (the module's norms, the
+    family's rotation), for one token and a span."""
+    import sys
+
+    for tokens in (1, 4):
+        attention, query, key, cos, sin = norm_rotate_case(tokens, dtype, seed=tokens)
+        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        want_q, want_k = decode_kernels.norm_rotate_reference(query, key, attention.q_norm, attention.k_norm, cos, sin, rotate)
+        assert decode_kernels.available(query)
+        got_q, got_k = decode_kernels.norm_rotate(query, key, attention.q_norm, attention.k_norm, cos, sin, rotate)
+        for got, want, what in ((got_q, want_q, "queries"), (got_k, want_k, "keys")):
+            assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+            # The norm's mean of squares (one reduction over the head dim, in fp32), then the roundings to the
+            # dtype both make in the same places (the norm's output, each product, their sum): one of each may
+            # fall on the other side.
+            bound = rounding_bound(want.float(), torch.float32, reductions=1, width=query.shape[-1]) + \
+                rounding_bound(want.float(), dtype, reductions=3, width=1)
+            assert_close(got.float(), want.float(), bound, f"{what}, {tokens} tokens, {dtype}")
+    # A real error fails it: the rotation's halves swapped.
+    swapped = decode_kernels.norm_rotate(query, key, attention.q_norm, attention.k_norm, cos, -sin, rotate)[0]
+    assert (swapped.float() - want_q.float()).abs().max() > bound
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_norm_rotate_kernel_is_its_reference_under_triton_s_interpreter(dtype):
+    pytest.importorskip("triton")
+    run_interpreted(__file__, f"compare_norm_rotate(torch.{dtype})", timeout=300)
+
+
+def test_the_norm_rotate_reference_is_the_attention_module_s():
+    """Where no kernel runs, `norm_rotate` is the module's own norms and rotation: its forward's queries and keys."""
+    import sys
+
+    attention, query, key, cos, sin = norm_rotate_case(3, torch.float32)
+    rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+    got_q, got_k = decode_kernels.norm_rotate(query, key, attention.q_norm, attention.k_norm, cos, sin, rotate)
+    want_q, want_k = rotate(attention.q_norm(query).transpose(1, 2), attention.k_norm(key).transpose(1, 2), cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.gpu
+def test_the_norm_rotate_kernel_is_its_reference_on_the_gpu():
+    import sys
+
+    for tokens in (1, 4):
+        attention, query, key, cos, sin = norm_rotate_case(tokens, torch.bfloat16, seed=tokens)
+        attention, query, key, cos, sin = attention.cuda(), query.cuda(), key.cuda(), cos.cuda(), sin.cuda()
+        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        want = decode_kernels.norm_rotate_reference(query, key, attention.q_norm, attention.k_norm, cos, sin, rotate)
+        got = decode_kernels.norm_rotate(query, key, attention.q_norm, attention.k_norm, cos, sin, rotate)
+        for g, w in zip(got, want):
+            bound = rounding_bound(w.float(), torch.float32, reductions=1, width=query.shape[-1]) + \
+                rounding_bound(w.float(), torch.bfloat16, reductions=3, width=1)
+            assert_close(g.float(), w.float(), bound, f"norm_rotate on the GPU, {tokens} tokens")

@@ -41,7 +41,8 @@ def test_laying_out_joins_every_group_and_keeps_every_weight():
     logits = model(ids).logits
     groups = all_groups(model)
     linear_layers = sum(hasattr(layer, "linear_attn") for layer in model.model.layers)
-    assert len(groups) == linear_layers + len(model.model.layers)  # each Gated DeltaNet, and each MoE block
+    attention_layers = sum(hasattr(layer, "self_attn") for layer in model.model.layers)
+    assert len(groups) == linear_layers + attention_layers + len(model.model.layers)  # each mixer, and each MoE block
     assert all(joined.joined(joined.tensors_of(group)) is None for group in groups)  # apart as loaded
 
     assert joined.lay_out(model) == len(groups)

@@ -16,6 +16,11 @@ weights take to read (bench/results/decode.md). Here they are two kernels:
   torch's: rounded to b's dtype as the module rounds it, which Triton's interpreter, used by
   the CPU tests, does not do the way the GPU does.)
 
+A full-attention layer's queries and keys go through the head's RMSNorm and then the rotary
+embedding of their first dimensions: in PyTorch about thirty small kernels a layer (the norm's
+upcast, square, mean, rsqrt and products, each half of the rotation, the concatenations, the
+transposes). `norm_rotate` does both, for the queries and the keys, in one kernel.
+
 The token count is a compile-time constant (a span is 1 to K + 1 tokens: a few variants,
 each loop unrolled). Each sits beside the plain PyTorch computation it replaces (`conv_steps_reference`,
 `gated_delta_steps_reference`: the operations of transformers' Gated DeltaNet decode, in its
@@ -97,6 +102,16 @@ def gated_delta_steps_reference(q, k, v, a, beta, A_log, dt_bias, state: torch.T
     return torch.stack(outputs, dim=1)
 
 
+def norm_rotate_reference(query, key, q_norm, k_norm, cos, sin, rotate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries and keys of a full-attention layer as its module computes them: each head's
+    RMSNorm (`q_norm`, `k_norm`, the modules), then `rotate(query, key, cos, sin)` (the family's
+    `apply_rotary_pos_emb`, on the first dimensions of each head).
+
+    query (B, T, H, D) and key (B, T, KVH, D), strided views allowed; cos, sin (B, T, R), R <= D.
+    Returns (B, H, T, D) and (B, KVH, T, D)."""
+    return rotate(q_norm(query).transpose(1, 2), k_norm(key).transpose(1, 2), cos, sin)
+
+
 # -- kernels ---------------------------------------------------------------------------
 
 
@@ -173,6 +188,49 @@ if triton is not None:
         tl.store(tile, h, mask=mask[None, :])
 
 
+    @triton.jit
+    def _norm_rotate_kernel(query, key, q_weight, k_weight, cos, sin, q_out, k_out, eps, q_row, q_token, q_head,
+                            k_row, k_token, k_head, tokens, heads: tl.constexpr, kv_heads: tl.constexpr,
+                            dim: tl.constexpr, rotary: tl.constexpr):
+        program = tl.program_id(0).to(tl.int64)  # ((b * T + t) * (H + KVH) + head)
+        head = program % (heads + kv_heads)
+        row_token = program // (heads + kv_heads)
+        row = row_token // tokens
+        token = row_token % tokens
+        is_query = head < heads
+        if is_query:
+            source = query + row * q_row + token * q_token + head * q_head
+            weight = q_weight
+            target = q_out + ((row * heads + head) * tokens + token) * dim  # (B, H, T, D)
+        else:
+            source = key + row * k_row + token * k_token + (head - heads) * k_head
+            weight = k_weight
+            target = k_out + ((row * kv_heads + head - heads) * tokens + token) * dim  # (B, KVH, T, D)
+        cols = tl.arange(0, dim)
+        x = tl.load(source + cols).to(tl.float32)
+        inverse = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        # The module's RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, times (1 + w) in fp32, rounded to x's dtype.
+        normed = ((x * inverse) * (1.0 + tl.load(weight + cols).to(tl.float32))).to(q_out.dtype.element_ty)
+        half: tl.constexpr = rotary // 2
+        # rotate_half's partner of each rotated column (its negation for the first half); columns past the
+        # rotary ones pass through.
+        partner = tl.where(cols < half, cols + half, cols - half)
+        rotated = cols < rotary
+        other = tl.load(source + partner, mask=rotated, other=0.0).to(tl.float32)
+        other = ((other * inverse) * (1.0 + tl.load(weight + partner, mask=rotated, other=0.0).to(tl.float32)))
+        other = other.to(q_out.dtype.element_ty).to(tl.float32)
+        other = tl.where(cols < half, -other, other)
+        at = (row * tokens + token) * rotary + tl.where(rotated, cols, 0)
+        c = tl.load(cos + at, mask=rotated, other=0.0).to(tl.float32)
+        s = tl.load(sin + at, mask=rotated, other=0.0).to(tl.float32)
+        # As the module rounds: each product to the dtype, then their sum.
+        kind = q_out.dtype.element_ty
+        first = (normed.to(tl.float32) * c).to(kind).to(tl.float32)
+        second = (other * s).to(kind).to(tl.float32)
+        out = tl.where(rotated, (first + second).to(kind), normed)
+        tl.store(target + cols, out)
+
+
 def conv_steps_(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`conv_steps_reference` in one Triton kernel (the reference where the kernel cannot run)."""
     if not available(state):
@@ -226,3 +284,37 @@ def gated_delta_steps_(q, k, v, a, beta, A_log, dt_bias, state: torch.Tensor, st
         value_dim=value_dim, block=block, keep_states=states is not None,
     )
     return out
+
+
+def norm_rotate(query, key, q_norm, k_norm, cos, sin, rotate) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rotate_reference` in one Triton kernel for the module's zero-centred RMSNorm (a weight w
+    multiplies as 1 + w) and rotate-half rotary embedding (the reference where the kernel cannot run).
+
+    query and key may be strided views (the queries of a projection that interleaves them with their
+    gates) with unit stride over their last dim."""
+    if not available(query) or not _zero_centred(q_norm) or not _zero_centred(k_norm):
+        return norm_rotate_reference(query, key, q_norm, k_norm, cos, sin, rotate)
+    batch, tokens, heads, dim = query.shape
+    kv_heads = key.shape[2]
+    rotary = cos.shape[-1]
+    if key.shape != (batch, tokens, kv_heads, dim) or query.stride(3) != 1 or key.stride(3) != 1:
+        raise ValueError(f"norm_rotate: query {list(query.shape)} and key {list(key.shape)} of one batch and head "
+                         "dim, with unit stride over it, expected")
+    if dim & (dim - 1) or rotary % 2 or rotary > dim or cos.shape != (batch, tokens, rotary) or sin.shape != cos.shape:
+        raise ValueError(f"norm_rotate: head dim {dim} (a power of two), cos and sin {[batch, tokens, rotary]} "
+                         f"(an even count <= the head dim) expected, got {list(cos.shape)} and {list(sin.shape)}")
+    if q_norm.eps != k_norm.eps:
+        raise ValueError(f"norm_rotate: the query's and key's norms take one eps, got {q_norm.eps} and {k_norm.eps}")
+    q_out = query.new_empty(batch, heads, tokens, dim)
+    k_out = key.new_empty(batch, kv_heads, tokens, dim)
+    _norm_rotate_kernel[(batch * tokens * (heads + kv_heads),)](
+        query, key, q_norm.weight, k_norm.weight, cos.contiguous(), sin.contiguous(), q_out, k_out, q_norm.eps,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2), tokens,
+        heads=heads, kv_heads=kv_heads, dim=dim, rotary=rotary,
+    )
+    return q_out, k_out
+
+
+def _zero_centred(norm) -> bool:
+    """Whether `norm` is the Qwen3.5 family's RMSNorm, whose weight w multiplies as 1 + w (the kernel's)."""
+    return type(norm).__name__ in ("Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")

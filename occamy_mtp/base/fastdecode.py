@@ -7,8 +7,8 @@ last pass left. Then every row advances one position a step, all rows at the sam
 (the prefill ends where the shortest prompt does): while a row is still reading its prompt
 the step feeds it the prompt's next token, afterwards the token it chose, so no prompt needs
 padding. The state is allocated once for the batch: the full-attention layers' keys and
-values (`StaticKV`, handed to transformers' own attention module as its cache, with
-`gqa_decode_attention` as its attention), the Gated DeltaNet layers' conv windows and
+values (`StaticKV`, which `_attend`, the attention module's forward unrolled, writes and
+`gqa_decode_attention` reads), the Gated DeltaNet layers' conv windows and
 recurrent states (one buffer each, so that a snapshot is one copy). The step reads and writes
 only those buffers, so on CUDA it is captured in one CUDA graph and replayed: no Python and
 no kernel launches per step beyond the replay.
@@ -32,20 +32,19 @@ held against `decode.HeadRunner` in tests/test_decode.py and tests/test_fastdeco
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import sys
 from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from occamy_mtp.compat import cache_kwarg
 from occamy_mtp.base.frozen import runs_fast_paths
 from occamy_mtp import families
 from occamy_mtp.families import family_of
-from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay
+from occamy_mtp.base.decode_kernels import conv_steps_, conv_steps_reference, gated_delta_steps_, log_decay, norm_rotate
 from occamy_mtp.sampling import GREEDY_TEXT, TextSampling, draw
 from occamy_mtp.base.generate import check_prompts, check_uniforms
-from occamy_mtp.base.joined import linear_attention_inputs
+from occamy_mtp.base.joined import attention_inputs, linear_attention_inputs
 from occamy_mtp.base.fastbase import (Kernels, decode_moe_block, decoder_layer, fla_kernels, module_moe, residual_norm,
                                       token_bytes, torch_gated_delta_rule, torch_kernels)
 
@@ -69,7 +68,6 @@ PREFILL_PASS_BYTES = 2**30
 # The attention's transient bytes per query and key of a head: its fp32 scores, their fp32 softmax
 # and the probabilities in bf16 (`gqa_decode_attention`).
 ATTENTION_BYTES_PER_SCORE = 10
-DECODE_ATTENTION = "occamy_decode_gqa"  # the attention the step hands transformers' attention module (`gqa_decode_attention`)
 
 
 def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -95,32 +93,24 @@ def gqa_decode_attention(module, query, key, value, attention_mask, scaling=None
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
 
 
-_registered = False
-
-
-def _register_attention() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(DECODE_ATTENTION, gqa_decode_attention)
-        _registered = True
-
-
-@contextlib.contextmanager
-def _attention_implementation(config, name: str):
-    """The base's attention modules use `name` for the duration (they read it at each call)."""
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
-def _attend(attention, position_embeddings, mask: torch.Tensor, cache: dict, normed: torch.Tensor) -> torch.Tensor:
-    """transformers' attention module over the step's positions, its keys and values in `cache`'s `StaticKV`."""
-    return attention(hidden_states=normed, position_embeddings=position_embeddings, attention_mask=mask, **cache)[0]
+def _attend(attention, position_embeddings, mask: torch.Tensor, kv: "StaticKV", normed: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3.5 attention (`Qwen3_5MoeAttention.forward`) over the step's positions, its keys and
+    values in `kv`: the queries with their gates, the keys and the values in one GEMM where the base is laid
+    out (`joined.attention_inputs`), the heads' norms and rotary embedding in one kernel on CUDA
+    (`decode_kernels.norm_rotate`; the module's own norms and the family's rotation elsewhere), then
+    `gqa_decode_attention`, the output gate and the output projection. normed: (B, T, D)."""
+    batch, tokens = normed.shape[:2]
+    dim = attention.head_dim
+    query_gate, key, value = attention_inputs(attention, normed)
+    query_gate = query_gate.view(batch, tokens, -1, 2 * dim)  # each head's query, then its gate
+    query, gate = query_gate[..., :dim], query_gate[..., dim:]
+    cos, sin = position_embeddings
+    rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+    query, key = norm_rotate(query, key.view(batch, tokens, -1, dim), attention.q_norm, attention.k_norm, cos, sin, rotate)
+    keys, values = kv.update(key, value.view(batch, tokens, -1, dim).transpose(1, 2), attention.layer_idx)
+    out, _ = gqa_decode_attention(attention, query, keys, values, mask, scaling=attention.scaling)
+    out = out.reshape(batch, tokens, -1) * torch.sigmoid(gate.reshape(batch, tokens, -1))
+    return attention.o_proj(out)
 
 
 def _buffer_mask(positions: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -134,7 +124,7 @@ def _buffer_mask(positions: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype
 class StaticKV:
     """Keys and values of the full-attention layers for `positions` positions, allocated once.
 
-    transformers' attention module calls `update` with the new keys and values; they are
+    `_attend` calls `update` with the new keys and values (as transformers' module calls its cache's); they are
     written at the step's position and the whole buffer comes back (masked by the step). A
     prefill pass narrows both: `rows`, the rows it feeds, and `visible`, the keys it can see
     (the positions written so far), so that its attention reads no more than those.
@@ -272,8 +262,6 @@ class BatchDecoder:
         self.span_tokens = torch.zeros(batch, span, dtype=torch.long, device=self.device)  # `span_step`'s input
         self.span_hidden = torch.zeros(batch, span, config.hidden_size, dtype=dtype, device=self.device)
         self.span_logits = torch.zeros(batch, span, config.vocab_size, dtype=dtype, device=self.device)
-        _register_attention()
-        self._cache_kwarg = cache_kwarg(layers[attention[0]].self_attn.forward) if attention else None
         # Captured only in bf16: torch's grouped GEMM runs other dtypes through a fallback that
         # copies to the host, which a capture refuses (a float32 base on CUDA decodes eagerly).
         capturable = self.device.type == "cuda" and dtype == torch.bfloat16
@@ -349,13 +337,12 @@ class BatchDecoder:
         """The decoder layers over (B, T, D) at the positions `kv.writes`, then the final norm."""
         base, kernels = self.base, self.kernels
         residual = None
-        with _attention_implementation(base.config, DECODE_ATTENTION):
-            for i, layer in enumerate(base.model.layers[: base.config.num_hidden_layers]):
-                if i in self.conv_state:
-                    mix = functools.partial(self._gated_deltanet, layer.linear_attn, layer=i)
-                else:
-                    mix = functools.partial(_attend, layer.self_attn, position_embeddings, mask, {self._cache_kwarg: self.kv})
-                hidden, residual = decoder_layer(layer, hidden, residual, kernels, mix, self.moe)
+        for i, layer in enumerate(base.model.layers[: base.config.num_hidden_layers]):
+            if i in self.conv_state:
+                mix = functools.partial(self._gated_deltanet, layer.linear_attn, layer=i)
+            else:
+                mix = functools.partial(_attend, layer.self_attn, position_embeddings, mask, self.kv)
+            hidden, residual = decoder_layer(layer, hidden, residual, kernels, mix, self.moe)
         return residual_norm(base.model.norm, hidden, residual, kernels)[0]
 
     def _gated_deltanet(self, mixer, x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -698,8 +685,6 @@ class StaticHeadRunner:
         self.drafted = torch.zeros(max(span - 1, 1), dtype=torch.long, device=self.device)  # a greedy chain's tokens
         self.chain_out = torch.zeros(max(span - 1, 1), config.hidden_size, dtype=dtype, device=self.device)
         self._arange = torch.arange(positions, device=self.device)
-        _register_attention()
-        self._cache_kwarg = cache_kwarg(head.layers[0].self_attn.forward)
         self.cuda_graph = self.device.type == "cuda" and dtype == torch.bfloat16  # as `BatchDecoder` captures
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._captured_from: tuple[int, ...] = ()
@@ -732,9 +717,8 @@ class StaticHeadRunner:
         layer = head.layers[0]
         self.kv.writes = positions
         try:
-            with _attention_implementation(head.config, DECODE_ATTENTION):
-                attend = functools.partial(_attend, layer.self_attn, position_embeddings, mask, {self._cache_kwarg: self.kv})
-                out, residual = decoder_layer(layer, projected, None, kernels, attend, self.moe)
+            attend = functools.partial(_attend, layer.self_attn, position_embeddings, mask, self.kv)
+            out, residual = decoder_layer(layer, projected, None, kernels, attend, self.moe)
         finally:
             self.kv.writes = self.kv.position
         return residual_norm(head.norm, out, residual, kernels)[0][0]

@@ -1,8 +1,9 @@
 """Projections that read one input, laid out as one weight: one GEMM where the modules run several.
 
 At batch 1 a decode step's GEMMs are short and many: a Gated DeltaNet layer projects its
-normed input four times (q/k/v, z, b, a) and a MoE block four more (the router, the shared
-expert's gate and up, the shared expert's gate logit), each a launch that moves a few
+normed input four times (q/k/v, z, b, a), a full-attention layer three (queries with their
+gates, keys, values) and a MoE block four more (the router, the shared expert's gate and up,
+the shared expert's gate logit), each a launch that moves a few
 megabytes or less, so the reference decoder's one-token forward took about three times
 what its weights take to read (bench/results/decode.md). The serving engines merge these
 projections; here the base's weights of each such group are put one after another in one
@@ -12,6 +13,7 @@ one GEMM (`joined`).
 
     lay_out(module)                      # once, before anything captures a graph of it
     qkv, z, b, a = linear_attention_inputs(mixer, x)
+    query_gate, key, value = attention_inputs(attention, x)
     logits, gate_up, shared_gate = moe_inputs(block, x)   # or None: the block's weights lie apart
 
 `joined` looks at where the weights lie, not at a mark left on the modules: weights moved
@@ -32,6 +34,11 @@ def linear_attention_weights(mixer) -> list[tuple[torch.nn.Module, str]]:
             (mixer.in_proj_a, "weight")]
 
 
+def attention_weights(attention) -> list[tuple[torch.nn.Module, str]]:
+    """(module, parameter name) of a full-attention layer's query (with its gate), key and value projections."""
+    return [(attention.q_proj, "weight"), (attention.k_proj, "weight"), (attention.v_proj, "weight")]
+
+
 def moe_weights(block) -> list[tuple[torch.nn.Module, str]]:
     """(module, parameter name) of a MoE block's projections of its input but the routed experts: the router,
     the shared expert's gate and up, and the shared expert's gate logit, in the order they are joined."""
@@ -46,6 +53,9 @@ def groups(layer) -> list[list[tuple[torch.nn.Module, str]]]:
     mixer = getattr(layer, "linear_attn", None)
     if mixer is not None and all(hasattr(mixer, f"in_proj_{name}") for name in ("qkv", "z", "b", "a")):
         out.append(linear_attention_weights(mixer))  # (Qwen3-Next's are merged in its checkpoint already)
+    attention = getattr(layer, "self_attn", None)
+    if attention is not None and all(hasattr(attention, f"{name}_proj") for name in ("q", "k", "v")):
+        out.append(attention_weights(attention))
     block = layer.mlp
     if all(hasattr(block, name) for name in ("gate", "shared_expert", "shared_expert_gate", "experts")):
         out.append(moe_weights(block))
@@ -99,6 +109,16 @@ def linear_attention_inputs(mixer, x: torch.Tensor) -> tuple[torch.Tensor, torch
     """(mixed q/k/v, z, b, a) of a Gated DeltaNet for x (..., D): one GEMM where its projections are laid
     out (`lay_out`), else one a projection. The first three are views of the one product."""
     group = linear_attention_weights(mixer)
+    weight = joined(tensors_of(group))
+    if weight is None:
+        return tuple(module(x) for module, _ in group)
+    return F.linear(x, weight).split([t.shape[0] for t in tensors_of(group)], dim=-1)
+
+
+def attention_inputs(attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(queries with their gates, keys, values) of a full-attention layer for x (..., D): one GEMM where its
+    projections are laid out (`lay_out`), else one a projection."""
+    group = attention_weights(attention)
     weight = joined(tensors_of(group))
     if weight is None:
         return tuple(module(x) for module, _ in group)
