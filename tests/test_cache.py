@@ -521,3 +521,40 @@ def test_shared_targets_give_the_source_s_outputs_once_computed_and_their_own_co
     tiny = SharedTargets(Source(), max_bytes=8)  # nothing fits: every ask computes
     tiny.outputs(ids, mask), tiny.outputs(ids, mask)
     assert Source.calls == 5 and tiny.hits == 0
+
+
+def test_shared_targets_keep_a_sparse_table_once_computed_and_give_its_values_again():
+    """`SharedTargets.probs`: a top-k table (few nonzeros a row) is computed once a batch and `what`, and
+    comes back equal, a fresh tensor each time; another `what` or batch is computed; a dense table (more
+    than an eighth nonzero) or one beyond the cap is not kept; a plain source computes every time."""
+    import torch
+
+    from occamy_mtp import sampling
+    from occamy_mtp.targets.base import SharedTargets, kept_probs
+
+    calls = []
+
+    def table(seed: int, top_k: int):
+        def compute():
+            calls.append(seed)
+            logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(seed))
+            return sampling.processed_probs(logits, 1.0, 0.9, top_k)
+        return compute
+
+    shared = SharedTargets(object(), max_bytes=10_000)
+    ids, mask = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 1]])
+    first = shared.probs(ids, mask, ("p", 0), table(0, 5))
+    again = shared.probs(ids.clone(), mask.clone(), ("p", 0), table(0, 5))
+    assert calls == [0] and shared.hits == 1 and torch.equal(again, first) and again.dtype == first.dtype
+    again.zero_()  # the reader's own
+    assert torch.equal(shared.probs(ids, mask, ("p", 0), table(0, 5)), first) and calls == [0]
+    shared.probs(ids, mask, ("p", 1), table(1, 5))  # another what
+    shared.probs(ids[:, :2], mask[:, :2], ("p", 0), table(0, 5))  # another batch
+    assert calls == [0, 1, 0]
+    shared.probs(ids, mask, ("dense", 0), table(2, 0)), shared.probs(ids, mask, ("dense", 0), table(2, 0))
+    assert calls == [0, 1, 0, 2, 2]  # nearly every entry nonzero: not kept
+    tiny = SharedTargets(object(), max_bytes=8)
+    tiny.probs(ids, mask, ("p", 0), table(3, 5)), tiny.probs(ids, mask, ("p", 0), table(3, 5))
+    assert calls[-2:] == [3, 3] and tiny.hits == 0
+    kept_probs(object(), ids, mask, ("p", 0), table(4, 5)), kept_probs(object(), ids, mask, ("p", 0), table(4, 5))
+    assert calls[-2:] == [4, 4]

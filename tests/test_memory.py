@@ -226,7 +226,7 @@ def test_each_chunked_loop_s_bytes_per_logit_cover_its_measured_peak(what):
     elif what == "figures":
         figure, run = offline.FIGURES_BYTES_PER_LOGIT, lambda: offline.figures_of(head, hidden, tokens, tokens)
     elif what == "odds":
-        figure, run = offline.ODDS_BYTES_PER_LOGIT, lambda: offline.odds_of(head, other, hidden, tokens, serving)
+        figure, run = offline.ODDS_BYTES_PER_LOGIT, lambda: offline.odds_of(head, offline.base_distribution(head, other, serving), hidden, tokens, serving)
     else:
         chain = hidden[None, None].detach().requires_grad_(True)  # (K=1, B=1, T, D), every pair scored
         objective = loss.Objective("top1" if what == "top1" else "kl", serving)

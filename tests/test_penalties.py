@@ -3,6 +3,8 @@ penalties as vLLM applies them in verification, against plain references."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -214,3 +216,40 @@ def test_top1_training_fits_the_base_s_choice_under_the_penalties(models):
             changed += int(choice[row, t]) != int(greedy[row, t])
         assert torch.equal(choice[row, : start - 1], greedy[row, : start - 1])  # the prompt: untouched
     assert changed > 0  # the penalties changed some choices, so the comparison above could fail
+
+
+@torch.no_grad()
+def test_a_shared_source_gives_the_same_odds_and_computes_p_once(models, monkeypatch):
+    """Under a top-k preset with penalties, a second pass over the same texts through a `SharedTargets`
+    source (a second head at export, a later selection step) gives the odds of a pass on the plain base,
+    bit for bit, without computing the base's distribution again."""
+    from occamy_mtp.evaluation import offline
+    from occamy_mtp.targets.base import OnlineTargets, SharedTargets
+
+    base, head = models
+    # Sampled drafts: q is the head's whole softmax, so every pair's odds are above 0 and move with the head.
+    serving = dataclasses.replace(INSTRUCT, draft="sampled")
+    windows = prompts(3)
+    text = sampling.text_sampling(serving, seed=0)
+    written = self_generate(base, [context_of(w) for w in windows], 8, stop_token_ids=set(), batch_size=3, sampling=text)
+    windows = [with_continuation(w, c) for w, c in zip(windows, written)]
+    plain = _run_batch_sampled(base, head, windows, 2, torch.device("cpu"), serving)
+    computed = []
+    original = offline.base_distribution
+    monkeypatch.setattr(offline, "base_distribution", lambda *args: computed.append(1) or original(*args))
+    shared = SharedTargets(OnlineTargets(base))
+    first = _run_batch_sampled(shared, head, windows, 2, torch.device("cpu"), serving)
+    once = len(computed)
+    trained = head.fc.weight.clone()
+    try:
+        head.fc.weight.add_(torch.randn(trained.shape, generator=torch.Generator().manual_seed(1)))  # another head: its drafts change, the base's p does not
+        second = _run_batch_sampled(shared, head, windows, 2, torch.device("cpu"), serving)
+        after_second = len(computed)
+        head_only = _run_batch_sampled(base, head, windows, 2, torch.device("cpu"), serving)
+    finally:
+        head.fc.weight.copy_(trained)
+    assert once == 2 and after_second == once  # a chunk a step, once
+    for field in ("expected", "given", "scored"):
+        assert torch.equal(getattr(first, field), getattr(plain, field)), field
+    assert bool((first.expected[first.scored] > 0).all()) and not torch.equal(second.expected, first.expected)
+    assert torch.equal(second.expected, head_only.expected) and torch.equal(second.given, head_only.given)

@@ -22,7 +22,7 @@ from occamy_mtp.model.sharding import agreed_min
 from occamy_mtp.evaluation.metrics import acceptance_summary
 from occamy_mtp.base.fastbase import token_bytes
 from occamy_mtp.base.logits import chunked_greedy, chunked_top
-from occamy_mtp.targets.base import base_outputs
+from occamy_mtp.targets.base import base_outputs, kept_probs
 
 
 TEACHER_FORCED = "teacher_forced"
@@ -218,10 +218,17 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
             chunk = slice(start, start + positions)
-            history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
-                                                sampling.verified_history_ends(serving, anchors[chunk], k)) \
-                if serving.penalized else None
-            odds = odds_of(head, base_hidden[chunk], head_hidden[chunk], tokens[chunk], serving, history, confidence)
+
+            def p_of():
+                history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
+                                                    sampling.verified_history_ends(serving, anchors[chunk], k)) \
+                    if serving.penalized else None
+                return base_distribution(head, base_hidden[chunk], serving, history)
+
+            # The same for every head on these texts (both heads at export, every selection step): kept by a
+            # shared target source, computed once.
+            p = kept_probs(base, batch.input_ids, batch.attention_mask, ("base_probs", serving, k, chunk.start, chunk.stop), p_of)
+            odds = odds_of(head, p, head_hidden[chunk], tokens[chunk], serving, confidence)
             alpha.append(odds.alpha)
             beta.append(odds.beta)
             top.append(odds.confidence)
@@ -252,19 +259,24 @@ class Odds(NamedTuple):
     """The expected acceptance under the relaxed rule (a relaxed configuration; else None)."""
 
 
-def odds_of(head, base_hidden: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor,
-            serving: Serving, history: sampling.History | None = None, confidence: bool = False) -> Odds:
+def base_distribution(head, base_hidden: torch.Tensor, serving: Serving, history: sampling.History | None = None) -> torch.Tensor:
+    """p of N drafted positions: the base's processed distribution from `base_hidden` (N, D) (the head's
+    logits are the base's lm_head), its penalties over `history` (the answer before each drafted position
+    and the prompt: given the text, the accepted drafts are the text's tokens). (N, V) float32."""
+    return sampling.base_probs(head.logits(base_hidden), serving, history)
+
+
+def odds_of(head, p: torch.Tensor, head_hidden: torch.Tensor, tokens: torch.Tensor, serving: Serving,
+            confidence: bool = False) -> Odds:
     """The odds of N (step, anchor) pairs: one chunk.
 
-    p is the base's processed distribution from `base_hidden` (the head's logits are the
-    base's lm_head), its penalties over `history` (the answer before each drafted position and
-    the prompt: given the text, the accepted drafts are the text's tokens); q the head's from
-    `head_hidden`; `tokens` are the text's. The head's confidence only with `confidence` (else None)."""
+    p is the base's processed distribution at the drafted positions (`base_distribution`); q the
+    head's from `head_hidden`; `tokens` are the text's. The head's confidence only with `confidence`
+    (else None)."""
     logits = head.logits(head_hidden)
     sure = sampling.top_probability(logits).double().cpu() if confidence else None
     q = sampling.head_probs(logits, serving)
     del logits
-    p = sampling.base_probs(head.logits(base_hidden), serving, history)
     relaxed = sampling.relaxed_acceptance(p, q, serving.relaxed_top_k, serving.relaxed_ratio).double().cpu() \
         if serving.relaxed else None
     return Odds(sampling.acceptance(p, q).double().cpu(), sampling.acceptance_given(p, q, tokens).double().cpu(),

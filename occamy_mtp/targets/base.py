@@ -143,6 +143,7 @@ class SharedTargets:
     def __init__(self, source: TargetSource, max_bytes: int = SHARED_TARGETS_BYTES):
         self.source, self.max_bytes = source, max_bytes
         self._kept: dict[tuple, BaseOutputs] = {}
+        self._probs: dict[tuple, tuple] = {}
         self._bytes = 0
         self.hits = 0
 
@@ -167,8 +168,43 @@ class SharedTargets:
             self._bytes += size
         return out
 
+    def probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple,
+              compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A probability table computed from the base's outputs over the batch `input_ids` alone (`what` names
+        which: the base's processed distribution at given positions under a serving configuration,
+        `evaluation.offline`), kept as its nonzero entries (a top-k or top-p distribution holds a few a row)
+        while they fit, and given again, the same values, when the same batch and `what` are asked for again:
+        computed once for both heads and every selection step rather than once a reader."""
+        key = (self._key(input_ids, attention_mask), what)
+        kept = self._probs.get(key)
+        if kept is not None:
+            self.hits += 1
+            shape, dtype, rows, cols, values = kept
+            device = input_ids.device
+            out = torch.zeros(shape, dtype=dtype, device=device)
+            out[rows.to(device, torch.long), cols.to(device, torch.long)] = values.to(device)
+            return out
+        table = compute()
+        nonzero = int((table != 0).sum())
+        size = nonzero * (4 + 4 + table.element_size())  # int32 row and column, and the value
+        if table.dim() == 2 and nonzero <= table.numel() // 8 and self._bytes + size <= self.max_bytes:
+            rows, cols = table.nonzero(as_tuple=True)
+            self._probs[key] = (tuple(table.shape), table.dtype, rows.to("cpu", torch.int32), cols.to("cpu", torch.int32),
+                                table[rows, cols].to("cpu", copy=True))
+            self._bytes += size
+        return table
+
     def provenance(self) -> dict:
         return self.source.provenance()
 
     def __getattr__(self, name):
         return getattr(self.source, name)
+
+
+def kept_probs(targets, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple,
+               compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`compute()`, a table made from the base's outputs over the batch alone: kept and given again by a
+    `SharedTargets` source (`SharedTargets.probs`), computed every time from any other."""
+    if isinstance(targets, SharedTargets):
+        return targets.probs(input_ids, attention_mask, what, compute)
+    return compute()
