@@ -63,7 +63,7 @@ def evaluate_run(plan: Plan, head_path: Path, out: Path, device: torch.device, *
     ckpt_io.check_head(head_path, facts.text_config)  # before the base loads (load_head checks it again)
     run = open_run(setup, device, base=facts, log=log_stderr, splits=(HELDOUT,), self_generated=not teacher_forced_only,
                    max_heldout=max_windows, sharding=sharding)
-    run = dataclasses.replace(run, targets=SharedTargets(run.targets))  # one base pass over the texts for both heads
+    run = dataclasses.replace(run, targets=SharedTargets(run.targets))  # one base pass (and p under each preset) over the texts for both heads
     return evaluate(run, settings, head_path, out, device, teacher_forced_only=teacher_forced_only,
                     reference_decoder=reference_decoder, decoder_seeds=decoder_seeds)
 

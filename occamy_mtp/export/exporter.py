@@ -199,7 +199,7 @@ def export_run(run: Run, settings: ExportPlan, summary: dict, masters: dict[str,
     """Measure the donor and the trained head (`masters`, train.py's tensors) on an opened run, refuse a
     head worse than the donor unless `allow_worse`, and write the export set; returns TRAINING.json's record."""
     run_dir, measuring = run.dir, settings.measuring
-    run = dataclasses.replace(run, targets=SharedTargets(run.targets))  # one base pass over the texts for both heads
+    run = dataclasses.replace(run, targets=SharedTargets(run.targets))  # one base pass (and p under each preset) over the texts for both heads
     head = run.models.head
     dtype = ckpt_io.DTYPES[settings.dtype]
     for param in head.parameters():  # evaluate as served: every tensor in the model dtype

@@ -137,7 +137,8 @@ class SharedTargets:
     """A target source that keeps the outputs of each batch it is asked for (in host memory, up to
     `max_bytes`) and gives them again when the same batch is asked for again: the base's forward over
     the same texts is computed once for both heads and the ceiling (export, evaluate) and once for
-    every selection step (the validation texts), not once a reader. What it gives is what `source`
+    every selection step (the validation texts), not once a reader; so is the base's processed
+    distribution under a sampled preset at the scored positions (`probs`). What it gives is what was
     computed, so every figure is the same; only time changes. Anything else is `source`'s."""
 
     def __init__(self, source: TargetSource, max_bytes: int = SHARED_TARGETS_BYTES):

@@ -152,7 +152,7 @@ def fit(run: Run, train_plan: TrainPlan, accelerator, log=quiet, resumed: dict |
     if settings.tracker != "none":
         accelerator.init_trackers("occamy-mtp", config=train_plan.tracked)
 
-    validation = SharedTargets(run.targets)  # the validation texts' base pass, computed at the first selection only
+    validation = SharedTargets(run.targets)  # the validation texts' base pass and p, computed at the first selection only
 
     def select() -> None:
         """Score the head as served; keep it when it is the best so far (every process agrees)."""
