@@ -524,37 +524,48 @@ def test_shared_targets_give_the_source_s_outputs_once_computed_and_their_own_co
 
 
 def test_shared_targets_keep_a_sparse_table_once_computed_and_give_its_values_again():
-    """`SharedTargets.probs`: a top-k table (few nonzeros a row) is computed once a batch and `what`, and
-    comes back equal, a fresh tensor each time; another `what` or batch is computed; a dense table (more
-    than an eighth nonzero) or one beyond the cap is not kept; a plain source computes every time."""
+    """`SharedTargets.probs`: a top-k table (few nonzeros a row), computed a chunk of rows at a time, is computed
+    once a batch and `what`, and its rows come back equal however they are chunked the next time, a fresh tensor
+    each time; rows not yet computed, another `what` or batch are computed; a dense table (more than an eighth
+    nonzero) or one beyond the cap is not kept; a plain source computes every time."""
     import torch
 
     from occamy_mtp import sampling
     from occamy_mtp.targets.base import SharedTargets, kept_probs
 
     calls = []
+    logits = {seed: torch.randn(6, 64, generator=torch.Generator().manual_seed(seed)) for seed in range(5)}
 
-    def table(seed: int, top_k: int):
+    def table(seed: int, part: slice, top_k: int = 5):
         def compute():
-            calls.append(seed)
-            logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(seed))
-            return sampling.processed_probs(logits, 1.0, 0.9, top_k)
+            calls.append((seed, part.start, part.stop))
+            return sampling.processed_probs(logits[seed][part], 1.0, 0.9, top_k)
         return compute
 
+    whole = sampling.processed_probs(logits[0], 1.0, 0.9, 5)
     shared = SharedTargets(object(), max_bytes=10_000)
     ids, mask = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 1]])
-    first = shared.probs(ids, mask, ("p", 0), table(0, 5))
-    again = shared.probs(ids.clone(), mask.clone(), ("p", 0), table(0, 5))
-    assert calls == [0] and shared.hits == 1 and torch.equal(again, first) and again.dtype == first.dtype
-    again.zero_()  # the reader's own
-    assert torch.equal(shared.probs(ids, mask, ("p", 0), table(0, 5)), first) and calls == [0]
-    shared.probs(ids, mask, ("p", 1), table(1, 5))  # another what
-    shared.probs(ids[:, :2], mask[:, :2], ("p", 0), table(0, 5))  # another batch
-    assert calls == [0, 1, 0]
-    shared.probs(ids, mask, ("dense", 0), table(2, 0)), shared.probs(ids, mask, ("dense", 0), table(2, 0))
-    assert calls == [0, 1, 0, 2, 2]  # nearly every entry nonzero: not kept
+    for part in (slice(0, 4), slice(4, 6)):  # the first reader's chunks
+        assert torch.equal(shared.probs(ids, mask, ("p", 0), part, table(0, part)), whole[part])
+    assert calls == [(0, 0, 4), (0, 4, 6)]
+    for part in (slice(0, 2), slice(2, 5), slice(5, 6), slice(0, 6)):  # another reader's chunks: none computed
+        again = shared.probs(ids.clone(), mask.clone(), ("p", 0), part, table(0, part))
+        assert torch.equal(again, whole[part]) and again.dtype == whole.dtype
+        again.zero_()  # the reader's own
+    assert len(calls) == 2 and shared.hits == 4
+    assert torch.equal(shared.probs(ids, mask, ("p", 0), slice(0, 6), table(0, slice(0, 6))), whole)
+    shared.probs(ids, mask, ("p", 1), slice(0, 6), table(1, slice(0, 6)))  # another what
+    shared.probs(ids[:, :2], mask[:, :2], ("p", 0), slice(0, 6), table(0, slice(0, 6)))  # another batch
+    assert calls[2:] == [(1, 0, 6), (0, 0, 6)]
+    half = SharedTargets(object(), max_bytes=10_000)
+    half.probs(ids, mask, ("p", 0), slice(0, 3), table(0, slice(0, 3)))
+    half.probs(ids, mask, ("p", 0), slice(2, 6), table(0, slice(2, 6)))  # rows 3-5 not yet computed
+    assert calls[-1] == (0, 2, 6)
+    dense = [shared.probs(ids, mask, ("dense", 0), slice(0, 6), table(2, slice(0, 6), top_k=0)) for _ in range(2)]
+    assert calls[-2:] == [(2, 0, 6), (2, 0, 6)] and torch.equal(dense[0], dense[1])  # nearly all nonzero: not kept
     tiny = SharedTargets(object(), max_bytes=8)
-    tiny.probs(ids, mask, ("p", 0), table(3, 5)), tiny.probs(ids, mask, ("p", 0), table(3, 5))
-    assert calls[-2:] == [3, 3] and tiny.hits == 0
-    kept_probs(object(), ids, mask, ("p", 0), table(4, 5)), kept_probs(object(), ids, mask, ("p", 0), table(4, 5))
-    assert calls[-2:] == [4, 4]
+    tiny.probs(ids, mask, ("p", 0), slice(0, 6), table(3, slice(0, 6))), tiny.probs(ids, mask, ("p", 0), slice(0, 6), table(3, slice(0, 6)))
+    assert calls[-2:] == [(3, 0, 6), (3, 0, 6)] and tiny.hits == 0
+    for _ in range(2):
+        kept_probs(object(), ids, mask, ("p", 0), slice(0, 6), table(4, slice(0, 6)))
+    assert calls[-2:] == [(4, 0, 6), (4, 0, 6)]

@@ -217,7 +217,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
         alpha, beta, top, loose = [], [], [], []
         positions = memory.logit_rows(head_hidden.device, head.vocab_size, ODDS_BYTES_PER_LOGIT, SAMPLED_CHUNK_TOKENS)
         for start in range(0, len(rows), positions):
-            chunk = slice(start, start + positions)
+            chunk = slice(start, min(start + positions, len(rows)))
 
             def p_of():
                 history = sampling.answer_histories(batch.input_ids, starts, rows[chunk],
@@ -227,7 +227,7 @@ def _run_batch_sampled(base, head, windows, draft_steps: int, device, serving: S
 
             # The same for every head on these texts (both heads at export, every selection step): kept by a
             # shared target source, computed once.
-            p = kept_probs(base, batch.input_ids, batch.attention_mask, ("base_probs", serving, k, chunk.start, chunk.stop), p_of)
+            p = kept_probs(base, batch.input_ids, batch.attention_mask, ("base_probs", serving, k), chunk, p_of)
             odds = odds_of(head, p, head_hidden[chunk], tokens[chunk], serving, confidence)
             alpha.append(odds.alpha)
             beta.append(odds.beta)

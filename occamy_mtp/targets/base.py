@@ -169,29 +169,41 @@ class SharedTargets:
             self._bytes += size
         return out
 
-    def probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple,
+    def probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple, part: slice,
               compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A probability table computed from the base's outputs over the batch `input_ids` alone (`what` names
-        which: the base's processed distribution at given positions under a serving configuration,
-        `evaluation.offline`), kept as its nonzero entries (a top-k or top-p distribution holds a few a row)
-        while they fit, and given again, the same values, when the same batch and `what` are asked for again:
-        computed once for both heads and every selection step rather than once a reader."""
+        """Rows `part` of a probability table computed from the base's outputs over the batch `input_ids` alone
+        (`what` names which: the base's processed distribution at a step's scored positions under a serving
+        configuration, `evaluation.offline`), which its readers compute a chunk of rows at a time. Each chunk is
+        kept as its nonzero entries (a top-k or top-p distribution holds a few a row) while they fit, and rows
+        asked for again are given from what is kept, the same values, however the rows are chunked this time
+        (a chunk's size follows the free memory): computed once for both heads and every selection step rather
+        than once a reader. `compute()` gives the rows `part` (rows, V)."""
         key = (self._key(input_ids, attention_mask), what)
-        kept = self._probs.get(key)
-        if kept is not None:
+        pieces = self._probs.setdefault(key, [])
+        covered = sorted((piece[0], piece[1]) for piece in pieces if piece[0] < part.stop and piece[1] > part.start)
+        reach = part.start
+        for begin, finish in covered:
+            if begin > reach:
+                break
+            reach = max(reach, finish)
+        if pieces and reach >= part.stop:
             self.hits += 1
-            shape, dtype, rows, cols, values = kept
             device = input_ids.device
-            out = torch.zeros(shape, dtype=dtype, device=device)
-            out[rows.to(device, torch.long), cols.to(device, torch.long)] = values.to(device)
+            vocab, dtype = pieces[0][2], pieces[0][3]
+            out = torch.zeros((part.stop - part.start, vocab), dtype=dtype, device=device)
+            for begin, finish, _, _, rows, cols, values in pieces:
+                inside = (rows + begin >= part.start) & (rows + begin < part.stop)
+                if inside.any():
+                    out[(rows[inside] + begin - part.start).to(device, torch.long),
+                        cols[inside].to(device, torch.long)] = values[inside].to(device)
             return out
         table = compute()
         nonzero = int((table != 0).sum())
         size = nonzero * (4 + 4 + table.element_size())  # int32 row and column, and the value
         if table.dim() == 2 and nonzero <= table.numel() // 8 and self._bytes + size <= self.max_bytes:
             rows, cols = table.nonzero(as_tuple=True)
-            self._probs[key] = (tuple(table.shape), table.dtype, rows.to("cpu", torch.int32), cols.to("cpu", torch.int32),
-                                table[rows, cols].to("cpu", copy=True))
+            pieces.append((part.start, part.start + table.shape[0], table.shape[1], table.dtype, rows.to("cpu", torch.int32),
+                           cols.to("cpu", torch.int32), table[rows, cols].to("cpu", copy=True)))
             self._bytes += size
         return table
 
@@ -202,10 +214,10 @@ class SharedTargets:
         return getattr(self.source, name)
 
 
-def kept_probs(targets, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple,
+def kept_probs(targets, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, what: tuple, part: slice,
                compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`compute()`, a table made from the base's outputs over the batch alone: kept and given again by a
-    `SharedTargets` source (`SharedTargets.probs`), computed every time from any other."""
+    """`compute()`, rows `part` of a table made from the base's outputs over the batch alone: kept and given
+    again by a `SharedTargets` source (`SharedTargets.probs`), computed every time from any other."""
     if isinstance(targets, SharedTargets):
-        return targets.probs(input_ids, attention_mask, what, compute)
+        return targets.probs(input_ids, attention_mask, what, part, compute)
     return compute()
