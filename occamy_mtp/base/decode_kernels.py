@@ -292,7 +292,8 @@ def norm_rotate(query, key, q_norm, k_norm, cos, sin, rotate) -> tuple[torch.Ten
 
     query and key may be strided views (the queries of a projection that interleaves them with their
     gates) with unit stride over their last dim."""
-    if not available(query) or not _zero_centred(q_norm) or not _zero_centred(k_norm):
+    if not available(query) or not _zero_centred(q_norm) or not _zero_centred(k_norm) or cos.dtype != query.dtype:
+        # (the kernel rounds the rotation's products to the queries' dtype, as the module does when cos is in it)
         return norm_rotate_reference(query, key, q_norm, k_norm, cos, sin, rotate)
     batch, tokens, heads, dim = query.shape
     kv_heads = key.shape[2]
