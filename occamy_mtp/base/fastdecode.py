@@ -19,7 +19,9 @@ RMSNorms fused (fla's, `fastbase.fla_kernels`, where importable), the MoE block
 the Gated DeltaNet's conv and rule `decode_kernels`' in a step (two kernels a layer) and fla's
 chunked rule in a prefill; elsewhere the modules' own and the kernels' PyTorch references. On
 any device, a base laid out as it opens (`joined.lay_out`) has each Gated DeltaNet's four input
-projections, and on CUDA each MoE block's router and shared-expert inputs, read in one GEMM.
+projections and each attention layer's three, and on CUDA each MoE block's router and shared-expert
+inputs, read in one GEMM; the attention layer is its module's forward unrolled (`_attend`), its
+queries' and keys' norms and rotation one kernel on CUDA (`decode_kernels.norm_rotate`).
 `span_step` runs the same layers over a few tokens of a row at once (the reference
 decoder's verify pass: the experts read once), keeping each Gated DeltaNet layer's state
 after every token, so that `StaticRunner.keep` rolls a rejected verify pass back with a

@@ -155,7 +155,8 @@ class FrozenBase:
         hooks) and its layers are whole."""
         self.joined_groups = joined.lay_out(module) if self.fast_paths else 0
         """Groups of projections of one input laid out as one weight as it opened (`joined.lay_out`: each
-        Gated DeltaNet's four, each MoE block's router and shared-expert inputs), which the static decoder
+        Gated DeltaNet's four, each attention layer's three, each MoE block's router and shared-expert
+        inputs), which the static decoder
         reads in one GEMM each; 0 where the fast paths do not run it. Before anything captures a graph."""
 
     @property
