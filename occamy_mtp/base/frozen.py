@@ -156,8 +156,8 @@ class FrozenBase:
         self.joined_groups = joined.lay_out(module) if self.fast_paths else 0
         """Groups of projections of one input laid out as one weight as it opened (`joined.lay_out`: each
         Gated DeltaNet's four, each attention layer's three, each MoE block's router and shared-expert
-        inputs), which the static decoder
-        reads in one GEMM each; 0 where the fast paths do not run it. Before anything captures a graph."""
+        inputs), which the static decoder reads in one GEMM each; 0 where the fast paths do not run it.
+        Laid out here, before anything captures a graph of the base."""
 
     @property
     def quantization(self):
