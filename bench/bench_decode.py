@@ -74,11 +74,6 @@ def build(tiny: bool, device):
     return base.eval().requires_grad_(False)
 
 
-def joined_groups(base) -> int:
-    """Groups of projections of one input that lie as one weight (`joined.joined`)."""
-    return sum(joined.joined(joined.tensors_of(group)) is not None for layer in base.model.layers for group in joined.groups(layer))
-
-
 @torch.no_grad()
 def apart(base) -> None:
     """Each projection of every group in a storage of its own again (as the base was built): the baseline of `lay_out`."""
@@ -391,7 +386,7 @@ def main() -> int:
             run = measure(base, mode, args, samplings, bandwidth, device)
             run["variant"] = variant
             result["runs"].append(run)
-            print(json.dumps({"base_weights": mode, "variant": variant, "joined_groups": joined_groups(base)}), flush=True)
+            print(json.dumps({"base_weights": mode, "variant": variant, "joined_groups": joined.joined_groups(base)}), flush=True)
             if args.out:  # after each run: a run cut short by its time limit keeps what it measured
                 args.out.write_text(json.dumps(result, indent=2))
     return 0

@@ -151,3 +151,12 @@ def test_a_laid_out_base_decodes_as_one_read_apart_on_the_gpu():
     assert_close(runner.forward(text)[1], want,
                  rounding_bound(want, torch.bfloat16, reductions=REDUCTIONS, width=2 * apart.config.hidden_size),
                  "a laid-out runner's logits on the GPU")
+
+
+def test_a_base_opened_twice_counts_its_groups_as_laid_out():
+    from occamy_mtp.base.frozen import FrozenBase
+
+    model = tiny_base()
+    first = FrozenBase.in_memory(model)
+    second = FrozenBase.in_memory(model)  # nothing moves the second time; every group still lies as one weight
+    assert first.joined_groups == second.joined_groups == joined.joined_groups(model) == len(all_groups(model))

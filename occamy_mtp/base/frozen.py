@@ -153,7 +153,9 @@ class FrozenBase:
         """Whether the library's fast paths (the packed pass, the static decoder), which read the weights
         directly, run it: its family has them, no input is fake-quantized (they would skip the emulation's
         hooks) and its layers are whole."""
-        self.joined_groups = joined.lay_out(module) if self.fast_paths else 0
+        if self.fast_paths:
+            joined.lay_out(module)
+        self.joined_groups = joined.joined_groups(module) if self.fast_paths else 0
         """Groups of projections of one input laid out as one weight as it opened (`joined.lay_out`: each
         Gated DeltaNet's four, each attention layer's three, each MoE block's router and shared-expert
         inputs), which the static decoder reads in one GEMM each; 0 where the fast paths do not run it.

@@ -105,6 +105,11 @@ def lay_out(module: torch.nn.Module) -> int:
     return moved
 
 
+def joined_groups(module: torch.nn.Module) -> int:
+    """How many of the module's groups (`groups`) lie as one weight now."""
+    return sum(joined(tensors_of(group)) is not None for layer in module.model.layers for group in groups(layer))
+
+
 def linear_attention_inputs(mixer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mixed q/k/v, z, b, a) of a Gated DeltaNet for x (..., D): one GEMM where its projections are laid
     out (`lay_out`), else one a projection. The first three are views of the one product."""
