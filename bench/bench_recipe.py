@@ -66,6 +66,7 @@ from pathlib import Path
 
 import torch
 
+from occamy_mtp.base import joined
 from occamy_mtp.cache import sized_fastbase_tokens
 from occamy_mtp.targets import cache as target_cache
 from occamy_mtp.targets.base import OnlineTargets, plain_compute, plain_compute_name
@@ -300,6 +301,7 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         cap_memory()
+    joined.lay_out(base)  # the projections of one input as one weight, as a base opened by the library holds them
     held = held_bytes(base)
     tuned = use_tuned_kernel_configs(device)  # as loading the base does in a run
     if tuned:

@@ -33,6 +33,7 @@ from collections import defaultdict
 
 import torch
 
+from occamy_mtp.base import joined
 from occamy_mtp.data.windows import Window
 from occamy_mtp.evaluation import decode, evaluate
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
@@ -88,6 +89,7 @@ def main() -> int:
         base = base_model_class(config)._from_config(config, dtype=torch.bfloat16)
         head = MTPHead(config, SharedWeights(base.model.embed_tokens, base.lm_head)).to(torch.bfloat16)
     base.requires_grad_(False).eval()
+    joined.lay_out(base)  # as a base opened by the library holds it
     set_trainable(head)
     for param in head.parameters():
         if param.requires_grad:
