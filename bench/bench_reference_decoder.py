@@ -10,14 +10,14 @@ training run holds them (the head's trainable tensors as fp32 masters). Then:
    continued for the whole 382-token budget (`selfgen.store.self_generate`), with its wall time
    and the peak GPU memory with the base and the head resident: what decides the default
    `data.self_generate_batch_size` (under 78 GiB);
-2. the reference decoder check (`evaluate.reference_decoder_check`, export's check) on one
+2. the reference decoder check (`decoder_check.reference_decoder_check`, export's check) on one
    random heldout prompt at K = 1 and 3, the head in the model dtype as export holds it, one
    pair of runners for all checks as export shares them; each check run twice (the first pays
    compilation, autotuning and the graphs' capture), the second broken down by what it
    calls: the base runner's forwards (prefill, verify passes, and the re-runs after a
    rollback where the runner cannot keep part of a pass), its snapshots, restores and keeps,
    the head runner's step-1 extensions and K-step chains, and the offline replay
-   (`evaluate._run_batch`). Each piece is timed between two device synchronisations, so the
+   (`offline._run_batch`). Each piece is timed between two device synchronisations, so the
    pieces add up to a little more than the unbroken run. Where the head runs on
    `fastdecode.StaticHeadRunner` (a GPU), the same checks follow with `decode.HeadRunner`
    (`*_eager_head`), then with it and the base's rejected passes fed again rather than kept
@@ -35,7 +35,7 @@ import torch
 
 from occamy_mtp.base import joined
 from occamy_mtp.data.windows import Window
-from occamy_mtp.evaluation import decode, evaluate
+from occamy_mtp.evaluation import decode, decoder_check, offline
 from occamy_mtp.model.checkpoint import base_model_class, text_config_from_dict
 from occamy_mtp.model.head import MTPHead, SharedWeights, set_trainable
 from occamy_mtp.base import fastdecode
@@ -141,10 +141,10 @@ def main() -> int:
                     for attribute in ("extend", "chain"):
                         restore.append((type(runners.head), attribute,
                                         timers.wrap(type(runners.head), attribute, f"head_runner.{attribute}")))
-                    restore.append((evaluate, "_run_batch", timers.wrap(evaluate, "_run_batch", "offline_replay")))
+                    restore.append((offline, "_run_batch", timers.wrap(offline, "_run_batch", "offline_replay")))
                 sync(device)
                 started = time.perf_counter()
-                check = evaluate.reference_decoder_check(base, head, [window], k, ANSWER_TOKENS, set(), runners=runners)
+                check = decoder_check.reference_decoder_check(base, head, [window], k, ANSWER_TOKENS, set(), runners=runners)
                 sync(device)
                 seconds = time.perf_counter() - started
                 for owner, attribute, original in restore:
