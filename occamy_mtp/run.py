@@ -344,7 +344,7 @@ def write_missing(stores: Stores, needed: dict[TextSampling, list[Window]], writ
             "writes: the train text, each serving configuration's seeds)")
     # A writer that shares batches writes one configuration's seeds together (`selfgen.store.write_together`),
     # the complete stores' rows among them, so that the batches do not depend on which store lacks a line.
-    shares = getattr(writer, "shares_batches", False)
+    shares = writer is not None and writer.shares_batches
     groups: dict = {}
     for sampling in needed:
         groups.setdefault(batch_key(sampling) if shares else sampling, []).append(sampling)

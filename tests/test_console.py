@@ -69,6 +69,8 @@ def test_self_generation_says_how_many_stores_and_continuations_are_ahead():
             self.written = len(self.missing(windows))
 
     class Writer:
+        shares_batches = False
+
         def for_text(self, sampling):
             return sampling
 

@@ -239,8 +239,7 @@ def base_memory(ckpt, text_config, dtype_bytes: int = BF16_BYTES) -> dict:
     if getattr(ckpt, "scheme", None) is None or ckpt.scheme.kind != FP8:
         return memory
     layers = prefix + "layers."
-    kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k)
-            and ckpt_io.module_tensor_name(k).endswith(tuple(f"experts.{stack}" for stack in fp8_weights.EXPERT_STACKS))]
+    kept = [k for k in keys if k.startswith(layers) and ckpt.is_fp8(k) and fp8_weights.routed_stack(ckpt_io.module_tensor_name(k))]
     per_layer: dict[int, Counter] = {}  # layer -> its module tensors' elements (experts stacked as loaded)
     for key in kept:
         number = int(key[len(layers):].split(".")[0])

@@ -48,6 +48,13 @@ ALIGN_ELEMENTS = 64  # each weight's view starts at a multiple of this many elem
 REFERENCE_CHUNK_ELEMENTS = 2**24  # the reference dequantizes an expert stack this many elements at a time (64 MiB of fp32)
 
 
+def routed_stack(name: str) -> bool:
+    """Whether the module tensor `name` (dotted, from the layer or the checkpoint's root) is a fused routed
+    experts' stack, which a layer kept in FP8 holds as codes: "...experts.gate_up_proj" or "...experts.down_proj"."""
+    owner, _, attribute = name.rpartition(".")
+    return attribute in EXPERT_STACKS and owner.rpartition(".")[2] == "experts"
+
+
 @dataclass
 class Fp8Weight:
     """One parameter of a decoder layer held as FP8 codes: `module.name` (a view of the layers' shared
@@ -61,11 +68,8 @@ class Fp8Weight:
     rows: tuple[int, ...]  # each part's rows, summing to codes.shape[-2]
     scales: tuple[torch.Tensor, ...]  # each part's (..., ceil(part rows / block[0]), ceil(cols / block[1])) float32
     block: tuple[int, int]
-
-    @property
-    def routed(self) -> bool:
-        """A routed experts' stack (E, rows, cols): written only for the experts a forward routes to."""
-        return self.codes.dim() == 3 and self.name in EXPERT_STACKS
+    routed: bool
+    """A routed experts' stack (E, rows, cols) (`routed_stack`): written only for the experts a forward routes to."""
 
     def write(self, used: torch.Tensor | None = None) -> None:
         """Write the weight; of a stack, only the experts `used` marks ((E,) int32, nonzero: write), when given."""
@@ -139,7 +143,7 @@ def keep_layer(layer: torch.nn.Module, held: dict[str, tuple[torch.Tensor, tuple
     for name in sorted(held):
         weight_codes, rows, scales = held[name]
         owner_name, _, attribute = name.rpartition(".")
-        weights.append(Fp8Weight(layer.get_submodule(owner_name), attribute, weight_codes, rows, scales, block))
+        weights.append(Fp8Weight(layer.get_submodule(owner_name), attribute, weight_codes, rows, scales, block, routed_stack(name)))
     # The dense weights (every projection but the routed experts: 4% of the bytes at real size) are written
     # into their own parameters here, once: a forward of any rows reads all of them, and writing them again
     # before each forward cost more than the bf16 base's whole dense GEMMs (bench/results/quantized.md).

@@ -161,6 +161,7 @@ class EngineWriter:
     """The servers of `connect` as the self-generated store's writer (`store.Writer`)."""
 
     source = ENGINE
+    shares_batches = False  # a server batches the requests it is sent itself
 
     def __init__(self, urls: Sequence[str], expected_model: str, tokenizer, request: Request, concurrency: int):
         self.urls, self.expected_model = list(urls), expected_model

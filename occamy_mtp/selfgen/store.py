@@ -127,6 +127,8 @@ class Writer(Protocol):
     """EMBEDDED or ENGINE: part of the store's identity."""
     sampling: TextSampling
     """How it writes (greedy, or sampled): part of the store's identity."""
+    shares_batches: bool
+    """Whether the stores of one configuration's seeds are written in shared batches (`write_together`)."""
 
     def details(self) -> dict:
         """What identifies the writer beyond its source (the served model, the decoder)."""
